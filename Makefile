@@ -1,0 +1,47 @@
+# Two commands on a fresh machine: `make demo` and `make test` (both create .venv and install what is needed).
+#
+# torch: the CPU build (TORCH_SPEC) is installed into .venv unless a torch is already importable there, or in
+# the Python that creates .venv (then .venv sees it through --system-site-packages). A GPU user either runs
+# `make` from a Python that has their CUDA build of torch, or installs it into .venv first
+# (`python3 -m venv .venv && .venv/bin/pip install torch`), and make keeps it.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+STAMP := $(VENV)/.psr-hf-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install bench-policy clean
+
+demo: $(STAMP)
+	$(VENV)/bin/psr-hf demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+bench-policy: $(STAMP)
+	$(VENV)/bin/psr-hf bench-policy
+
+$(PY):
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+		echo "make: $(PYTHON) already has torch; creating $(VENV) with --system-site-packages to use it"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "make: using the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+		$(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
+	fi
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

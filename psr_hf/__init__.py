@@ -1,0 +1,37 @@
+"""psr_hf: cache-aware expert routing and offloading for HuggingFace MoE models.
+
+Importing ``psr_hf`` is cheap and never imports torch: the policy layer (numpy + numba) loads on first use of
+one of its names, and the torch integration (``patch``, ``controller``, ...) loads when it is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+from .policy.config import RoutingConfig  # noqa: E402  (torch- and numpy-free)
+
+_LAZY = {
+    "Calibration": "psr_hf.policy.calibration",
+    "CalibrationBuilder": "psr_hf.policy.calibration",
+    "LogicalCache": "psr_hf.policy.cache",
+    "replay": "psr_hf.policy.replay",
+    "ReplayResult": "psr_hf.policy.replay",
+}
+
+__all__ = ["RoutingConfig", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psr_hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

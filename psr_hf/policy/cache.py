@@ -1,0 +1,373 @@
+"""LogicalCache: per-(row, layer) policy state and the validating front of the numba kernels.
+
+This is the one decision path: the HF integration, the offload scheduler, the engine and :func:`replay` all
+call :meth:`LogicalCache.step` (or its split form :meth:`LogicalCache.prefetch` + :meth:`LogicalCache.select`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _kernels as K_
+from .calibration import Calibration
+from .config import DEFAULT_WINDOW, RoutingConfig
+
+logger = logging.getLogger(__name__)
+
+_POLICY_CODES = {"exact": K_.EXACT, "cache_prior": K_.CACHE_PRIOR, "psr": K_.PSR, "spec": K_.SPEC}
+_EVICTION_CODES = {"score": K_.EVICT_SCORE, "lru": K_.EVICT_LRU}
+
+
+class StepPlan:
+    """Decisions of one layer over a block ``[B, S]``: the selection and the copy plan.
+
+    Unused entries (past a count, or a position that ran only part 1) are -1. An evicted expert of -1 means the
+    slot was free. (A slotted class rather than a dataclass: it is built once per layer and token.)
+    """
+
+    __slots__ = ("plan", "top_k", "max_prefetch")
+
+    def __init__(self, plan: np.ndarray, top_k: int, max_prefetch: int):
+        self.plan = plan  # [B, S, 3K + 2P + 3] int64, layout in _kernels.plan_width
+        self.top_k = top_k
+        self.max_prefetch = max_prefetch
+
+    def __repr__(self) -> str:
+        return f"StepPlan(selected={self.selected.tolist()}, demand={self.demand_count.tolist()}, " \
+               f"prefetch={self.prefetch_count.tolist()})"
+
+    def _cols(self, start: int, width: int) -> np.ndarray:
+        return self.plan[:, :, start : start + width]
+
+    @property
+    def selected(self) -> np.ndarray:
+        """[B, S, K] experts to execute, in selection order (the router's order for exact routing)."""
+        return self._cols(0, self.top_k)
+
+    @property
+    def prefetch_count(self) -> np.ndarray:
+        """[B, S] prefetch insertions (copies to queue)."""
+        return self.plan[:, :, self.top_k]
+
+    @property
+    def prefetch_experts(self) -> np.ndarray:
+        """[B, S, P] experts inserted by part 1, in insertion order."""
+        return self._cols(self.top_k + 1, self.max_prefetch)
+
+    @property
+    def prefetch_evicted(self) -> np.ndarray:
+        """[B, S, P] the expert each prefetch insertion evicted (-1: none)."""
+        return self._cols(self.top_k + 1 + self.max_prefetch, self.max_prefetch)
+
+    @property
+    def _demand_base(self) -> int:
+        return self.top_k + 1 + 2 * self.max_prefetch
+
+    @property
+    def demand_count(self) -> np.ndarray:
+        """[B, S] demand insertions (copies the layer waits for)."""
+        return self.plan[:, :, self._demand_base]
+
+    @property
+    def demand_experts(self) -> np.ndarray:
+        """[B, S, K] experts inserted on demand, ascending."""
+        return self._cols(self._demand_base + 1, self.top_k)
+
+    @property
+    def demand_evicted(self) -> np.ndarray:
+        """[B, S, K] the expert each demand insertion evicted (-1: none)."""
+        return self._cols(self._demand_base + 1 + self.top_k, self.top_k)
+
+    @property
+    def replaced(self) -> np.ndarray:
+        """[B, S] selected experts outside the router's own top-K (router slots replaced)."""
+        return self.plan[:, :, self._demand_base + 1 + 2 * self.top_k]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters per MoE layer and row since the last reset: ``[L, R]`` arrays."""
+
+    steps: np.ndarray  # token-layer steps of real (unpadded) positions
+    prefetch: np.ndarray  # prefetch insertions
+    demand: np.ndarray  # demand insertions
+    replaced: np.ndarray  # router slots replaced
+
+    def per_token(self) -> dict[str, np.ndarray]:
+        """Per row ``[R]``: copies per token (summed over layers) and replaced slots per token."""
+        tokens = np.maximum(self.steps.max(axis=0), 1)
+        return {
+            "tokens": self.steps.max(axis=0),
+            "prefetch_per_token": self.prefetch.sum(axis=0) / tokens,
+            "demand_per_token": self.demand.sum(axis=0) / tokens,
+            "replaced_per_token": self.replaced.sum(axis=0) / tokens,
+        }
+
+
+class LogicalCache:
+    """The deterministic logical expert cache of every MoE layer for ``rows`` independent batch rows.
+
+    Args:
+        config: the routing policy.
+        num_layers, num_experts, top_k: the model's MoE shape (MoE layers only, in model order).
+        calibration: a :class:`Calibration` (or anything :meth:`Calibration.coerce` accepts). ``None``: warm set
+            = the first C experts, zero token prior, and (for biased policies with ``delta_mode='fixed'``) the
+            running bonus scale instead, with a warning that recommends calibrating.
+        rows: batch rows (each has its own state).
+        default_window: the architecture's pre-gate window, used when ``config.window`` is None.
+        vocab_size: the model's vocabulary, checked against the calibration's token prior.
+    """
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        *,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        calibration: Any = None,
+        rows: int = 1,
+        default_window: int = DEFAULT_WINDOW,
+        vocab_size: int | None = None,
+    ):
+        if isinstance(config, dict):
+            config = RoutingConfig.from_dict(config)
+        if not isinstance(config, RoutingConfig):
+            raise ValueError(f"config must be a psr_hf.RoutingConfig, got {type(config).__name__}")
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("top_k", top_k), ("rows", rows)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+        if config.top_j > num_experts:
+            raise ValueError(f"top_j={config.top_j} exceeds num_experts={num_experts}")
+        self.config = config
+        self.num_layers, self.num_experts, self.top_k = int(num_layers), int(num_experts), int(top_k)
+        self.capacity = config.capacity_for(self.num_experts, self.top_k)
+        self.window = config.window_for(self.top_k, default_window)
+        self.budget = config.budget_for(self.top_k)
+        delta_mode = config.delta_mode
+        if calibration is None:
+            calibration = Calibration.empty(self.num_layers, self.num_experts)
+            if config.biased and delta_mode == "fixed":
+                logger.warning(
+                    "no calibration given: using the running bonus scale (delta_mode='running'), warm set = the "
+                    "first %d experts and a zero token prior; calibrate the model (psr-hf calibrate) for the "
+                    "paper's fixed delta, warm set and token prior", self.capacity)
+                delta_mode = "running"
+        else:
+            calibration = Calibration.coerce(calibration)
+        calibration.check(num_layers=self.num_layers, num_experts=self.num_experts, vocab_size=vocab_size)
+        self.calibration = calibration
+        self.delta_mode = delta_mode
+
+        L, E = self.num_layers, self.num_experts
+        seen = calibration.token_seen.astype(np.int64) if calibration.vocab_size else np.zeros(0, dtype=np.int64)
+        self._mi = np.zeros(K_.MI_SIZE + seen.size, dtype=np.int64)
+        self._mi[K_.MI_POLICY] = _POLICY_CODES[config.policy]
+        self._mi[K_.MI_EVICTION] = _EVICTION_CODES[config.eviction]
+        self._mi[K_.MI_K] = self.top_k
+        self._mi[K_.MI_C] = self.capacity
+        self._mi[K_.MI_BUDGET] = self.budget
+        self._mi[K_.MI_WINDOW] = self.window
+        self._mi[K_.MI_TOP_J] = config.top_j
+        self._mi[K_.MI_RUNNING] = int(delta_mode == "running")
+        self._mi[K_.MI_INSERTS] = int(config.inserts)
+        self._mi[K_.MI_VOCAB] = calibration.vocab_size
+        self._mi[K_.MI_SIZE :] = seen
+        self._mf = np.concatenate([
+            np.array([config.lam, config.decay_fast, config.decay_slow], dtype=np.float64),
+            np.asarray(calibration.delta, dtype=np.float64),
+            np.asarray(calibration.marginal, dtype=np.float64).reshape(L * E),
+        ])
+        self._prior = (
+            np.ascontiguousarray(calibration.prior_indptr, dtype=np.int64),
+            np.ascontiguousarray(calibration.prior_experts, dtype=np.int32),
+            np.ascontiguousarray(calibration.prior_values, dtype=np.float32),
+        )
+        warm = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)
+        for layer in range(self.num_layers):
+            warm[layer, calibration.warm_set(layer, self.capacity)] = 1
+        self._warm = warm
+        self._plan_width = K_.plan_width(self.top_k, self.budget)
+        self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
+        self._all_valid: dict[tuple[int, int], np.ndarray] = {}
+        self._allocate(int(rows))
+
+    # ------------------------------------------------------------------ rows
+    def _allocate(self, rows: int) -> None:
+        L, E = self.num_layers, self.num_experts
+        self.state = np.zeros((L, rows, K_.N_PLANES, E), dtype=np.float64)  # [L, R, planes, E]
+        self.counters = np.zeros((L, rows, K_.R_SIZE), dtype=np.float64)  # [L, R, fields]
+        self._rebuild_table()
+        self.reset()
+
+    def _rebuild_table(self) -> None:
+        # the kernel reads the cache's arrays through their addresses; rebuilt whenever one is reallocated
+        self._table = K_.make_table(self._mi, self._mf, self.state, self.counters, *self._prior)
+
+    @property
+    def rows(self) -> int:
+        return int(self.state.shape[1])
+
+    def reset(self, rows: Any = None) -> None:
+        """Reset ``rows`` (default: all) to the start of a new sequence: warm set, zero statistics."""
+        index = np.arange(self.rows, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+        if index.size and (index.min() < 0 or index.max() >= self.rows):
+            raise ValueError(f"rows {index.tolist()} out of range for {self.rows} rows")
+        K_._reset_rows(index, self._warm, self.state, self.counters)
+
+    def resize(self, rows: int) -> None:
+        """Start over with ``rows`` fresh rows (a new batch)."""
+        if rows < 1:
+            raise ValueError(f"rows={rows} must be >= 1")
+        self._allocate(int(rows))
+
+    def reorder(self, index: Any) -> None:
+        """Reorder or expand the rows like the KV cache: new row ``i`` takes the state of old row ``index[i]``
+        (beam search, ``num_return_sequences``)."""
+        index = np.asarray(index, dtype=np.int64).reshape(-1)
+        if index.size == 0 or index.min() < 0 or index.max() >= self.rows:
+            raise ValueError(f"reorder index must be non-empty with entries in [0, {self.rows})")
+        self.state = np.ascontiguousarray(self.state[:, index])
+        self.counters = np.ascontiguousarray(self.counters[:, index])
+        self._rebuild_table()
+
+    # ------------------------------------------------------------------ inspection
+    def resident(self, layer: int, row: int = 0) -> np.ndarray:
+        """Experts in the logical cache of ``layer`` for ``row``, ascending."""
+        return np.flatnonzero(self.state[layer, row, K_.RESIDENT])
+
+    def stats(self) -> CacheStats:
+        r = self.counters
+        as_int = lambda j: r[:, :, j].astype(np.int64)  # noqa: E731
+        return CacheStats(as_int(K_.R_STEPS), as_int(K_.R_PREFETCH), as_int(K_.R_DEMAND), as_int(K_.R_REPLACED))
+
+    # ------------------------------------------------------------------ steps
+    def _inputs(self, layer, scores, pregate, tokens, valid, need_pregate: bool):
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r} must be an int in [0, {self.num_layers})")
+        E = self.num_experts
+        z = self._scores("scores", scores, E) if scores is not None else None
+        g = self._scores("pregate", pregate, E) if pregate is not None else None
+        ref = z if z is not None else g
+        B, S = ref.shape[:2]
+        if B != self.rows:
+            raise ValueError(
+                f"the block has {B} rows but the cache holds {self.rows}; call resize({B}) for a new batch "
+                "or reorder() to follow beam search"
+            )
+        if z is not None and g is not None and g.shape != z.shape:
+            raise ValueError(f"pregate has shape {g.shape} but scores have {z.shape}")
+        if need_pregate and layer >= 1 and g is None:
+            raise ValueError(
+                f"policy={self.config.policy!r} needs the pre-gate scores of layer {layer} (part 1 inserts the "
+                "next layer's predicted experts); pass pregate="
+            )
+        if type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.shape == (B, S) \
+                and tokens.flags.c_contiguous:
+            t = tokens
+        elif tokens is None:
+            if self.calibration.vocab_size and self.config.eviction == "score":
+                raise ValueError("tokens are needed to look up the calibration's token prior; pass tokens=")
+            t = np.zeros((B, S), dtype=np.int64)
+        else:
+            t = np.asarray(tokens)
+            if t.shape != (B, S):
+                t = t.reshape(B, S) if t.size == B * S else None
+                if t is None:
+                    raise ValueError(f"tokens must have shape [B, S] = ({B}, {S}), got {np.shape(tokens)}")
+            if not np.issubdtype(t.dtype, np.integer):
+                raise ValueError(f"tokens must be integer ids, got dtype {t.dtype}")
+            t = np.ascontiguousarray(t, dtype=np.int64)
+        if valid is None:
+            v = self._all_valid.get((B, S))
+            if v is None:
+                v = self._all_valid[(B, S)] = np.ones((B, S), dtype=np.uint8)
+        else:
+            v = np.asarray(valid)
+            if v.shape != (B, S):
+                raise ValueError(f"valid must have shape [B, S] = ({B}, {S}), got {v.shape}")
+            v = np.ascontiguousarray(v, dtype=np.uint8)
+        return z, g, t, v
+
+    @staticmethod
+    def _scores(name: str, value: Any, E: int) -> np.ndarray:
+        if type(value) is np.ndarray and value.dtype == np.float32 and value.ndim == 3 and value.shape[2] == E \
+                and value.flags.c_contiguous:
+            return value  # the hot path: nothing to convert
+        a = np.asarray(value)
+        if not np.issubdtype(a.dtype, np.floating):
+            raise ValueError(f"{name} must be floating point, got dtype {a.dtype}")
+        if a.ndim == 2:
+            a = a[:, None, :]
+        if a.ndim != 3 or a.shape[2] != E:
+            raise ValueError(f"{name} must have shape [B, S, {E}] or [B, {E}], got {np.shape(value)}")
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def _run(self, layer, mode, z, g, t, v) -> StepPlan:
+        B, S = t.shape
+        plan = np.empty((B, S, self._plan_width), dtype=np.int64)
+        if z is None:
+            z = np.zeros((B, S, self.num_experts), dtype=np.float32)
+        code = K_._step_table(layer, mode, self._table, z, self._no_pregate if g is None else g, t, v, plan)
+        if code != K_.OK:
+            self._raise(code, layer, z, g, t, v)
+        return StepPlan(plan, self.top_k, self.budget)
+
+    def _raise(self, code, layer, z, g, t, v) -> None:
+        where = ""
+        if code in (K_.ERR_SCORES, K_.ERR_PREGATE):
+            a = z if code == K_.ERR_SCORES else g
+            bad = np.argwhere((np.isnan(a) | np.isposinf(a)).any(axis=-1) & (v != 0))
+            where = f" at (row, position) {tuple(bad[0])}" if len(bad) else ""
+        messages = {
+            K_.ERR_SCORES: f"scores of layer {layer} contain NaN or +inf{where}; only -inf (masked experts) is allowed",
+            K_.ERR_PREGATE: f"pregate of layer {layer} contains NaN or +inf{where}; only -inf is allowed",
+            K_.ERR_TOKEN: (
+                f"token ids must lie in [0, {self.calibration.vocab_size or 'inf'}) (the calibration's "
+                f"vocabulary); got values in [{t.min()}, {t.max()}]"
+            ),
+            K_.ERR_FEW_FINITE: f"scores of layer {layer} have fewer than top_k={self.top_k} finite entries",
+            K_.ERR_NO_PART1: (
+                f"select() at layer {layer} before prefetch(): policy={self.config.policy!r} runs part 1 first"
+            ),
+            K_.ERR_PART1_TWICE: f"prefetch() at layer {layer} twice without select() in between",
+        }
+        raise ValueError(messages.get(code, f"policy kernel error {code}"))
+
+    def step(self, layer: int, scores: Any, pregate: Any = None, tokens: Any = None, valid: Any = None) -> StepPlan:
+        """Part 1 and part 2 for every position of a block, in position order.
+
+        Args:
+            layer: MoE-layer index.
+            scores: float ``[B, S, E]`` (or ``[B, E]``) selection scores of this layer.
+            pregate: float ``[B, S, E]`` pre-gate of this layer (its router on the previous MoE block's input);
+                required at ``layer >= 1`` by policies that insert (psr, spec, exact with budget).
+            tokens: int ``[B, S]`` input token ids (for the token prior).
+            valid: bool ``[B, S]``; False marks padding, which uses the router's own top-K and leaves the state
+                untouched.
+        """
+        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.inserts or self.config.policy == "spec")
+        return self._run(layer, K_.MODE_BOTH, z, g, t, v)
+
+    def prefetch(self, layer: int, pregate: Any, tokens: Any = None, valid: Any = None) -> StepPlan:
+        """Part 1 alone for one position per row (``[B, E]`` or ``[B, 1, E]``), run as soon as the previous
+        layer's MoE computation is launched; its insertions are the prefetch copies to queue. Follow it with
+        :meth:`select` for the same layer."""
+        _, g, t, v = self._inputs(layer, None, pregate, tokens, valid, True)
+        if g.shape[1] != 1:
+            raise ValueError("prefetch() takes one position per row; use step() for blocks")
+        return self._run(layer, K_.MODE_INSERT, None, g, t, v)
+
+    def select(self, layer: int, scores: Any, tokens: Any = None, valid: Any = None, pregate: Any = None) -> StepPlan:
+        """Part 2 alone for one position per row, after :meth:`prefetch` for this layer (or none at layer 0 / for
+        policies that do not insert). ``spec`` needs the same ``pregate`` again."""
+        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.policy == "spec")
+        if z.shape[1] != 1:
+            raise ValueError("select() takes one position per row; use step() for blocks")
+        return self._run(layer, K_.MODE_SELECT, z, g, t, v)

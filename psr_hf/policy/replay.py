@@ -1,0 +1,95 @@
+"""replay(): run the policy over a recorded single-row routing trace, layer by layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cache import LogicalCache
+from .config import DEFAULT_WINDOW, RoutingConfig
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Decisions of :func:`replay` for a trace of ``T`` tokens and ``L`` MoE layers."""
+
+    selected: np.ndarray  # [T, L, K] int64, each row sorted ascending
+    prefetch_copies: np.ndarray  # [T, L] int64 prefetch insertions
+    demand_copies: np.ndarray  # [T, L] int64 demand insertions
+    replaced: np.ndarray  # [T, L] int64 selected experts outside the router's own top-K
+
+    def copies_per_token(self) -> dict[str, float]:
+        """Mean prefetch, demand and total copies per token (summed over layers), and replaced router slots."""
+        T = max(self.selected.shape[0], 1)
+        prefetch = float(self.prefetch_copies.sum()) / T
+        demand = float(self.demand_copies.sum()) / T
+        return {
+            "prefetch": prefetch,
+            "demand": demand,
+            "total": prefetch + demand,
+            "replaced": float(self.replaced.sum()) / T,
+        }
+
+
+def replay(
+    config: RoutingConfig,
+    scores: Any,
+    pregate: Any,
+    tokens: Any,
+    calibration: Any,
+    top_k: int,
+    *,
+    default_window: int = DEFAULT_WINDOW,
+) -> ReplayResult:
+    """Replay the routing policy over one row's trace.
+
+    Args:
+        config: the routing policy (a :class:`RoutingConfig` or a dict of its fields).
+        scores: float32 ``[T, L, E]`` selection scores of every MoE layer.
+        pregate: float32 ``[T, L, E]`` pre-gate scores (``pregate[:, l]`` is layer ``l``'s router on the input of
+            layer ``l-1``'s MoE block); ``pregate[:, 0]`` is never read, since layer 0 has no pre-gate. May be
+            None for policies that never read it (cache_prior, exact without budget).
+        tokens: int ``[T]`` input token ids.
+        calibration: a :class:`Calibration` (or path / mapping), or None (see :class:`LogicalCache`).
+        top_k: the model's K.
+        default_window: the pre-gate window when ``config.window`` is None (the architecture's default).
+
+    Returns:
+        :class:`ReplayResult` with ``selected [T, L, K]`` (sorted ascending), ``prefetch_copies [T, L]`` and
+        ``demand_copies [T, L]``.
+    """
+    z = np.asarray(scores)
+    if z.ndim != 3:
+        raise ValueError(f"scores must have shape [T, L, E], got {z.shape}")
+    T, L, E = z.shape
+    if T == 0:
+        raise ValueError("scores hold no tokens (T = 0)")
+    g = None
+    if pregate is not None:
+        g = np.asarray(pregate)
+        if g.shape != z.shape:
+            raise ValueError(f"pregate has shape {g.shape}; expected {z.shape} like scores")
+    tok = np.asarray(tokens)
+    if tok.ndim != 1 or tok.shape[0] != T:
+        raise ValueError(f"tokens must have shape [T] = ({T},), got {tok.shape}")
+    cache = LogicalCache(
+        config, num_layers=L, num_experts=E, top_k=top_k, calibration=calibration, rows=1,
+        default_window=default_window,
+    )
+    K = cache.top_k
+    selected = np.empty((T, L, K), dtype=np.int64)
+    prefetch = np.empty((T, L), dtype=np.int64)
+    demand = np.empty((T, L), dtype=np.int64)
+    replaced = np.empty((T, L), dtype=np.int64)
+    tok2 = tok.reshape(1, T)
+    for layer in range(L):
+        # A layer's state depends only on that layer's earlier steps, so each layer runs over all T at once.
+        g_l = g[None, :, layer] if (g is not None and layer >= 1) else None
+        plan = cache.step(layer, z[None, :, layer], g_l, tok2)
+        selected[:, layer] = np.sort(plan.selected[0], axis=-1)
+        prefetch[:, layer] = plan.prefetch_count[0]
+        demand[:, layer] = plan.demand_count[0]
+        replaced[:, layer] = plan.replaced[0]
+    return ReplayResult(selected, prefetch, demand, replaced)
