@@ -324,7 +324,7 @@ class LogicalCache:
         if code in (K_.ERR_SCORES, K_.ERR_PREGATE):
             a = z if code == K_.ERR_SCORES else g
             bad = np.argwhere((np.isnan(a) | np.isposinf(a)).any(axis=-1) & (v != 0))
-            where = f" at (row, position) {tuple(bad[0])}" if len(bad) else ""
+            where = f" at (row, position) {tuple(int(i) for i in bad[0])}" if len(bad) else ""
         messages = {
             K_.ERR_SCORES: f"scores of layer {layer} contain NaN or +inf{where}; only -inf (masked experts) is allowed",
             K_.ERR_PREGATE: f"pregate of layer {layer} contains NaN or +inf{where}; only -inf is allowed",
