@@ -5,24 +5,39 @@
 - :class:`LogicalCache`: per-(row, layer) state and the compiled step (ALGORITHM.md parts 1 and 2).
 - :func:`replay`: the policy over a recorded trace.
 - :mod:`psr_hf.policy.reference`: the slow pure-Python reference the kernels are tested against.
+
+Names load on first use, so ``import psr_hf`` (which reaches RoutingConfig through here) stays free of numpy
+and numba until a policy is actually run.
 """
 
-from .calibration import Calibration, CalibrationBuilder
-from .cache import CacheStats, LogicalCache, StepPlan
-from .config import DEFAULT_WINDOW, DELTA_MODES, EVICTIONS, POLICIES, RoutingConfig
-from .replay import ReplayResult, replay
+from __future__ import annotations
 
-__all__ = [
-    "Calibration",
-    "CalibrationBuilder",
-    "CacheStats",
-    "LogicalCache",
-    "StepPlan",
-    "RoutingConfig",
-    "POLICIES",
-    "EVICTIONS",
-    "DELTA_MODES",
-    "DEFAULT_WINDOW",
-    "ReplayResult",
-    "replay",
-]
+import importlib
+from typing import Any
+
+from .config import DEFAULT_WINDOW, DELTA_MODES, EVICTIONS, POLICIES, RoutingConfig
+
+_LAZY = {
+    "Calibration": ".calibration",
+    "CalibrationBuilder": ".calibration",
+    "CacheStats": ".cache",
+    "LogicalCache": ".cache",
+    "StepPlan": ".cache",
+    "ReplayResult": ".replay",
+    "replay": ".replay",
+}
+
+__all__ = ["RoutingConfig", "POLICIES", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psr_hf.policy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -13,7 +13,7 @@ Arrays (few of them, because numba's per-call cost grows with the number of argu
   steps / prefetch insertions / demand insertions / replaced router slots.
 - ``mi   int64   [MI_SIZE + V]``: config integers, then the token-seen flags of the prior.
 - ``mf   float64 [MF_SIZE + L + L * E]``: config floats, then ``delta [L]``, then the fallback prior ``[L, E]``.
-- ``indptr int64 [V * L + 1]``, ``pexp int32 [nnz]``, ``pval float32 [nnz]``: the token prior (CSR).
+- ``indptr int64 [V * L + 1]``, ``pexp uint16 [nnz]``, ``pval float32 [nnz]``: the token prior (CSR).
 
 Per-step work is a handful of passes over the E experts: the router's top-K, the pre-gate ranking, the biased
 top-K (bonus computed on the fly), the moving averages, and one priority pass per eviction; the priority is
@@ -24,7 +24,7 @@ changes before step 7).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 # policies, evictions
 EXACT, CACHE_PRIOR, PSR, SPEC = 0, 1, 2, 3
@@ -126,14 +126,17 @@ def _select_top(x, y, k, out, buf, cand):
         _insert_top(cx, cy, nc, k, out, cand)
         return
     # rank of candidate i = number of candidates ahead of it (a strict total order, so ranks are distinct)
+    # (three simple counting loops rather than one with a compound condition: these vectorise)
     for i in range(nc):
         xi = cx[i]
         yi = cy[i]
         r = 0
         for j in range(nc):
-            xj = cx[j]
-            yj = cy[j]
-            r += (xj > xi) | ((xj == xi) & ((yj > yi) | ((yj == yi) & (j < i))))
+            r += cx[j] > xi
+        for j in range(nc):
+            r += (cx[j] == xi) & (cy[j] > yi)
+        for j in range(i):
+            r += (cx[j] == xi) & (cy[j] == yi)
         if r < k:
             out[r] = cand[i]
 
@@ -496,7 +499,7 @@ def _voidptr(typingctx, address):
 def make_table(mi, mf, st, rs, indptr, pexp, pval) -> np.ndarray:
     """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes)."""
     for a, dt in ((mi, np.int64), (mf, np.float64), (st, np.float64), (rs, np.float64), (indptr, np.int64),
-                  (pexp, np.int32), (pval, np.float32)):
+                  (pexp, np.uint16), (pval, np.float32)):
         if a.dtype != dt or not a.flags.c_contiguous:
             raise ValueError("kernel arrays must be C-contiguous with the kernel's dtypes")
     L, R, _, E = st.shape
@@ -522,6 +525,22 @@ def _step_table(layer, mode, table, z, g, tokens, valid, plan):
     st = carray(_voidptr(table[T_ST]), (L, R, N_PLANES, E), np.float64)
     rs = carray(_voidptr(table[T_RS]), (L, R, R_SIZE), np.float64)
     indptr = carray(_voidptr(table[T_INDPTR]), (table[T_INDPTR_N],), np.int64)
-    pexp = carray(_voidptr(table[T_PEXP]), (table[T_NNZ],), np.int32)
+    pexp = carray(_voidptr(table[T_PEXP]), (table[T_NNZ],), np.uint16)
     pval = carray(_voidptr(table[T_PVAL]), (table[T_NNZ],), np.float32)
     return _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, codes):
+    """Every layer over a whole recorded block in parallel: ``z``, ``g`` ``[L, B, S, E]``, ``plan``
+    ``[L, B, S, W]``. Only for recorded traces, where all layers' inputs are known in advance (a layer's state
+    depends only on that layer's own history). All layers are validated before any state changes."""
+    L = z.shape[0]
+    for layer in prange(L):
+        codes[layer] = _validate(layer, mode, mi, z[layer], g[layer], tokens, valid, rs)
+    for layer in range(L):
+        if codes[layer] != OK:
+            return
+    for layer in prange(L):
+        codes[layer] = _step_layer(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr, pexp,
+                                   pval, plan[layer])

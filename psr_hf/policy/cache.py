@@ -186,7 +186,7 @@ class LogicalCache:
         ])
         self._prior = (
             np.ascontiguousarray(calibration.prior_indptr, dtype=np.int64),
-            np.ascontiguousarray(calibration.prior_experts, dtype=np.int32),
+            np.ascontiguousarray(calibration.prior_experts, dtype=np.uint16),
             np.ascontiguousarray(calibration.prior_values, dtype=np.float32),
         )
         warm = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)
@@ -354,6 +354,43 @@ class LogicalCache:
         """
         z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.inserts or self.config.policy == "spec")
         return self._run(layer, K_.MODE_BOTH, z, g, t, v)
+
+    def step_all_layers(self, scores: Any, pregate: Any = None, tokens: Any = None, valid: Any = None) -> list[StepPlan]:
+        """:meth:`step` for every layer of a recorded block at once, layers in parallel threads.
+
+        ``scores``, ``pregate``: float32 ``[L, B, S, E]`` (``pregate[0]`` is not read). Only for recorded traces:
+        in a live forward pass a layer's scores depend on the previous layer's output. Gives exactly the
+        decisions of calling :meth:`step` layer by layer (each layer's state depends only on its own history).
+        """
+        L, E = self.num_layers, self.num_experts
+        z = np.asarray(scores)
+        if z.ndim != 4 or z.shape[0] != L or z.shape[3] != E:
+            raise ValueError(f"scores must have shape [L={L}, B, S, E={E}], got {z.shape}")
+        if not np.issubdtype(z.dtype, np.floating):
+            raise ValueError(f"scores must be floating point, got dtype {z.dtype}")
+        z = np.ascontiguousarray(z, dtype=np.float32)
+        needs_g = self.config.inserts or self.config.policy == "spec"
+        if pregate is None:
+            if needs_g and L > 1:
+                raise ValueError(f"policy={self.config.policy!r} needs the pre-gate scores; pass pregate=")
+            g = np.zeros_like(z)
+        else:
+            g = np.asarray(pregate)
+            if g.shape != z.shape:
+                raise ValueError(f"pregate has shape {g.shape}; expected {z.shape} like scores")
+            if not np.issubdtype(g.dtype, np.floating):
+                raise ValueError(f"pregate must be floating point, got dtype {g.dtype}")
+            g = np.ascontiguousarray(g, dtype=np.float32)
+        _, _, t, v = self._inputs(0, z[0], None, tokens, valid, False)
+        B, S = t.shape
+        plan = np.empty((L, B, S, self._plan_width), dtype=np.int64)
+        codes = np.zeros(L, dtype=np.int64)
+        K_._step_all_layers(K_.MODE_BOTH, self._mi, self._mf, z, g, t, v, self.state, self.counters,
+                            *self._prior, plan, codes)
+        for layer in range(L):
+            if codes[layer] != K_.OK:
+                self._raise(int(codes[layer]), layer, z[layer], g[layer], t, v)
+        return [StepPlan(plan[layer], self.top_k, self.budget) for layer in range(L)]
 
     def prefetch(self, layer: int, pregate: Any, tokens: Any = None, valid: Any = None) -> StepPlan:
         """Part 1 alone for one position per row (``[B, E]`` or ``[B, 1, E]``), run as soon as the previous

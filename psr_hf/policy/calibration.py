@@ -50,13 +50,15 @@ class Calibration:
     delta: np.ndarray  # [L] float64: mean max(z) - min(z) (finite entries) per MoE layer
     expert_counts: np.ndarray  # [L, E] float64: how often the router's own top-K picked each expert
     prior_indptr: np.ndarray  # [V * L + 1] int64: CSR row pointers, row = token * L + layer
-    prior_experts: np.ndarray  # [nnz] int32: expert of each stored entry
+    prior_experts: np.ndarray  # [nnz] uint16: expert of each stored entry (uint8 on disk when E <= 256)
     prior_values: np.ndarray  # [nnz] float32: token_prior value of each stored entry
     token_counts: np.ndarray | None = None  # [V] int64 occurrences; 0 = unseen -> marginal fallback
     metadata: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         L, E = self.expert_counts.shape
+        if E > 65535:
+            raise ValueError(f"{E} experts per layer: at most 65535 are supported")
         if self.delta.shape != (L,):
             raise ValueError(f"delta has shape {self.delta.shape}; expected ({L},) to match expert_counts {(L, E)}")
         if self.prior_indptr.ndim != 1 or (self.prior_indptr.size - 1) % max(L, 1) != 0:
@@ -163,7 +165,7 @@ class Calibration:
             raise ValueError(f"delta has shape {delta.shape}; expected ({L},) (one value per MoE layer of expert_counts)")
         if token_prior is None:
             indptr = np.zeros(1, dtype=np.int64)
-            experts = np.zeros(0, dtype=np.int32)
+            experts = np.zeros(0, dtype=np.uint16)
             values = np.zeros(0, dtype=np.float32)
             if token_counts is not None:
                 raise ValueError("token_counts needs a token_prior to go with it")
@@ -179,7 +181,7 @@ class Calibration:
             rows, cols = np.nonzero(flat)
             indptr = np.zeros(flat.shape[0] + 1, dtype=np.int64)
             np.cumsum(np.bincount(rows, minlength=flat.shape[0]), out=indptr[1:])
-            experts = cols.astype(np.int32)
+            experts = cols.astype(np.uint16)
             values = flat[rows, cols].astype(np.float32)
         if token_counts is not None:
             token_counts = _as_array("token_counts", token_counts, np.int64, 1)
@@ -243,11 +245,13 @@ class Calibration:
         """Write to ``path`` in safetensors format (no pickle)."""
         from safetensors.numpy import save_file
 
+        # the smallest exact integer types on disk; load() widens them again
+        nnz = self.prior_values.size
         tensors = {
             "delta": self.delta,
             "expert_counts": self.expert_counts,
-            "prior_indptr": self.prior_indptr,
-            "prior_experts": self.prior_experts,
+            "prior_indptr": self.prior_indptr.astype(np.int32 if nnz < 2**31 else np.int64),
+            "prior_experts": self.prior_experts.astype(np.uint8 if self.num_experts <= 256 else np.uint16),
             "prior_values": self.prior_values,
         }
         if self.token_counts is not None:
@@ -287,7 +291,7 @@ class Calibration:
             delta=tensors["delta"].astype(np.float64),
             expert_counts=tensors["expert_counts"].astype(np.float64),
             prior_indptr=tensors["prior_indptr"].astype(np.int64),
-            prior_experts=tensors["prior_experts"].astype(np.int32),
+            prior_experts=tensors["prior_experts"].astype(np.uint16),
             prior_values=tensors["prior_values"].astype(np.float32),
             token_counts=tensors["token_counts"].astype(np.int64) if "token_counts" in tensors else None,
             metadata=json.loads(meta.get("user", "{}")),
@@ -362,5 +366,5 @@ class CalibrationBuilder:
         np.cumsum(np.bincount(rows, minlength=self.vocab_size * L), out=indptr[1:])
         delta = np.where(self.range_count > 0, self.range_sum / np.maximum(self.range_count, 1), 0.0)
         meta = {"top_k": str(self.top_k), **dict(metadata or {})}
-        return Calibration(delta, self.expert_counts.copy(), indptr, experts.astype(np.int32), values,
+        return Calibration(delta, self.expert_counts.copy(), indptr, experts.astype(np.uint16), values,
                            self.token_counts.copy(), meta)

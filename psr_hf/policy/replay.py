@@ -84,10 +84,12 @@ def replay(
     demand = np.empty((T, L), dtype=np.int64)
     replaced = np.empty((T, L), dtype=np.int64)
     tok2 = tok.reshape(1, T)
-    for layer in range(L):
-        # A layer's state depends only on that layer's earlier steps, so each layer runs over all T at once.
-        g_l = g[None, :, layer] if (g is not None and layer >= 1) else None
-        plan = cache.step(layer, z[None, :, layer], g_l, tok2)
+    # [L, 1, T, E]: every layer's block contiguous; layers run in parallel threads (each layer's state
+    # depends only on that layer's own history, so this is the same as running them one after another)
+    z_l = np.ascontiguousarray(np.moveaxis(z, 1, 0)[:, None], dtype=np.float32) if np.issubdtype(z.dtype, np.floating) else z
+    g_l = None if g is None else np.moveaxis(g, 1, 0)[:, None]
+    plans = cache.step_all_layers(z_l, g_l, tok2)
+    for layer, plan in enumerate(plans):
         selected[:, layer] = np.sort(plan.selected[0], axis=-1)
         prefetch[:, layer] = plan.prefetch_count[0]
         demand[:, layer] = plan.demand_count[0]

@@ -1,0 +1,165 @@
+"""Packaging: the policy layer works without torch, `import psr_hf` is cheap, and the wheel has the right layout."""
+
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+POLICY_DIR = REPO / "psr_hf" / "policy"
+
+BLOCK_TORCH = textwrap.dedent(
+    """
+    import sys
+
+    class _BlockTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is made unimportable by this test")
+            return None
+
+    sys.meta_path.insert(0, _BlockTorch())
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("the torch blocker did not work")
+    """
+)
+
+
+def _run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _loaded_modules(stdout: str) -> dict[str, bool]:
+    """Parse ``LOADED name=True`` lines printed by the subprocess."""
+    found = re.findall(r"^LOADED (\w+)=(True|False)$", stdout, flags=re.M)
+    return {name: value == "True" for name, value in found}
+
+
+def test_policy_layer_imports_and_replays_without_torch():
+    code = BLOCK_TORCH + textwrap.dedent(
+        """
+        import psr_hf
+        import psr_hf.policy
+        from psr_hf.policy.traces import calibration_from_trace, synthetic_trace
+
+        trace = synthetic_trace(24, 3, 8, vocab_size=32, seed=1)
+        calibration = calibration_from_trace(trace, top_k=2, vocab_size=32)
+        result = psr_hf.policy.replay(
+            psr_hf.RoutingConfig(policy="psr", capacity=4), trace.scores, trace.pregate, trace.tokens, calibration, 2
+        )
+        assert result.selected.shape == (24, 3, 2), result.selected.shape
+        assert (result.selected >= 0).all() and (result.selected < 8).all()
+        print("LOADED torch=" + str("torch" in sys.modules))
+        print("REPLAY-OK")
+        """
+    )
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "REPLAY-OK" in proc.stdout
+    assert _loaded_modules(proc.stdout) == {"torch": False}
+
+
+def test_policy_layer_does_not_import_torch_even_when_available():
+    code = textwrap.dedent(
+        """
+        import sys
+        import psr_hf.policy
+        from psr_hf.policy.traces import calibration_from_trace, synthetic_trace
+
+        trace = synthetic_trace(8, 2, 6, vocab_size=16, seed=2)
+        calibration = calibration_from_trace(trace, top_k=2, vocab_size=16)
+        psr_hf.policy.replay(
+            psr_hf.RoutingConfig(policy="cache_prior", capacity=3), trace.scores, None, trace.tokens, calibration, 2
+        )
+        print("LOADED torch=" + str("torch" in sys.modules))
+        """
+    )
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert _loaded_modules(proc.stdout) == {"torch": False}
+
+
+def test_no_policy_module_imports_torch():
+    sources = sorted(POLICY_DIR.glob("*.py"))
+    names = {path.name for path in sources}
+    assert {"__init__.py", "config.py", "calibration.py", "cache.py", "replay.py", "_kernels.py"} <= names
+    torch_import = re.compile(r"^\s*(import|from)\s+torch\b", flags=re.M)
+    offenders = [path.name for path in sources if torch_import.search(path.read_text())]
+    assert offenders == []
+
+
+def test_import_psr_hf_alone_does_not_import_numpy_numba_or_torch():
+    code = textwrap.dedent(
+        """
+        import sys
+        import psr_hf
+
+        config = psr_hf.RoutingConfig(policy="psr", residency=0.25)
+        assert config.capacity_for(64, 8) == 16
+        for name in ("numpy", "numba", "torch"):
+            print(f"LOADED {name}=" + str(name in sys.modules))
+        """
+    )
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert _loaded_modules(proc.stdout) == {"numpy": False, "numba": False, "torch": False}
+
+
+def test_psr_hf_exports_the_policy_names():
+    import psr_hf
+    import psr_hf.policy
+
+    for name in ("Calibration", "CalibrationBuilder", "LogicalCache", "replay", "ReplayResult"):
+        assert name in dir(psr_hf)
+        assert getattr(psr_hf, name) is getattr(psr_hf.policy, name)
+    assert psr_hf.RoutingConfig is psr_hf.policy.RoutingConfig
+
+
+def test_unknown_psr_hf_attribute_raises_attribute_error():
+    import psr_hf
+
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        getattr(psr_hf, "not_a_name")
+
+
+@pytest.mark.slow
+def test_wheel_ships_patches_inside_psr_hf_with_the_cli_entry_point(tmp_path):
+    created = [REPO / "build", REPO / "psr_hf.egg-info"]
+    existed = {path: path.exists() for path in created}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for path, was_there in existed.items():
+            if not was_there and path.exists():
+                shutil.rmtree(path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    wheels = list(tmp_path.glob("psr_hf-*.whl"))
+    assert len(wheels) == 1, wheels
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        names = set(wheel.namelist())
+        entry_points = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+        assert len(entry_points) == 1, sorted(names)
+        entry_text = wheel.read(entry_points[0]).decode()
+    for required in ("psr_hf/patches/__init__.py", "psr_hf/policy/_kernels.py", "psr_hf/cli.py"):
+        assert required in names, sorted(names)
+    assert re.search(r"^\[console_scripts\]$", entry_text, flags=re.M), entry_text
+    assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text
+    assert not any(name.startswith("patches/") for name in names), sorted(names)
+    assert not any(name.startswith("tests/") for name in names), sorted(names)
