@@ -17,8 +17,8 @@ _LAZY = {
     "Calibration": "psr_hf.policy.calibration",
     "CalibrationBuilder": "psr_hf.policy.calibration",
     "LogicalCache": "psr_hf.policy.cache",
-    "replay": "psr_hf.policy.replay",
-    "ReplayResult": "psr_hf.policy.replay",
+    "replay": "psr_hf.policy.replaying",
+    "ReplayResult": "psr_hf.policy.replaying",
 }
 
 __all__ = ["RoutingConfig", "__version__", *_LAZY]

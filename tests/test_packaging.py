@@ -93,7 +93,7 @@ def test_policy_layer_does_not_import_torch_even_when_available():
 def test_no_policy_module_imports_torch():
     sources = sorted(POLICY_DIR.glob("*.py"))
     names = {path.name for path in sources}
-    assert {"__init__.py", "config.py", "calibration.py", "cache.py", "replay.py", "_kernels.py"} <= names
+    assert {"__init__.py", "config.py", "calibration.py", "cache.py", "replaying.py", "_kernels.py"} <= names
     torch_import = re.compile(r"^\s*(import|from)\s+torch\b", flags=re.M)
     offenders = [path.name for path in sources if torch_import.search(path.read_text())]
     assert offenders == []
@@ -163,3 +163,19 @@ def test_wheel_ships_patches_inside_psr_hf_with_the_cli_entry_point(tmp_path):
     assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text
     assert not any(name.startswith("patches/") for name in names), sorted(names)
     assert not any(name.startswith("tests/") for name in names), sorted(names)
+
+
+def test_policy_replay_is_the_function_even_after_every_submodule_is_imported():
+    """psr_hf.policy.replay(config, scores, pregate, tokens, calibration, top_k) is a public signature; a
+    submodule of the same name would shadow it once imported."""
+    import importlib
+    import pkgutil
+
+    import psr_hf.policy
+
+    for module in pkgutil.iter_modules(psr_hf.policy.__path__):
+        importlib.import_module(f"psr_hf.policy.{module.name}")
+    assert callable(psr_hf.policy.replay)
+    import psr_hf
+
+    assert psr_hf.replay is psr_hf.policy.replay

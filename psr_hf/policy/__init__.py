@@ -23,8 +23,8 @@ _LAZY = {
     "CacheStats": ".cache",
     "LogicalCache": ".cache",
     "StepPlan": ".cache",
-    "ReplayResult": ".replay",
-    "replay": ".replay",
+    "ReplayResult": ".replaying",
+    "replay": ".replaying",
 }
 
 __all__ = ["RoutingConfig", "POLICIES", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW", *_LAZY]

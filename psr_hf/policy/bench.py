@@ -17,7 +17,7 @@ import numpy as np
 
 from .cache import LogicalCache
 from .config import RoutingConfig
-from .replay import replay
+from .replaying import replay
 from .traces import calibration_from_trace, synthetic_trace
 
 logger = logging.getLogger(__name__)

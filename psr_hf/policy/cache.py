@@ -195,6 +195,7 @@ class LogicalCache:
         self._warm = warm
         self._plan_width = K_.plan_width(self.top_k, self.budget)
         self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
+        self._needs_pregate = config.inserts or config.policy == "spec"
         self._all_valid: dict[tuple[int, int], np.ndarray] = {}
         self._allocate(int(rows))
 
@@ -249,7 +250,7 @@ class LogicalCache:
 
     # ------------------------------------------------------------------ steps
     def _inputs(self, layer, scores, pregate, tokens, valid, need_pregate: bool):
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if type(layer) is not int and not isinstance(layer, np.integer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer!r} must be an int in [0, {self.num_layers})")
         E = self.num_experts
         z = self._scores("scores", scores, E) if scores is not None else None
@@ -352,7 +353,7 @@ class LogicalCache:
             valid: bool ``[B, S]``; False marks padding, which uses the router's own top-K and leaves the state
                 untouched.
         """
-        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.inserts or self.config.policy == "spec")
+        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self._needs_pregate)
         return self._run(layer, K_.MODE_BOTH, z, g, t, v)
 
     def step_all_layers(self, scores: Any, pregate: Any = None, tokens: Any = None, valid: Any = None) -> list[StepPlan]:
