@@ -53,6 +53,12 @@ MODE_BOTH, MODE_INSERT, MODE_SELECT = 0, 1, 2
 OK, ERR_SCORES, ERR_PREGATE, ERR_TOKEN, ERR_FEW_FINITE, ERR_NO_PART1, ERR_PART1_TWICE = range(7)
 
 
+def scratch_sizes(E: int, K: int, window: int, top_j: int, P: int) -> tuple[int, int]:
+    """Sizes of the float64 and int64 scratch buffers of :func:`_step_layer` (allocate with zeros)."""
+    nk = max(window, K, top_j)
+    return 6 * E + nk, 2 * E + 4 * nk + P
+
+
 def plan_width(K: int, P: int) -> int:
     """Columns of the plan: selected K | n_prefetch | prefetch P | prefetch victims P | n_demand | demand K |
     demand victims K | n_replaced."""
@@ -218,7 +224,7 @@ def _validate(layer, mode, mi, z, g, tokens, valid, rs):
 
 
 @njit(cache=True, nogil=True)
-def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan):
+def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf):
     """One MoE layer over a block of positions ``[B, S]`` (positions in order; rows independent).
 
     ``mode``: MODE_BOTH runs part 1 then part 2 per position; MODE_INSERT runs part 1 only (S == 1), leaving B
@@ -256,13 +262,12 @@ def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, 
 
     n_own = max(K, top_j)
     nk = max(window, n_own)
-    fbuf = np.zeros(6 * E + nk, dtype=np.float64)
+    # scratch (see scratch_sizes): flags and topj must be zero on entry and are left zero on exit
     p = fbuf[:E]
     flags = fbuf[E : 2 * E]  # 1.0 marks S during demand insertion; reused as the own-top-K indicator in step 7
     zf = fbuf[2 * E : 3 * E]  # this position's scores as float64
     gf = fbuf[3 * E : 4 * E]  # pre-gate as float64, or the biased scores
     fscratch = fbuf[4 * E :]  # scratch of _select_top: k + 2E
-    ibuf = np.zeros(2 * E + 4 * nk + P, dtype=np.int64)
     topj = ibuf[:E]
     cand = ibuf[E : E + nk]
     own = ibuf[E + nk : E + 2 * nk]
@@ -482,8 +487,9 @@ from numba import carray, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-(T_MI, T_MI_N, T_MF, T_MF_N, T_ST, T_L, T_R, T_E, T_RS, T_INDPTR, T_INDPTR_N, T_PEXP, T_NNZ, T_PVAL) = range(14)
-TABLE_SIZE = 14
+(T_MI, T_MI_N, T_MF, T_MF_N, T_ST, T_L, T_R, T_E, T_RS, T_INDPTR, T_INDPTR_N, T_PEXP, T_NNZ, T_PVAL, T_FBUF, T_FBUF_N,
+ T_IBUF, T_IBUF_N) = range(18)
+TABLE_SIZE = 18
 
 
 @intrinsic
@@ -496,10 +502,10 @@ def _voidptr(typingctx, address):
     return types.voidptr(types.int64), codegen
 
 
-def make_table(mi, mf, st, rs, indptr, pexp, pval) -> np.ndarray:
+def make_table(mi, mf, st, rs, indptr, pexp, pval, fbuf, ibuf) -> np.ndarray:
     """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes)."""
     for a, dt in ((mi, np.int64), (mf, np.float64), (st, np.float64), (rs, np.float64), (indptr, np.int64),
-                  (pexp, np.uint16), (pval, np.float32)):
+                  (pexp, np.uint16), (pval, np.float32), (fbuf, np.float64), (ibuf, np.int64)):
         if a.dtype != dt or not a.flags.c_contiguous:
             raise ValueError("kernel arrays must be C-contiguous with the kernel's dtypes")
     L, R, _, E = st.shape
@@ -511,6 +517,8 @@ def make_table(mi, mf, st, rs, indptr, pexp, pval) -> np.ndarray:
     t[T_INDPTR], t[T_INDPTR_N] = indptr.ctypes.data, indptr.size
     t[T_PEXP], t[T_NNZ] = pexp.ctypes.data, pexp.size
     t[T_PVAL] = pval.ctypes.data
+    t[T_FBUF], t[T_FBUF_N] = fbuf.ctypes.data, fbuf.size
+    t[T_IBUF], t[T_IBUF_N] = ibuf.ctypes.data, ibuf.size
     return t
 
 
@@ -527,7 +535,9 @@ def _step_table(layer, mode, table, z, g, tokens, valid, plan):
     indptr = carray(_voidptr(table[T_INDPTR]), (table[T_INDPTR_N],), np.int64)
     pexp = carray(_voidptr(table[T_PEXP]), (table[T_NNZ],), np.uint16)
     pval = carray(_voidptr(table[T_PVAL]), (table[T_NNZ],), np.float32)
-    return _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan)
+    fbuf = carray(_voidptr(table[T_FBUF]), (table[T_FBUF_N],), np.float64)
+    ibuf = carray(_voidptr(table[T_IBUF]), (table[T_IBUF_N],), np.int64)
+    return _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -541,6 +551,10 @@ def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pv
     for layer in range(L):
         if codes[layer] != OK:
             return
+    E = st.shape[3]
+    nk = max(min(mi[MI_WINDOW], E), mi[MI_K], mi[MI_TOP_J])
     for layer in prange(L):
+        fbuf = np.zeros(6 * E + nk, dtype=np.float64)
+        ibuf = np.zeros(2 * E + 4 * nk + mi[MI_BUDGET], dtype=np.int64)
         codes[layer] = _step_layer(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr, pexp,
-                                   pval, plan[layer])
+                                   pval, plan[layer], fbuf, ibuf)

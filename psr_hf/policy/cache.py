@@ -18,6 +18,8 @@ from .config import DEFAULT_WINDOW, RoutingConfig
 
 logger = logging.getLogger(__name__)
 
+_F32 = np.dtype(np.float32)
+_I64 = np.dtype(np.int64)
 _POLICY_CODES = {"exact": K_.EXACT, "cache_prior": K_.CACHE_PRIOR, "psr": K_.PSR, "spec": K_.SPEC}
 _EVICTION_CODES = {"score": K_.EVICT_SCORE, "lru": K_.EVICT_LRU}
 
@@ -194,6 +196,9 @@ class LogicalCache:
             warm[layer, calibration.warm_set(layer, self.capacity)] = 1
         self._warm = warm
         self._plan_width = K_.plan_width(self.top_k, self.budget)
+        nf, ni = K_.scratch_sizes(self.num_experts, self.top_k, min(self.window, self.num_experts), config.top_j,
+                                  self.budget)
+        self._scratch = (np.zeros(nf, dtype=np.float64), np.zeros(ni, dtype=np.int64))
         self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
         self._needs_pregate = config.inserts or config.policy == "spec"
         self._all_valid: dict[tuple[int, int], np.ndarray] = {}
@@ -209,7 +214,7 @@ class LogicalCache:
 
     def _rebuild_table(self) -> None:
         # the kernel reads the cache's arrays through their addresses; rebuilt whenever one is reallocated
-        self._table = K_.make_table(self._mi, self._mf, self.state, self.counters, *self._prior)
+        self._table = K_.make_table(self._mi, self._mf, self.state, self.counters, *self._prior, *self._scratch)
 
     @property
     def rows(self) -> int:
@@ -269,8 +274,7 @@ class LogicalCache:
                 f"policy={self.config.policy!r} needs the pre-gate scores of layer {layer} (part 1 inserts the "
                 "next layer's predicted experts); pass pregate="
             )
-        if type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.shape == (B, S) \
-                and tokens.flags.c_contiguous:
+        if type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.shape == (B, S):
             t = tokens
         elif tokens is None:
             if self.calibration.vocab_size and self.config.eviction == "score":
@@ -298,9 +302,8 @@ class LogicalCache:
 
     @staticmethod
     def _scores(name: str, value: Any, E: int) -> np.ndarray:
-        if type(value) is np.ndarray and value.dtype == np.float32 and value.ndim == 3 and value.shape[2] == E \
-                and value.flags.c_contiguous:
-            return value  # the hot path: nothing to convert
+        if type(value) is np.ndarray and value.dtype is _F32 and value.ndim == 3 and value.shape[2] == E:
+            return value  # the hot path: nothing to convert (numba handles any memory layout)
         a = np.asarray(value)
         if not np.issubdtype(a.dtype, np.floating):
             raise ValueError(f"{name} must be floating point, got dtype {a.dtype}")
