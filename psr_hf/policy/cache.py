@@ -356,6 +356,17 @@ class LogicalCache:
             valid: bool ``[B, S]``; False marks padding, which uses the router's own top-K and leaves the state
                 untouched.
         """
+        # hot path (one check for the common case: float32 scores, int64 tokens, no padding)
+        if (valid is None and type(scores) is np.ndarray and type(tokens) is np.ndarray
+                and scores.dtype is _F32 and tokens.dtype is _I64 and scores.ndim == 3
+                and scores.shape[0] == self.rows and scores.shape[2] == self.num_experts
+                and tokens.shape == scores.shape[:2] and type(layer) is int and 0 <= layer < self.num_layers
+                and (pregate is None and (layer == 0 or not self._needs_pregate)
+                     or type(pregate) is np.ndarray and pregate.dtype is _F32 and pregate.shape == scores.shape)):
+            B, S = tokens.shape
+            v = self._all_valid.get((B, S))
+            if v is not None:
+                return self._run(layer, K_.MODE_BOTH, scores, pregate, tokens, v)
         z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self._needs_pregate)
         return self._run(layer, K_.MODE_BOTH, z, g, t, v)
 
