@@ -66,36 +66,6 @@ def plan_width(K: int, P: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _insert_top(cx, cy, nc, k, out, cand):
-    """Insertion top-k of candidates (keys ``cx`` then ``cy``, then position) for degenerate, tie-heavy inputs.
-    Writes candidate ids ``cand[i]`` into ``out``; keeps positions in ``cand``'s tail as scratch-free state by
-    comparing through the kept positions."""
-    n = 0
-    kept = np.empty(k, dtype=np.int64)  # positions into cx/cy of the kept candidates, in rank order
-    for i in range(nc):
-        xi = cx[i]
-        yi = cy[i]
-        if n == k:
-            w = kept[k - 1]
-            if not (xi > cx[w] or (xi == cx[w] and yi > cy[w])):
-                continue
-            pos = k - 1
-        else:
-            pos = n
-            n += 1
-        while pos > 0:
-            w = kept[pos - 1]
-            if xi > cx[w] or (xi == cx[w] and yi > cy[w]):
-                kept[pos] = w
-                pos -= 1
-            else:
-                break
-        kept[pos] = i
-    for r in range(k):
-        out[r] = cand[kept[r]]
-
-
-@njit(cache=True, nogil=True)
 def _select_top(x, y, k, out, buf, cand):
     """The ``k`` largest of ``x [E]`` (float64), ties toward the larger ``y``, then the lower index; indices in
     rank order into ``out[:k]``. For a plain top-k pass ``y = x``.
@@ -105,46 +75,55 @@ def _select_top(x, y, k, out, buf, cand):
     that large); only the few elements reaching it are ranked. ``buf`` (float64 >= k + 2E) and ``cand``
     (int64 >= E) are scratch.
     """
+    # (indices into buf instead of slices: a slice is a new array object with reference counting)
     E = x.shape[0]
-    gmax = buf[:k]
     for c in range(k):
-        gmax[c] = -np.inf
+        buf[c] = -np.inf
     full = E - E % k  # group of element e: e mod k (keeps the inner loop contiguous)
     for base in range(0, full, k):
         for c in range(k):
-            gmax[c] = max(gmax[c], x[base + c])
+            v = x[base + c]
+            if v > buf[c]:
+                buf[c] = v
     for e in range(full, E):
-        gmax[e - full] = max(gmax[e - full], x[e])
-    thr = np.inf
-    for c in range(k):
-        thr = min(thr, gmax[c])
+        v = x[e]
+        if v > buf[e - full]:
+            buf[e - full] = v
+    thr = buf[0]
+    for c in range(1, k):
+        if buf[c] < thr:
+            thr = buf[c]
     nc = 0
     for e in range(E):  # branch-free compaction, ascending index
         cand[nc] = e
         nc += x[e] >= thr
-    cx = buf[k : k + nc]
-    cy = buf[k + E : k + E + nc]
+    cy0 = k + E
     for i in range(nc):
-        cx[i] = x[cand[i]]
-        cy[i] = y[cand[i]]
-    if nc > 24:
-        # many candidates (a large bonus, ties): insertion, O(nc * k) instead of O(nc^2)
-        _insert_top(cx, cy, nc, k, out, cand)
-        return
-    # rank of candidate i = number of candidates ahead of it (a strict total order, so ranks are distinct)
-    # (three simple counting loops rather than one with a compound condition: these vectorise)
+        buf[k + i] = x[cand[i]]
+        buf[cy0 + i] = y[cand[i]]
+    # insertion into a sorted list of the k best (few candidates reach the threshold, so few insertions)
+    n = 0
     for i in range(nc):
-        xi = cx[i]
-        yi = cy[i]
-        r = 0
-        for j in range(nc):
-            r += cx[j] > xi
-        for j in range(nc):
-            r += (cx[j] == xi) & (cy[j] > yi)
-        for j in range(i):
-            r += (cx[j] == xi) & (cy[j] == yi)
-        if r < k:
-            out[r] = cand[i]
+        xi = buf[k + i]
+        yi = buf[cy0 + i]
+        if n == k:
+            w = out[k - 1]
+            if not (xi > buf[k + w] or (xi == buf[k + w] and yi > buf[cy0 + w])):
+                continue
+            pos = k - 1
+        else:
+            pos = n
+            n += 1
+        while pos > 0:
+            w = out[pos - 1]
+            if xi > buf[k + w] or (xi == buf[k + w] and yi > buf[cy0 + w]):
+                out[pos] = w
+                pos -= 1
+            else:
+                break
+        out[pos] = i
+    for r in range(k):
+        out[r] = cand[out[r]]
 
 
 @njit(cache=True, nogil=True)
