@@ -320,3 +320,21 @@ def test_replay_rejects_bad_arrays_with_messages():
     with pytest.raises(ValueError, match="calibration was made for"):
         replay(config, trace.scores, trace.pregate, trace.tokens,
                Calibration.from_arrays(delta=[1.0] * 3, expert_counts=np.ones((3, 8))), 2)
+
+
+def test_typed_arrays_with_wrong_shapes_raise_instead_of_reaching_the_kernel_unchecked():
+    """The hot path hands typed arrays to the kernel, which checks shapes before touching memory or state."""
+    cache = _cache()
+    before = cache.state.copy()
+    f32, i64 = np.float32, np.int64
+    cases = [
+        (0, np.zeros((1, 1, 7), f32), None, np.zeros((1, 1), i64), "shape"),  # wrong E
+        (0, np.zeros((2, 1, 8), f32), None, np.zeros((2, 1), i64), "rows"),  # wrong B
+        (0, np.zeros((1, 2, 8), f32), None, np.zeros((1, 1), i64), "tokens"),  # tokens shorter than scores
+        (1, np.zeros((1, 2, 8), f32), np.zeros((1, 1, 8), f32), np.zeros((1, 2), i64), "pregate"),  # short g
+        (5, np.zeros((1, 1, 8), f32), None, np.zeros((1, 1), i64), "layer"),  # layer out of range
+    ]
+    for layer, z, g, t, match in cases:
+        with pytest.raises(ValueError, match=match):
+            cache.step(layer, z, g, t)
+    np.testing.assert_array_equal(cache.state, before)

@@ -50,13 +50,18 @@ FLUSH_RATIO = 2.0**-60
 MODE_BOTH, MODE_INSERT, MODE_SELECT = 0, 1, 2
 
 # error codes (see LogicalCache._raise)
-OK, ERR_SCORES, ERR_PREGATE, ERR_TOKEN, ERR_FEW_FINITE, ERR_NO_PART1, ERR_PART1_TWICE = range(7)
+OK, ERR_SCORES, ERR_PREGATE, ERR_TOKEN, ERR_FEW_FINITE, ERR_NO_PART1, ERR_PART1_TWICE, ERR_SHAPE = range(8)
 
 
 def scratch_sizes(E: int, K: int, window: int, top_j: int, P: int) -> tuple[int, int]:
     """Sizes of the float64 and int64 scratch buffers of :func:`_step_layer` (allocate with zeros)."""
     nk = max(window, K, top_j)
     return 6 * E + nk, 2 * E + 4 * nk + P
+
+
+@njit(cache=True, nogil=True)
+def plan_width_of(K, P):
+    return 3 * K + 2 * P + 3
 
 
 def plan_width(K: int, P: int) -> int:
@@ -163,16 +168,26 @@ def _evict(row, excl, p, use_prot):
 
 
 @njit(cache=True, nogil=True)
-def _validate(layer, mode, mi, z, g, tokens, valid, rs):
+def _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E):
+    """Shapes and values of one block (``valid`` of shape (0, 0) means every position is real)."""
     B, S = tokens.shape
-    E = z.shape[2]
+    L = rs.shape[0]
     K = mi[MI_K]
     vocab = mi[MI_VOCAB]
+    if layer < 0 or layer >= L or B != rs.shape[1] or z.shape[0] != B or z.shape[1] != S or z.shape[2] != E:
+        return ERR_SHAPE
+    if plan.shape[0] != B or plan.shape[1] != S or plan.shape[2] != plan_width_of(K, mi[MI_BUDGET]):
+        return ERR_SHAPE
+    all_valid = valid.shape[0] == 0
+    if not all_valid and (valid.shape[0] != B or valid.shape[1] != S):
+        return ERR_SHAPE
     part1 = layer >= 1 and mi[MI_INSERTS] != 0
     check_g = layer >= 1 and ((part1 and mode != MODE_SELECT) or (mi[MI_POLICY] == SPEC and mode != MODE_INSERT))
+    if check_g and (g.shape[0] != B or g.shape[1] != S or g.shape[2] != E):
+        return ERR_SHAPE
     for b in range(B):
         for s in range(S):
-            if valid[b, s] == 0:
+            if not all_valid and valid[b, s] == 0:
                 continue
             if check_g:
                 bad = 0
@@ -226,7 +241,8 @@ def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, 
     decay_slow = mf[MF_DECAY_SLOW]
     flush = min(1.0, 1.0 - decay_fast) * FLUSH_RATIO
 
-    code = _validate(layer, mode, mi, z, g, tokens, valid, rs)
+    code = _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E)
+    all_valid = valid.shape[0] == 0
     if code != OK:
         return code
 
@@ -273,7 +289,7 @@ def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, 
             row_plan[o_nd] = 0
             row_plan[o_nr] = 0
             zb = z[b, s]
-            if valid[b, s] == 0:
+            if not all_valid and valid[b, s] == 0:
                 # padded position: the router's own top-K, state neither read nor changed
                 if do_part2:
                     for e in range(E):
@@ -525,12 +541,12 @@ def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pv
     ``[L, B, S, W]``. Only for recorded traces, where all layers' inputs are known in advance (a layer's state
     depends only on that layer's own history). All layers are validated before any state changes."""
     L = z.shape[0]
+    E = st.shape[3]
     for layer in prange(L):
-        codes[layer] = _validate(layer, mode, mi, z[layer], g[layer], tokens, valid, rs)
+        codes[layer] = _validate(layer, mode, mi, z[layer], g[layer], tokens, valid, rs, plan[layer], E)
     for layer in range(L):
         if codes[layer] != OK:
             return
-    E = st.shape[3]
     nk = max(min(mi[MI_WINDOW], E), mi[MI_K], mi[MI_TOP_J])
     for layer in prange(L):
         fbuf = np.zeros(6 * E + nk, dtype=np.float64)

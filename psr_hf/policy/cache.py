@@ -200,8 +200,9 @@ class LogicalCache:
                                   self.budget)
         self._scratch = (np.zeros(nf, dtype=np.float64), np.zeros(ni, dtype=np.int64))
         self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
+        self._no_valid = np.zeros((0, 0), dtype=np.uint8)  # the kernel reads an empty mask as "all positions real"
+        self._placeholder: dict[int, np.ndarray] = {}
         self._needs_pregate = config.inserts or config.policy == "spec"
-        self._all_valid: dict[tuple[int, int], np.ndarray] = {}
         self._allocate(int(rows))
 
     # ------------------------------------------------------------------ rows
@@ -290,9 +291,7 @@ class LogicalCache:
                 raise ValueError(f"tokens must be integer ids, got dtype {t.dtype}")
             t = np.ascontiguousarray(t, dtype=np.int64)
         if valid is None:
-            v = self._all_valid.get((B, S))
-            if v is None:
-                v = self._all_valid[(B, S)] = np.ones((B, S), dtype=np.uint8)
+            v = self._no_valid
         else:
             v = np.asarray(valid)
             if v.shape != (B, S):
@@ -313,11 +312,32 @@ class LogicalCache:
             raise ValueError(f"{name} must have shape [B, S, {E}] or [B, {E}], got {np.shape(value)}")
         return np.ascontiguousarray(a, dtype=np.float32)
 
+    def _fast(self, mode, layer, scores, pregate, tokens, valid) -> StepPlan | None:
+        """The hot path: arrays that already have the kernel's dtypes go straight to the kernel, which checks
+        shapes and values before touching any state. None on any error code: the caller then runs the checked
+        path, which raises with a precise message."""
+        if not (type(scores) is np.ndarray and scores.dtype is _F32 and scores.ndim == 3 and type(layer) is int
+                and type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.ndim == 2 and valid is None
+                and (pregate is None or type(pregate) is np.ndarray and pregate.dtype is _F32
+                     and pregate.ndim == 3)):
+            return None
+        plan = np.empty((scores.shape[0], scores.shape[1], self._plan_width), dtype=np.int64)
+        code = K_._step_table(layer, mode, self._table, scores, self._no_pregate if pregate is None else pregate,
+                              tokens, self._no_valid, plan)
+        return StepPlan(plan, self.top_k, self.budget) if code == K_.OK else None
+
+    def _zeros(self, rows: int) -> np.ndarray:
+        """Placeholder scores [rows, 1, E] for part 1 alone (never read)."""
+        z = self._placeholder.get(rows)
+        if z is None:
+            z = self._placeholder[rows] = np.zeros((rows, 1, self.num_experts), dtype=np.float32)
+        return z
+
     def _run(self, layer, mode, z, g, t, v) -> StepPlan:
         B, S = t.shape
         plan = np.empty((B, S, self._plan_width), dtype=np.int64)
         if z is None:
-            z = np.zeros((B, S, self.num_experts), dtype=np.float32)
+            z = self._zeros(B) if S == 1 else np.zeros((B, S, self.num_experts), dtype=np.float32)
         code = K_._step_table(layer, mode, self._table, z, self._no_pregate if g is None else g, t, v, plan)
         if code != K_.OK:
             self._raise(code, layer, z, g, t, v)
@@ -327,7 +347,8 @@ class LogicalCache:
         where = ""
         if code in (K_.ERR_SCORES, K_.ERR_PREGATE):
             a = z if code == K_.ERR_SCORES else g
-            bad = np.argwhere((np.isnan(a) | np.isposinf(a)).any(axis=-1) & (v != 0))
+            real = np.ones(a.shape[:2], dtype=bool) if v.size == 0 else (v != 0)
+            bad = np.argwhere((np.isnan(a) | np.isposinf(a)).any(axis=-1) & real)
             where = f" at (row, position) {tuple(int(i) for i in bad[0])}" if len(bad) else ""
         messages = {
             K_.ERR_SCORES: f"scores of layer {layer} contain NaN or +inf{where}; only -inf (masked experts) is allowed",
@@ -341,6 +362,7 @@ class LogicalCache:
                 f"select() at layer {layer} before prefetch(): policy={self.config.policy!r} runs part 1 first"
             ),
             K_.ERR_PART1_TWICE: f"prefetch() at layer {layer} twice without select() in between",
+            K_.ERR_SHAPE: "array shapes do not match the cache (rows, experts, positions)",
         }
         raise ValueError(messages.get(code, f"policy kernel error {code}"))
 
@@ -356,17 +378,9 @@ class LogicalCache:
             valid: bool ``[B, S]``; False marks padding, which uses the router's own top-K and leaves the state
                 untouched.
         """
-        # hot path (one check for the common case: float32 scores, int64 tokens, no padding)
-        if (valid is None and type(scores) is np.ndarray and type(tokens) is np.ndarray
-                and scores.dtype is _F32 and tokens.dtype is _I64 and scores.ndim == 3
-                and scores.shape[0] == self.rows and scores.shape[2] == self.num_experts
-                and tokens.shape == scores.shape[:2] and type(layer) is int and 0 <= layer < self.num_layers
-                and (pregate is None and (layer == 0 or not self._needs_pregate)
-                     or type(pregate) is np.ndarray and pregate.dtype is _F32 and pregate.shape == scores.shape)):
-            B, S = tokens.shape
-            v = self._all_valid.get((B, S))
-            if v is not None:
-                return self._run(layer, K_.MODE_BOTH, scores, pregate, tokens, v)
+        plan = self._fast(K_.MODE_BOTH, layer, scores, pregate, tokens, valid)
+        if plan is not None:
+            return plan
         z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self._needs_pregate)
         return self._run(layer, K_.MODE_BOTH, z, g, t, v)
 
@@ -411,6 +425,10 @@ class LogicalCache:
         """Part 1 alone for one position per row (``[B, E]`` or ``[B, 1, E]``), run as soon as the previous
         layer's MoE computation is launched; its insertions are the prefetch copies to queue. Follow it with
         :meth:`select` for the same layer."""
+        if type(pregate) is np.ndarray and pregate.ndim == 3 and pregate.shape[1] == 1:
+            plan = self._fast(K_.MODE_INSERT, layer, self._zeros(pregate.shape[0]), pregate, tokens, valid)
+            if plan is not None:
+                return plan
         _, g, t, v = self._inputs(layer, None, pregate, tokens, valid, True)
         if g.shape[1] != 1:
             raise ValueError("prefetch() takes one position per row; use step() for blocks")
@@ -419,6 +437,10 @@ class LogicalCache:
     def select(self, layer: int, scores: Any, tokens: Any = None, valid: Any = None, pregate: Any = None) -> StepPlan:
         """Part 2 alone for one position per row, after :meth:`prefetch` for this layer (or none at layer 0 / for
         policies that do not insert). ``spec`` needs the same ``pregate`` again."""
+        if type(scores) is np.ndarray and scores.ndim == 3 and scores.shape[1] == 1:
+            plan = self._fast(K_.MODE_SELECT, layer, scores, pregate, tokens, valid)
+            if plan is not None:
+                return plan
         z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.policy == "spec")
         if z.shape[1] != 1:
             raise ValueError("select() takes one position per row; use step() for blocks")
