@@ -168,3 +168,47 @@ def test_select_without_prefetch_is_an_error():
     cache.prefetch(1, z)
     with pytest.raises(ValueError, match="twice"):
         cache.prefetch(1, z)
+
+
+@pytest.mark.parametrize("policy,kw", OPTION_SETS)
+def test_step_io_on_the_caches_own_buffers_equals_step(policy, kw):
+    E, K, L, T, V, B = 16, 4, 3, 20, 25, 2
+    traces = [synthetic_trace(T, L, E, vocab_size=V, seed=21 + b) for b in range(B)]
+    cal = calibration_from_trace(synthetic_trace(200, L, E, vocab_size=V, seed=12), K, V)
+    config = RoutingConfig(policy=policy, capacity=6, **kw)
+    a = LogicalCache(config, num_layers=L, num_experts=E, top_k=K, calibration=cal, rows=B)
+    b = LogicalCache(config, num_layers=L, num_experts=E, top_k=K, calibration=cal, rows=B)
+    valid = np.array([[True], [False]])
+    for t in range(T):
+        tok = np.array([[tr.tokens[t]] for tr in traces])
+        row_valid = valid if t % 3 == 0 else np.ones((B, 1), dtype=bool)
+        for layer in range(L):
+            z = np.stack([tr.scores[t, layer] for tr in traces])[:, None]
+            g = np.stack([tr.pregate[t, layer] for tr in traces])[:, None]
+            want = a.step(layer, z, g if layer else None, tok, row_valid)
+            b.io.scores[:] = z
+            b.io.pregate[:] = g
+            b.io.tokens[:] = tok
+            b.io.valid[:] = row_valid
+            got = b.step_io(layer)
+            np.testing.assert_array_equal(got.plan, want.plan)
+    np.testing.assert_array_equal(a.state, b.state)
+
+
+def test_step_io_split_mode_and_errors():
+    cache = LogicalCache(RoutingConfig(policy="psr", capacity=4), num_layers=2, num_experts=8, top_k=2)
+    cache.io.pregate[:] = np.arange(8, dtype=np.float32)
+    plan = cache.step_io(1, "prefetch")
+    assert plan.prefetch_count[0, 0] == 1 and plan.prefetch_experts[0, 0, 0] == 7
+    cache.io.scores[:] = np.arange(8, dtype=np.float32)[::-1].copy()
+    plan = cache.step_io(1, "select")
+    assert sorted(plan.selected[0, 0].tolist()) == [0, 1]
+    with pytest.raises(ValueError, match="mode"):
+        cache.step_io(1, "both-ish")
+    with pytest.raises(ValueError, match="layer"):
+        cache.step_io(2)
+    cache.io.scores[0, 0, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        cache.step_io(0)
+    cache.resize(3)
+    assert cache.io.scores.shape == (3, 1, 8)

@@ -483,8 +483,8 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 (T_MI, T_MI_N, T_MF, T_MF_N, T_ST, T_L, T_R, T_E, T_RS, T_INDPTR, T_INDPTR_N, T_PEXP, T_NNZ, T_PVAL, T_FBUF, T_FBUF_N,
- T_IBUF, T_IBUF_N) = range(18)
-TABLE_SIZE = 18
+ T_IBUF, T_IBUF_N, T_IN_Z, T_IN_G, T_IN_TOK, T_IN_VALID, T_IN_PLAN, T_IN_W) = range(24)
+TABLE_SIZE = 24
 
 
 @intrinsic
@@ -515,6 +515,20 @@ def make_table(mi, mf, st, rs, indptr, pexp, pval, fbuf, ibuf) -> np.ndarray:
     t[T_FBUF], t[T_FBUF_N] = fbuf.ctypes.data, fbuf.size
     t[T_IBUF], t[T_IBUF_N] = ibuf.ctypes.data, ibuf.size
     return t
+
+
+def set_io_buffers(table, z, g, tokens, valid, plan) -> None:
+    """Record the cache's one-position input/output buffers (``[R, 1, E]`` float32 scores and pre-gate,
+    ``[R, 1]`` int64 tokens and uint8 mask, ``[R, 1, W]`` int64 plan) in the table, for :func:`_step_io`."""
+    R, E = table[T_R], table[T_E]
+    for a, dt, shape in ((z, np.float32, (R, 1, E)), (g, np.float32, (R, 1, E)), (tokens, np.int64, (R, 1)),
+                         (valid, np.uint8, (R, 1))):
+        if a.dtype != dt or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"io buffer must be a C-contiguous {np.dtype(dt).name} array of shape {shape}")
+    if plan.dtype != np.int64 or plan.ndim != 3 or plan.shape[:2] != (R, 1) or not plan.flags.c_contiguous:
+        raise ValueError("plan buffer must be a C-contiguous int64 array [R, 1, W]")
+    table[T_IN_Z], table[T_IN_G], table[T_IN_TOK] = z.ctypes.data, g.ctypes.data, tokens.ctypes.data
+    table[T_IN_VALID], table[T_IN_PLAN], table[T_IN_W] = valid.ctypes.data, plan.ctypes.data, plan.shape[2]
 
 
 @njit(cache=True, nogil=True)
@@ -553,3 +567,17 @@ def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pv
         ibuf = np.zeros(2 * E + 4 * nk + mi[MI_BUDGET], dtype=np.int64)
         codes[layer] = _step_layer(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr, pexp,
                                    pval, plan[layer], fbuf, ibuf)
+
+
+@njit(cache=True, nogil=True)
+def _step_io(layer, mode, table):
+    """:func:`_step_table` on the cache's own io buffers: no array crosses the call (each array argument costs
+    numba an unboxing with a heap allocation), which is what a decoder calls once per layer and token."""
+    R = table[T_R]
+    E = table[T_E]
+    z = carray(_voidptr(table[T_IN_Z]), (R, 1, E), np.float32)
+    g = carray(_voidptr(table[T_IN_G]), (R, 1, E), np.float32)
+    tokens = carray(_voidptr(table[T_IN_TOK]), (R, 1), np.int64)
+    valid = carray(_voidptr(table[T_IN_VALID]), (R, 1), np.uint8)
+    plan = carray(_voidptr(table[T_IN_PLAN]), (R, 1, table[T_IN_W]), np.int64)
+    return _step_table(layer, mode, table, z, g, tokens, valid, plan)

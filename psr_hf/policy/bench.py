@@ -49,8 +49,13 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _call_case(E: int, K: int, split: bool, calls: int, seed: int) -> Callable[[], float]:
-    """A closure that times ``calls`` batch-1 calls for one layer and returns microseconds per call."""
+def _call_case(E: int, K: int, how: str, calls: int, seed: int) -> Callable[[], float]:
+    """A closure that times ``calls`` batch-1 calls for one layer and returns microseconds per call.
+
+    ``how``: "step" (``LogicalCache.step`` with typed arrays), "split" (``prefetch`` + ``select``) or "io"
+    (``step_io`` on the cache's own buffers, which a decoder fills by its device-to-host copy). For "io" each
+    call's inputs are written into the buffers with numpy first, and the time of that fill alone, measured right
+    after in the same round, is subtracted: the result is the policy call a decoder pays."""
     L, V = 4, 1024
     cal = calibration_from_trace(synthetic_trace(8000, L, E, vocab_size=V, seed=seed + 1), K, V)
     trace = synthetic_trace(calls, L, E, vocab_size=V, seed=seed + 2)
@@ -62,10 +67,25 @@ def _call_case(E: int, K: int, split: bool, calls: int, seed: int) -> Callable[[
     tok = np.ascontiguousarray(trace.tokens.reshape(calls, 1, 1))
     cache.step(layer, z[0], g[0], tok[0])  # compile / warm up
 
+    io = cache.io
+
     def run() -> float:
         cache.reset()
         start = time.perf_counter()
-        if split:
+        if how == "io":
+            for i in range(calls):
+                io.scores[...] = z[i]
+                io.pregate[...] = g[i]
+                io.tokens[...] = tok[i]
+                cache.step_io(layer)
+            with_fill = time.perf_counter() - start
+            start = time.perf_counter()
+            for i in range(calls):
+                io.scores[...] = z[i]
+                io.pregate[...] = g[i]
+                io.tokens[...] = tok[i]
+            return (with_fill - (time.perf_counter() - start)) / calls * 1e6
+        elif how == "split":
             for i in range(calls):
                 cache.prefetch(layer, g[i], tok[i])
                 cache.select(layer, z[i], tok[i])
@@ -102,8 +122,9 @@ def bench_policy(
         raise ValueError("rounds, calls and tokens must be >= 1 and layers >= 2")
     cases: dict[str, Callable[[], float]] = {}
     for E in (64, 256):
-        cases[f"call step E={E} K=8"] = _call_case(E, 8, False, calls, seed)
-        cases[f"call prefetch+select E={E} K=8"] = _call_case(E, 8, True, calls, seed)
+        cases[f"call step E={E} K=8"] = _call_case(E, 8, "step", calls, seed)
+        cases[f"call step_io (net) E={E} K=8"] = _call_case(E, 8, "io", calls, seed)
+        cases[f"call prefetch+select E={E} K=8"] = _call_case(E, 8, "split", calls, seed)
     for E in (64, 256):
         for policy in ("psr", "exact"):
             cases[f"replay {policy} E={E} K=8"] = _replay_case(E, 8, policy, tokens, layers, seed)

@@ -18,6 +18,7 @@ from .config import DEFAULT_WINDOW, RoutingConfig
 
 logger = logging.getLogger(__name__)
 
+_MODES = {"both": 0, "prefetch": 1, "select": 2}
 _F32 = np.dtype(np.float32)
 _I64 = np.dtype(np.int64)
 _POLICY_CODES = {"exact": K_.EXACT, "cache_prior": K_.CACHE_PRIOR, "psr": K_.PSR, "spec": K_.SPEC}
@@ -108,6 +109,20 @@ class CacheStats:
             "demand_per_token": self.demand.sum(axis=0) / tokens,
             "replaced_per_token": self.replaced.sum(axis=0) / tokens,
         }
+
+
+@dataclass(frozen=True)
+class IOBuffers:
+    """The cache's own one-position buffers for :meth:`LogicalCache.step_io` (a decoder's hot path): fill
+    ``scores``/``pregate`` ``[R, 1, E]`` float32, ``tokens`` ``[R, 1]`` int64 and ``valid`` ``[R, 1]`` uint8 (1 =
+    real position; starts all ones) in place, call ``step_io(layer)``, read ``plan``. Replaced (new arrays) by
+    ``resize()`` and ``reorder()``, so fetch ``cache.io`` again after those."""
+
+    scores: np.ndarray
+    pregate: np.ndarray
+    tokens: np.ndarray
+    valid: np.ndarray
+    plan: StepPlan  # overwritten by every step_io call
 
 
 class LogicalCache:
@@ -216,6 +231,16 @@ class LogicalCache:
     def _rebuild_table(self) -> None:
         # the kernel reads the cache's arrays through their addresses; rebuilt whenever one is reallocated
         self._table = K_.make_table(self._mi, self._mf, self.state, self.counters, *self._prior, *self._scratch)
+        R, E = self.rows, self.num_experts
+        self.io = IOBuffers(
+            scores=np.zeros((R, 1, E), dtype=np.float32),
+            pregate=np.zeros((R, 1, E), dtype=np.float32),
+            tokens=np.zeros((R, 1), dtype=np.int64),
+            valid=np.ones((R, 1), dtype=np.uint8),
+            plan=StepPlan(np.full((R, 1, self._plan_width), -1, dtype=np.int64), self.top_k, self.budget),
+        )
+        K_.set_io_buffers(self._table, self.io.scores, self.io.pregate, self.io.tokens, self.io.valid,
+                          self.io.plan.plan)
 
     @property
     def rows(self) -> int:
@@ -383,6 +408,22 @@ class LogicalCache:
             return plan
         z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self._needs_pregate)
         return self._run(layer, K_.MODE_BOTH, z, g, t, v)
+
+    def step_io(self, layer: int, mode: str = "both") -> StepPlan:
+        """One position per row from the cache's own buffers ``self.io`` (see :class:`IOBuffers`): no array is
+        passed, so this is the cheapest call (what a decoder runs once per layer and token). ``mode``: "both"
+        (parts 1 and 2, like :meth:`step`), "prefetch" (part 1, like :meth:`prefetch`) or "select" (part 2).
+        Returns ``self.io.plan``, overwritten by the next call."""
+        m = _MODES.get(mode)
+        if m is None:
+            raise ValueError(f"mode={mode!r}; allowed: {', '.join(_MODES)}")
+        code = K_._step_io(layer, m, self._table)
+        if code != K_.OK:
+            io = self.io
+            if not (type(layer) is int or isinstance(layer, np.integer)) or not 0 <= layer < self.num_layers:
+                raise ValueError(f"layer={layer!r} must be an int in [0, {self.num_layers})")
+            self._raise(code, layer, io.scores, io.pregate, io.tokens, io.valid)
+        return self.io.plan
 
     def step_all_layers(self, scores: Any, pregate: Any = None, tokens: Any = None, valid: Any = None) -> list[StepPlan]:
         """:meth:`step` for every layer of a recorded block at once, layers in parallel threads.
