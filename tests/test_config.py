@@ -117,29 +117,9 @@ INVALID = [
     pytest.param(dict(capacity=16, budget=-1), _pattern("budget=-1", "int >= 0"), id="negative-budget"),
     pytest.param(dict(capacity=16, budget=1.5), _pattern("budget=1.5", "int >= 0"), id="float-budget"),
     pytest.param(
-        dict(policy="spec", capacity=16, budget=8),
-        _pattern("policy='spec'", "budget = window = K", "leave budget and window unset"),
-        id="budget-with-spec",
-    ),
-    pytest.param(
-        dict(policy="spec", capacity=16, window=8),
-        _pattern("policy='spec'", "budget = window = K", "leave budget and window unset"),
-        id="window-with-spec",
-    ),
-    pytest.param(
         dict(policy="cache_prior", capacity=16, window=4),
         _pattern("window=4", "policy='cache_prior'"),
         id="window-with-cache-prior",
-    ),
-    pytest.param(
-        dict(policy="psr", capacity=16, budget=0, window=4),
-        _pattern("window=4", "policy='psr'", "budget=0"),
-        id="window-with-psr-budget-0",
-    ),
-    pytest.param(
-        dict(policy="exact", capacity=16, window=4),
-        _pattern("window=4", "policy='exact'", "budget=0"),
-        id="window-with-exact-budget-0",
     ),
     pytest.param(dict(capacity=16, window=0), _pattern("window=0", "int >= 1"), id="window-0"),
     pytest.param(
@@ -401,3 +381,20 @@ def test_config_is_frozen():
 def test_equal_configs_hash_equal():
     assert hash(RoutingConfig(capacity=16)) == hash(RoutingConfig(capacity=16, lam=0.2, budget=1))
     assert RoutingConfig(capacity=16) != RoutingConfig(capacity=17)
+
+
+def test_spec_accepts_budget_and_window_equal_to_top_k_and_rejects_others():
+    config = RoutingConfig(policy="spec", capacity=16, budget=8, window=8)
+    assert (config.budget_for(8), config.window_for(8)) == (8, 8)
+    for kwargs, name in ((dict(budget=2), "budget"), (dict(window=4), "window")):
+        config = RoutingConfig(policy="spec", capacity=16, **kwargs)
+        with pytest.raises(ValueError, match=f"{name}=.*policy='spec'.*K = 8"):
+            config.budget_for(8) if name == "budget" else config.window_for(8)
+    with pytest.raises(ValueError, match="budget=0"):
+        RoutingConfig(policy="spec", capacity=16, budget=0)
+
+
+def test_window_is_kept_with_budget_zero_for_budget_sweeps():
+    for policy in ("psr", "exact"):
+        config = RoutingConfig(policy=policy, capacity=16, budget=0, window=4)
+        assert config.window_for(8) == 4 and not config.inserts

@@ -49,7 +49,8 @@ class RoutingConfig:
     exact         0      0       lru       the model's own top-K; budget > 0 adds logical prefetch
     cache_prior   0.2    0       lru       no insertion (budget must be 0)
     psr           0.2    1       score     window None = the architecture's default (8 if none)
-    spec          0      K       score     executes the pre-gate's top-K; budget = window = K
+    spec          0      K       score     executes the pre-gate's top-K; budget = window = K (explicit
+                                           values must equal K)
     ============  =====  ======  ========  ==========================================
 
     Invalid values or combinations raise ``ValueError`` naming the field and what is allowed.
@@ -102,11 +103,9 @@ class RoutingConfig:
         if self.eviction not in EVICTIONS:
             raise ValueError(f"eviction={self.eviction!r} is not supported; allowed: {', '.join(EVICTIONS)}")
         if policy == "spec":
-            if self.budget is not None or self.window is not None:
-                raise ValueError(
-                    "policy='spec' inserts the pre-gate's top-K with budget = window = K (the model's top-k); "
-                    "leave budget and window unset"
-                )
+            # spec's budget and window are K; an explicit value is checked against K once K is known
+            if self.budget is not None and (not _is_int(self.budget) or self.budget < 1):
+                raise ValueError(f"budget={self.budget!r}: policy='spec' uses budget = K (leave it unset)")
         else:
             if not _is_int(self.budget) or self.budget < 0:
                 raise ValueError(f"budget={self.budget!r} must be an int >= 0 (prefetch insertions per layer and token)")
@@ -117,11 +116,12 @@ class RoutingConfig:
             )
         if self.window is not None and (not _is_int(self.window) or self.window < 1):
             raise ValueError(f"window={self.window!r} must be an int >= 1 (pre-gate candidates) or None (architecture default)")
-        if self.window is not None and not self.inserts:
+        if self.window is not None and policy == "cache_prior":
             raise ValueError(
-                f"window={self.window} has no effect with policy={policy!r} and budget={self.budget}: only policies "
-                "that run part 1 (psr, spec, exact with budget > 0) read the pre-gate window"
+                f"window={self.window} has no effect with policy='cache_prior', which never reads the pre-gate; "
+                "only psr, spec and exact with budget > 0 use the window"
             )
+        # (psr / exact with budget 0 keep their window: inert until a budget is set, as in a budget sweep)
         if not _is_int(self.top_j) or self.top_j < 0:
             raise ValueError(f"top_j={self.top_j!r} must be an int >= 0")
         if self.top_j > 0 and policy not in ("cache_prior", "psr"):
@@ -174,12 +174,24 @@ class RoutingConfig:
     def window_for(self, top_k: int, default: int = DEFAULT_WINDOW) -> int:
         """Pre-gate candidates per step: K for spec, else ``window`` or the architecture's ``default``."""
         if self.policy == "spec":
+            self._check_spec("window", self.window, top_k)
             return top_k
         return self.window if self.window is not None else default
 
     def budget_for(self, top_k: int) -> int:
         """Prefetch insertions allowed per step: K for spec, else ``budget``."""
-        return top_k if self.policy == "spec" else int(self.budget)
+        if self.policy == "spec":
+            self._check_spec("budget", self.budget, top_k)
+            return top_k
+        return int(self.budget)
+
+    @staticmethod
+    def _check_spec(name: str, value: Any, top_k: int) -> None:
+        if value is not None and value != top_k:
+            raise ValueError(
+                f"{name}={value} with policy='spec': speculative execution inserts the pre-gate's top-K with "
+                f"budget = window = K = {top_k} (ALGORITHM.md); leave {name} unset or set it to {top_k}"
+            )
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
