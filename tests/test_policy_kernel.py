@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from psr_hf.policy import Calibration, LogicalCache, RoutingConfig, replay
-from psr_hf.policy.reference import ReferenceLayerState, reference_replay
+from psr_hf.policy.reference import reference_replay
 from psr_hf.policy.traces import calibration_from_trace, synthetic_trace
 
 # every policy and option
