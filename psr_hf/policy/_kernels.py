@@ -219,11 +219,20 @@ def _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E):
 
 @njit(cache=True, nogil=True)
 def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf):
+    """Validate the block (:func:`_validate`), then run :func:`_step_layer_checked` on it."""
+    code = _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, st.shape[3])
+    if code != OK:
+        return code
+    return _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf)
+
+
+@njit(cache=True, nogil=True)
+def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf):
     """One MoE layer over a block of positions ``[B, S]`` (positions in order; rows independent).
 
     ``mode``: MODE_BOTH runs part 1 then part 2 per position; MODE_INSERT runs part 1 only (S == 1), leaving B
     pending in the PROTECTED plane; MODE_SELECT runs part 2 only, consuming it. Writes the copy plan of every
-    position into ``plan [B, S, plan_width]`` and returns an error code (state untouched unless OK).
+    position into ``plan [B, S, plan_width]``. The block must have passed :func:`_validate`; returns OK.
     """
     B, S = tokens.shape
     E = st.shape[3]
@@ -241,11 +250,7 @@ def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, 
     decay_slow = mf[MF_DECAY_SLOW]
     flush = min(1.0, 1.0 - decay_fast) * FLUSH_RATIO
 
-    code = _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E)
     all_valid = valid.shape[0] == 0
-    if code != OK:
-        return code
-
     P = budget
     o_npf = K
     o_pf = K + 1
@@ -565,8 +570,8 @@ def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pv
     for layer in prange(L):
         fbuf = np.zeros(6 * E + nk, dtype=np.float64)
         ibuf = np.zeros(2 * E + 4 * nk + mi[MI_BUDGET], dtype=np.int64)
-        codes[layer] = _step_layer(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr, pexp,
-                                   pval, plan[layer], fbuf, ibuf)
+        codes[layer] = _step_layer_checked(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr,
+                                           pexp, pval, plan[layer], fbuf, ibuf)
 
 
 @njit(cache=True, nogil=True)
