@@ -71,14 +71,14 @@ def plan_width(K: int, P: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _select_top(x, y, k, out, buf, cand):
+def _select_top(x, y, k, out, buf, cand, lo):
     """The ``k`` largest of ``x [E]`` (float64), ties toward the larger ``y``, then the lower index; indices in
     rank order into ``out[:k]``. For a plain top-k pass ``y = x``.
 
     Branch-free where it matters (unpredictable branches dominate a naive insertion): a lower bound of the k-th
     largest ``x`` is the smallest of the maxima of ``k`` disjoint groups (each group holds an element at least
-    that large); only the few elements reaching it are ranked. ``buf`` (float64 >= k + 2E) and ``cand``
-    (int64 >= E) are scratch.
+    that large); only the few elements reaching it are ranked. ``lo`` is another known lower bound of the
+    k-th largest (or -inf). ``buf`` (float64 >= k + 2E) and ``cand`` (int64 >= E) are scratch.
     """
     # (indices into buf instead of slices: a slice is a new array object with reference counting)
     E = x.shape[0]
@@ -98,6 +98,8 @@ def _select_top(x, y, k, out, buf, cand):
     for c in range(1, k):
         if buf[c] < thr:
             thr = buf[c]
+    if lo > thr:
+        thr = lo  # a caller's tighter lower bound of the k-th largest
     nc = 0
     for e in range(E):  # branch-free compaction, ascending index
         cand[nc] = e
@@ -299,7 +301,7 @@ def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr
                 if do_part2:
                     for e in range(E):
                         zf[e] = zb[e]
-                    _select_top(zf, zf, K, own, fscratch, scratch)
+                    _select_top(zf, zf, K, own, fscratch, scratch, -np.inf)
                     for i in range(K):
                         row_plan[i] = own[i]
                 continue
@@ -312,7 +314,7 @@ def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr
                 gb = g[b, s]
                 for e in range(E):
                     gf[e] = gb[e]
-                _select_top(gf, gf, window, cand, fscratch, scratch)
+                _select_top(gf, gf, window, cand, fscratch, scratch, -np.inf)
                 for i in range(window):
                     e = cand[i]
                     if row[RESIDENT, e] != 0.0:
@@ -354,7 +356,7 @@ def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr
             # ---- part 2: selection
             for e in range(E):
                 zf[e] = zb[e]
-            _select_top(zf, zf, n_own, own, fscratch, scratch)
+            _select_top(zf, zf, n_own, own, fscratch, scratch, -np.inf)
             if policy == EXACT:
                 for i in range(K):
                     sel[i] = own[i]
@@ -362,7 +364,7 @@ def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr
                 gb = g[b, s]
                 for e in range(E):
                     gf[e] = gb[e]
-                _select_top(gf, gf, K, sel, fscratch, scratch)
+                _select_top(gf, gf, K, sel, fscratch, scratch, -np.inf)
             elif policy == SPEC:
                 for i in range(K):
                     sel[i] = own[i]
@@ -387,7 +389,9 @@ def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr
                 for e in range(E):
                     # z + lam * d * m with m in {0, 1}; z + 0.0 == z
                     gf[e] = zf[e] + (bonus if (res[e] != 0.0) | (topj[e] != 0) else 0.0)
-                _select_top(gf, zf, K, sel, fscratch, scratch)
+                # every biased score is >= its raw score, so the K-th largest biased score is >= the router's
+                # own K-th largest score: a tight lower bound that leaves few candidates
+                _select_top(gf, zf, K, sel, fscratch, scratch, zf[own[K - 1]])
                 for i in range(top_j):
                     topj[own[i]] = 0
 
