@@ -346,10 +346,8 @@ class LogicalCache:
                 and (pregate is None or type(pregate) is np.ndarray and pregate.dtype is _F32
                      and pregate.ndim == 3)):
             return None
-        plan = np.empty((scores.shape[0], scores.shape[1], self._plan_width), dtype=np.int64)
-        code = K_._step_table(layer, mode, self._table, scores, self._no_pregate if pregate is None else pregate,
-                              tokens, self._no_valid, plan)
-        return StepPlan(plan, self.top_k, self.budget) if code == K_.OK else None
+        code, plan = self._call(layer, mode, scores, pregate, tokens, self._no_valid)
+        return plan if code == K_.OK else None
 
     def _zeros(self, rows: int) -> np.ndarray:
         """Placeholder scores [rows, 1, E] for part 1 alone (never read)."""
@@ -358,15 +356,20 @@ class LogicalCache:
             z = self._placeholder[rows] = np.zeros((rows, 1, self.num_experts), dtype=np.float32)
         return z
 
+    def _call(self, layer, mode, z, g, t, v) -> tuple[int, StepPlan]:
+        """One kernel call on a block; the kernel checks shapes and values before touching any state."""
+        plan = np.empty((z.shape[0], z.shape[1], self._plan_width), dtype=np.int64)
+        code = K_._step_table(layer, mode, self._table, z, self._no_pregate if g is None else g, t, v, plan)
+        return code, StepPlan(plan, self.top_k, self.budget)
+
     def _run(self, layer, mode, z, g, t, v) -> StepPlan:
         B, S = t.shape
-        plan = np.empty((B, S, self._plan_width), dtype=np.int64)
         if z is None:
             z = self._zeros(B) if S == 1 else np.zeros((B, S, self.num_experts), dtype=np.float32)
-        code = K_._step_table(layer, mode, self._table, z, self._no_pregate if g is None else g, t, v, plan)
+        code, plan = self._call(layer, mode, z, g, t, v)
         if code != K_.OK:
             self._raise(code, layer, z, g, t, v)
-        return StepPlan(plan, self.top_k, self.budget)
+        return plan
 
     def _raise(self, code, layer, z, g, t, v) -> None:
         where = ""
