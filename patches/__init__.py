@@ -14,7 +14,13 @@ T = TypeVar("T")
 
 # Families shipped with psr_hf (model_type -> module). Modules are imported on first lookup, so importing
 # psr_hf.patches costs nothing and never imports torch.
-FAMILY_MODULES: dict[str, str] = {}
+FAMILY_MODULES: dict[str, str] = {
+    "olmoe": "psr_hf.patches.olmoe",
+    "deepseek_v3": "psr_hf.patches.deepseek_v3",
+    "qwen3_5_moe": "psr_hf.patches.qwen3_5_moe",
+    "qwen3_5_moe_text": "psr_hf.patches.qwen3_5_moe",
+    "qwen3_next": "psr_hf.patches.qwen3_next",
+}
 
 _REGISTRY: dict[str, object] = {}
 

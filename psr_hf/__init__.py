@@ -19,6 +19,12 @@ _LAZY = {
     "LogicalCache": "psr_hf.policy.cache",
     "replay": "psr_hf.policy.replaying",
     "ReplayResult": "psr_hf.policy.replaying",
+    "Recording": "psr_hf.policy.replaying",
+    "patch": "psr_hf.hf.patching",
+    "unpatch": "psr_hf.hf.patching",
+    "patched": "psr_hf.hf.patching",
+    "controller": "psr_hf.hf.patching",
+    "calibrate": "psr_hf.hf.calibrate",
 }
 
 __all__ = ["RoutingConfig", "__version__", *_LAZY]

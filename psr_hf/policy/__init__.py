@@ -25,6 +25,7 @@ _LAZY = {
     "StepPlan": ".cache",
     "ReplayResult": ".replaying",
     "replay": ".replaying",
+    "Recording": ".replaying",
 }
 
 __all__ = ["RoutingConfig", "POLICIES", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW", *_LAZY]

@@ -33,33 +33,70 @@ class ReplayResult:
         }
 
 
+@dataclass(frozen=True)
+class Recording:
+    """One batch row's routing trace, captured from a patched model (``psr_hf.controller(model).record()``).
+
+    Only real positions are kept (padding and the positions of rows that finished are dropped), in order.
+    ``replay(config, recording, calibration=...)`` re-runs the policy on it and reproduces ``selected``.
+    """
+
+    scores: np.ndarray  # [T, L, E] float32 selection scores z
+    pregate: np.ndarray  # [T, L, E] float32 pre-gates (pregate[:, 0] is zero: layer 0 has none)
+    tokens: np.ndarray  # [T] int64 input token ids
+    selected: np.ndarray  # [T, L, K] int64 experts the model executed, each row sorted ascending
+    top_k: int
+    default_window: int  # the architecture's pre-gate window
+    sequence: int = 0  # which sequence (reset) of the recording this row belongs to
+    row: int = 0  # the batch row it was in
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
 def replay(
     config: RoutingConfig,
     scores: Any,
-    pregate: Any,
-    tokens: Any,
-    calibration: Any,
-    top_k: int,
+    pregate: Any = None,
+    tokens: Any = None,
+    calibration: Any = None,
+    top_k: int | None = None,
     *,
-    default_window: int = DEFAULT_WINDOW,
+    default_window: int | None = None,
 ) -> ReplayResult:
     """Replay the routing policy over one row's trace.
 
     Args:
         config: the routing policy (a :class:`RoutingConfig` or a dict of its fields).
-        scores: float32 ``[T, L, E]`` selection scores of every MoE layer.
+        scores: float32 ``[T, L, E]`` selection scores of every MoE layer, or a :class:`Recording` (which then
+            supplies ``pregate``, ``tokens``, ``top_k`` and ``default_window``).
         pregate: float32 ``[T, L, E]`` pre-gate scores (``pregate[:, l]`` is layer ``l``'s router on the input of
             layer ``l-1``'s MoE block); ``pregate[:, 0]`` is never read, since layer 0 has no pre-gate. May be
             None for policies that never read it (cache_prior, exact without budget).
         tokens: int ``[T]`` input token ids.
         calibration: a :class:`Calibration` (or path / mapping), or None (see :class:`LogicalCache`).
         top_k: the model's K.
-        default_window: the pre-gate window when ``config.window`` is None (the architecture's default).
+        default_window: the pre-gate window when ``config.window`` is None (the architecture's default;
+            8 when neither it nor a recording gives one).
 
     Returns:
         :class:`ReplayResult` with ``selected [T, L, K]`` (sorted ascending), ``prefetch_copies [T, L]`` and
         ``demand_copies [T, L]``.
     """
+    if isinstance(scores, Recording):
+        if pregate is not None or tokens is not None:
+            raise ValueError("pass either a Recording or scores/pregate/tokens arrays, not both")
+        rec = scores
+        scores, pregate, tokens = rec.scores, rec.pregate, rec.tokens
+        top_k = rec.top_k if top_k is None else top_k
+        default_window = rec.default_window if default_window is None else default_window
+    if top_k is None:
+        raise ValueError("top_k is required (the model's number of experts per token)")
+    if tokens is None:
+        raise ValueError("tokens are required ([T] input token ids)")
+    if default_window is None:
+        default_window = DEFAULT_WINDOW
     z = np.asarray(scores)
     if z.ndim != 3:
         raise ValueError(f"scores must have shape [T, L, E], got {z.shape}")

@@ -1,0 +1,101 @@
+"""What every architecture patch supplies, with the softmax-router behaviour most families share.
+
+A family module subclasses :class:`ArchitecturePatch`, sets ``model_types`` and ``default_window``, and
+overrides what its router does differently (DeepSeek-V3's grouped sigmoid scoring, for instance). The torch
+glue in :mod:`psr_hf.hf` only ever talks to a model through these methods, so a new architecture is one file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One routed MoE block: ``index`` counts MoE layers only (0..L-1); ``decoder_index`` is its decoder layer."""
+
+    index: int
+    decoder_index: int
+    block: nn.Module
+    router: nn.Module
+
+
+class ArchitecturePatch:
+    """How psr_hf reads and steers one architecture family's routers.
+
+    Subclasses override what differs from a softmax top-K router (OLMoE's ``OlmoeTopKRouter`` and its kin):
+    ``selection_scores`` (the policy's ``z``), ``execution_weights`` (ALGORITHM.md step 6) and ``host_mass``.
+    """
+
+    model_types: tuple[str, ...] = ()
+    default_window: int = 4
+    #: renormalise the gathered softmax over the selected experts (None: read ``router.norm_topk_prob``)
+    normalize: bool | None = None
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+    # ------------------------------------------------------------------ structure
+    def decoder(self) -> nn.Module:
+        """The text decoder holding ``.layers`` (the language model of a composite model)."""
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        if decoder is None or not hasattr(decoder, "layers"):
+            raise ValueError(f"{type(self.model).__name__} has no text decoder with .layers that psr_hf can patch")
+        return decoder
+
+    @staticmethod
+    def is_moe_block(block: nn.Module | None) -> bool:
+        return block is not None and hasattr(block, "gate") and hasattr(block, "experts")
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The routed MoE blocks in model order (dense MLP layers are skipped; shared experts stay untouched)."""
+        layers = []
+        for decoder_index, layer in enumerate(self.decoder().layers):
+            block = getattr(layer, "mlp", None)
+            if not self.is_moe_block(block):
+                continue
+            router = block.gate
+            weight = getattr(router, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not hasattr(router, "top_k"):
+                raise ValueError(
+                    f"decoder layer {decoder_index}: {type(router).__name__} is not a top-k router with a "
+                    "[num_experts, hidden] weight; this transformers version changed the architecture psr_hf expects"
+                )
+            layers.append(MoELayer(len(layers), decoder_index, block, router))
+        return layers
+
+    # ------------------------------------------------------------------ scores and weights
+    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` logits of ``router`` on ``hidden`` ``[..., H]``, computed like the router computes them."""
+        return F.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight)
+
+    def selection_scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` scores ``z`` the policy ranks (ALGORITHM.md, Inputs): the raw logits for softmax routers."""
+        return logits
+
+    def pregate(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` pre-gate: ``router`` (the next MoE layer's) applied to this MoE block's input."""
+        return self.selection_scores(router, self.router_logits(router, hidden))
+
+    def _normalize(self, router: nn.Module) -> bool:
+        return bool(router.norm_topk_prob) if self.normalize is None else self.normalize
+
+    def execution_weights(self, router: nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` weights of the experts ``selected`` ``[N, K]`` from the unmodified scores, as the model's
+        own router weights its top-K: softmax over all experts, gathered, renormalised if the model does."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights = probs.gather(1, selected)
+        if self._normalize(router):
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype)
+
+    def host_mass(self, layer: int, scores: np.ndarray) -> np.ndarray:
+        """Non-negative ``[N, E]`` values proportional to the router's own weights, from host scores ``[N, E]``
+        (used for the displaced router mass: only ratios within a row matter)."""
+        return np.exp(scores - scores.max(axis=-1, keepdims=True))

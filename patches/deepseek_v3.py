@@ -1,0 +1,58 @@
+"""DeepSeek-V3 and Moonlight-16B-A3B (``DeepseekV3ForCausalLM``, the native class).
+
+Selection scores are ``sigmoid(logits) + e_score_correction_bias`` with the experts outside the kept groups at
+``-inf`` (group-limited routing, exactly as ``DeepseekV3TopkRouter`` keeps groups); execution weights come from
+the unbiased ``sigmoid(logits)``, normalised if ``norm_topk_prob``, times ``routed_scaling_factor``. The first
+``first_k_dense_replace`` layers are dense and skipped; the shared experts run unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import register_patch
+from .base import ArchitecturePatch
+
+
+@register_patch("deepseek_v3")
+class DeepseekV3Patch(ArchitecturePatch):
+    model_types = ("deepseek_v3",)
+    default_window = 4  # the paper's window for Moonlight
+
+    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        # the router computes in float32 whatever the model dtype
+        return F.linear(hidden.reshape(-1, router.weight.shape[1]).float(), router.weight.float())
+
+    def selection_scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.sigmoid() + router.e_score_correction_bias  # [N, E]
+        groups, keep = router.num_group, router.topk_group
+        if groups > 1 and keep < groups:
+            per_group = scores.view(-1, groups, router.num_experts // groups)  # [N, G, E/G]
+            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+            kept = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
+            scores = per_group.masked_fill(~mask.unsqueeze(-1), float("-inf")).reshape(-1, router.num_experts)
+        return scores
+
+    def execution_weights(self, router: nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        weights = logits.sigmoid().gather(1, selected)
+        if router.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * router.routed_scaling_factor
+
+    def host_mass(self, layer: int, scores: np.ndarray) -> np.ndarray:
+        # z = sigmoid + bias, so the router's own (unnormalised) weight is z - bias; masked experts weigh 0
+        bias = self._bias[layer]
+        return np.where(np.isfinite(scores), scores - bias, 0.0)
+
+    @property
+    def _bias(self) -> list[np.ndarray]:
+        cached = getattr(self, "_bias_cache", None)
+        if cached is None:
+            cached = self._bias_cache = [
+                layer.router.e_score_correction_bias.detach().float().cpu().numpy() for layer in self.moe_layers()
+            ]
+        return cached

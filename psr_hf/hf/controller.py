@@ -1,0 +1,473 @@
+"""The Controller: per-row logical caches carried across the forward passes of a patched model.
+
+It is the torch side of the one decision path (DESIGN.md, "One decode step through the HF path"):
+
+1. a forward pre-hook on the model (and on its text decoder, for direct calls) reads ``input_ids``, the attention
+   mask and the cache length: a new sequence resets the rows, padded positions and rows that finished are
+   marked so they never touch the state;
+2. each MoE router's forward is replaced: it runs the model's own router, computes the selection scores of this
+   layer and the pre-gate of the next, moves both to the host in **one** transfer, and asks the
+   :class:`~psr_hf.policy.LogicalCache` for the selection;
+3. where the selection equals the router's own top-K the router's own outputs are returned untouched (so exact
+   routing is bitwise the unpatched model); elsewhere the selected experts with weights from the unmodified scores.
+
+Policy rules live only in the kernels; nothing here decides which expert runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..policy.cache import LogicalCache, StepPlan
+from ..policy.config import RoutingConfig
+from ..policy.replaying import Recording
+
+logger = logging.getLogger(__name__)
+
+_CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.23+ names of the KV cache argument
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """Routing statistics of a patched model.
+
+    Per row (``[R]`` arrays) for the current sequence, and ``total`` over every sequence since :func:`patch` or
+    :meth:`Controller.reset_stats`. Copies are logical cache insertions summed over all MoE layers, per real
+    (unpadded) token; ``replaced`` counts selected experts outside the router's own top-K; ``displaced_mass`` is
+    the mean over token-layers of the fraction of the router's own top-K weight whose experts were not executed.
+    """
+
+    tokens: np.ndarray
+    prefetch_per_token: np.ndarray
+    demand_per_token: np.ndarray
+    copies_per_token: np.ndarray
+    replaced_per_token: np.ndarray
+    displaced_mass: np.ndarray
+    total: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = {name: getattr(self, name).tolist() for name in (
+            "tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token",
+            "displaced_mass")}
+        return {"rows": rows, "total": dict(self.total)}
+
+
+# totals: tokens, token-layers, prefetch, demand, replaced, displaced-mass sum, sequences
+_T_TOKENS, _T_STEPS, _T_PREFETCH, _T_DEMAND, _T_REPLACED, _T_DISPLACED, _T_SEQUENCES = range(7)
+
+
+def _totals_dict(t: np.ndarray) -> dict[str, float]:
+    tokens = max(t[_T_TOKENS], 1.0)
+    prefetch, demand = t[_T_PREFETCH] / tokens, t[_T_DEMAND] / tokens
+    return {
+        "sequences": int(t[_T_SEQUENCES]),
+        "tokens": int(t[_T_TOKENS]),
+        "prefetch_per_token": float(prefetch),
+        "demand_per_token": float(demand),
+        "copies_per_token": float(prefetch + demand),
+        "replaced_per_token": float(t[_T_REPLACED] / tokens),
+        "displaced_mass": float(t[_T_DISPLACED] / max(t[_T_STEPS], 1.0)),
+    }
+
+
+class _Forward:
+    """What the pre-hook learned about the current forward pass."""
+
+    __slots__ = ("rows", "positions", "tokens", "valid", "owner")
+
+    def __init__(self, rows: int, positions: int, tokens: np.ndarray, valid: np.ndarray | None, owner: Any):
+        self.rows = rows  # B
+        self.positions = positions  # S
+        self.tokens = tokens  # [B, S] int64
+        self.valid = valid  # [B, S] uint8, or None when every position is real
+        self.owner = owner  # the module whose pre-hook opened this forward
+
+
+class Recorder:
+    """Captures, per row, the selection scores, pre-gates, token ids and selected experts of every MoE layer.
+
+    Use as a context manager (``with psr_hf.controller(model).record() as rec: model.generate(...)``) or call
+    :meth:`stop`. ``rec.recordings`` then holds one :class:`~psr_hf.policy.Recording` per (sequence, row) with only
+    the real positions; ``psr_hf.policy.replay(config, recording, calibration=...)`` reproduces its ``selected``.
+    """
+
+    def __init__(self, controller: "Controller"):
+        self._controller = controller
+        self.recordings: list[Recording] = []
+        self._chunks: list[tuple[np.ndarray, ...]] = []  # per forward: z [B,S,L,E], g, selected [B,S,L,K], tokens, valid
+        self._layers: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = {}
+        self._sequence = 0
+        self.active = True
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> list[Recording]:
+        """Stop recording; returns :attr:`recordings` (the open sequence is closed)."""
+        if self.active:
+            self._close_sequence()
+            self.active = False
+            if self._controller._recorder is self:
+                self._controller._recorder = None
+        return self.recordings
+
+    # called by the controller
+    def _layer(self, layer: int, z: np.ndarray, g: np.ndarray | None, selected: np.ndarray) -> None:
+        self._layers[layer] = (np.array(z, dtype=np.float32), None if g is None else np.array(g, dtype=np.float32),
+                               np.array(selected))
+
+    def _end_forward(self, fwd: _Forward) -> None:
+        ctl = self._controller
+        if len(self._layers) != ctl.num_layers:  # the forward did not reach every MoE layer (an error)
+            self._layers.clear()
+            return
+        B, S = fwd.rows, fwd.positions
+        L, E = ctl.num_layers, ctl.num_experts
+        z = np.stack([self._layers[layer][0] for layer in range(L)], axis=2)  # [B, S, L, E]
+        g = np.zeros_like(z)
+        for layer in range(L):
+            if self._layers[layer][1] is not None:
+                g[:, :, layer] = self._layers[layer][1]
+        selected = np.stack([self._layers[layer][2] for layer in range(L)], axis=2)  # [B, S, L, K]
+        valid = np.ones((B, S), dtype=bool) if fwd.valid is None else fwd.valid.astype(bool)
+        self._chunks.append((z, g, selected, fwd.tokens.copy(), valid))
+        self._layers.clear()
+
+    def _reorder(self, index: np.ndarray) -> None:
+        self._chunks = [tuple(a[index] for a in chunk) for chunk in self._chunks]
+
+    def _close_sequence(self) -> None:
+        if not self._chunks:
+            return
+        ctl = self._controller
+        z, g, selected, tokens, valid = (np.concatenate(parts, axis=1) for parts in zip(*self._chunks))
+        for row in range(z.shape[0]):
+            keep = valid[row]
+            self.recordings.append(Recording(
+                scores=np.ascontiguousarray(z[row, keep]),
+                pregate=np.ascontiguousarray(g[row, keep]),
+                tokens=np.ascontiguousarray(tokens[row, keep], dtype=np.int64),
+                selected=np.sort(selected[row, keep], axis=-1).astype(np.int64),
+                top_k=ctl.top_k,
+                default_window=ctl.default_window,
+                sequence=self._sequence,
+                row=row,
+            ))
+        self._chunks = []
+        self._sequence += 1
+
+
+class Controller:
+    """Per-row routing state of one patched model; get it with :func:`psr_hf.controller`.
+
+    Attributes: ``config`` (the :class:`RoutingConfig`), ``cache`` (the :class:`~psr_hf.policy.LogicalCache`),
+    ``layers`` (the patched MoE layers), ``num_layers``, ``num_experts``, ``top_k``, ``capacity``.
+    """
+
+    def __init__(self, model: torch.nn.Module, family: Any, layers: list, config: RoutingConfig,
+                 calibration: Any):
+        self.model = model
+        self.family = family
+        self.layers = layers
+        self.config = config
+        routers = [layer.router for layer in layers]
+        shapes = {(int(r.weight.shape[0]), int(r.top_k)) for r in routers}
+        if len(shapes) != 1:
+            raise ValueError(f"MoE layers differ in (experts, top_k): {sorted(shapes)}; psr_hf needs one shape")
+        (self.num_experts, self.top_k), = shapes
+        self.num_layers = len(layers)
+        self.default_window = family.default_window
+        vocab = getattr(family.config, "vocab_size", None)
+        self.cache = LogicalCache(
+            config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
+            calibration=calibration, rows=1, default_window=self.default_window, vocab_size=vocab,
+        )
+        self.capacity = self.cache.capacity
+        self.calibration = self.cache.calibration
+        self._needs_pregate = config.inserts or config.policy == "spec"
+        self._spec = config.policy == "spec"
+        self._uses_tokens = bool(self.cache.calibration.vocab_size) and config.eviction == "score"
+        self._fwd: _Forward | None = None
+        self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
+        self.last_prefetch: StepPlan | None = None  # part-1 plan of the next layer (what an offload engine queues)
+        self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
+        self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
+        self._totals = np.zeros(7)
+        self._bypass = 0
+        self._recorder: Recorder | None = None
+        self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._in_generate = 0
+        self._undo: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ public
+    @property
+    def rows(self) -> int:
+        return self.cache.rows
+
+    def reset(self) -> None:
+        """Start a new sequence in every row (the pre-hook does this by itself when a sequence starts)."""
+        self._new_sequence(self.rows)
+
+    def reset_stats(self) -> None:
+        """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept)."""
+        self._totals[:] = -self._current_totals()
+
+    def stats(self) -> RoutingStats:
+        """Copies per token, replaced router slots and displaced router mass, per row and in total."""
+        s = self.cache.stats()
+        tokens = s.steps.max(axis=0)  # [R]
+        per = np.maximum(tokens, 1)
+        steps = np.maximum(s.steps.sum(axis=0), 1)
+        prefetch, demand = s.prefetch.sum(axis=0) / per, s.demand.sum(axis=0) / per
+        total = self._totals + self._current_totals()
+        return RoutingStats(
+            tokens=tokens,
+            prefetch_per_token=prefetch,
+            demand_per_token=demand,
+            copies_per_token=prefetch + demand,
+            replaced_per_token=s.replaced.sum(axis=0) / per,
+            displaced_mass=self._displaced.sum(axis=0) / steps,
+            total=_totals_dict(total),
+        )
+
+    def record(self) -> Recorder:
+        """Start recording (see :class:`Recorder`); a recording already running is stopped first."""
+        if self._recorder is not None:
+            self._recorder.stop()
+        self._recorder = Recorder(self)
+        return self._recorder
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Run the model's own routers inside this block: no state is read or changed (used by calibration)."""
+        self._bypass += 1
+        try:
+            yield
+        finally:
+            self._bypass -= 1
+
+    # ------------------------------------------------------------------ sequence and rows
+    def _current_totals(self) -> np.ndarray:
+        s = self.cache.stats()
+        t = np.zeros(7)
+        t[_T_TOKENS] = s.steps.max(axis=0).sum()
+        t[_T_STEPS] = s.steps.sum()
+        t[_T_PREFETCH] = s.prefetch.sum()
+        t[_T_DEMAND] = s.demand.sum()
+        t[_T_REPLACED] = s.replaced.sum()
+        t[_T_DISPLACED] = self._displaced.sum()
+        t[_T_SEQUENCES] = int((s.steps.max(axis=0) > 0).sum())  # rows that saw tokens
+        return t
+
+    def _new_sequence(self, rows: int) -> None:
+        current = self._current_totals()
+        self._totals += current
+        if self._recorder is not None:
+            self._recorder._close_sequence()
+        if rows != self.cache.rows:
+            self.cache.resize(rows)
+        else:
+            self.cache.reset()
+        self._displaced = np.zeros((self.num_layers, rows))
+        self._finished = np.zeros(rows, dtype=bool)
+
+    def reorder(self, index: Any) -> None:
+        """Reorder or expand the rows like the KV cache (beam search): new row ``i`` continues old row ``index[i]``."""
+        index = np.asarray(index, dtype=np.int64).reshape(-1)
+        self.cache.reorder(index)
+        self._displaced = self._displaced[:, index]
+        self._finished = self._finished[index]
+        if self._recorder is not None:
+            self._recorder._reorder(index)
+
+    # ------------------------------------------------------------------ hooks
+    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._fwd is not None or self._bypass:
+            return  # a nested call inside an outer patched forward (composite model -> language model)
+        ids = kwargs.get("input_ids")
+        if ids is None and args and isinstance(args[0], torch.Tensor):
+            ids = args[0]
+        if ids is not None:
+            B, S = int(ids.shape[0]), int(ids.shape[1])
+            tokens = ids.detach().to("cpu", torch.int64).numpy()
+        else:
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None:
+                raise ValueError("psr_hf: the forward got neither input_ids nor inputs_embeds")
+            if self._uses_tokens:
+                raise ValueError(
+                    "psr_hf: score eviction with a calibrated token prior needs the input token ids, but the model "
+                    "was called with inputs_embeds only; pass input_ids (or patch with eviction='lru')"
+                )
+            B, S = int(embeds.shape[0]), int(embeds.shape[1])
+            tokens = np.zeros((B, S), dtype=np.int64)
+        past = self._past_length(kwargs)
+        if past == 0:
+            self._new_sequence(B)
+        elif B != self.cache.rows:
+            raise RuntimeError(
+                f"psr_hf: a batch of {B} rows continues a cached sequence of {self.cache.rows} rows; start a new "
+                "sequence (empty cache) or reorder the rows with the KV cache"
+            )
+        valid = self._valid_positions(kwargs.get("attention_mask"), B, S)
+        if self._in_generate and past > 0 and self._stop_ids.size:
+            valid = self._mark_finished(tokens, valid)
+        self._fwd = _Forward(B, S, tokens, valid, module)
+        self._pregate = [None] * self.num_layers
+
+    def _on_forward_end(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        fwd = self._fwd
+        if fwd is None or fwd.owner is not module:
+            return
+        self._fwd = None
+        if self._recorder is not None:
+            self._recorder._end_forward(fwd)
+
+    @staticmethod
+    def _past_length(kwargs: dict) -> int:
+        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if cache is None:
+            return 0
+        if hasattr(cache, "get_seq_length"):
+            return int(cache.get_seq_length())
+        raise ValueError(
+            f"psr_hf: unsupported KV cache type {type(cache).__name__} (no get_seq_length()); use a transformers Cache"
+        )
+
+    @staticmethod
+    def _valid_positions(mask: Any, B: int, S: int) -> np.ndarray | None:
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != B or mask.shape[1] < S:
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"psr_hf needs a 2D attention_mask [batch, past + length] = [{B}, >= {S}] to tell padding from tokens; "
+                f"got {shape}. Pass the tokenizer's attention_mask (or none when nothing is padded)"
+            )
+        valid = mask[:, -S:].detach().to("cpu").numpy() != 0
+        return None if valid.all() else valid.astype(np.uint8)
+
+    def _mark_finished(self, tokens: np.ndarray, valid: np.ndarray | None) -> np.ndarray | None:
+        # generate() feeds a row's end-of-sequence token back once, then pad tokens: from that position on the
+        # row's outputs are discarded, so they must not touch its state
+        hit = np.isin(tokens, self._stop_ids)  # [B, S]
+        if not hit.any() and not self._finished.any():
+            return valid
+        done = np.logical_or.accumulate(hit, axis=1) | self._finished[:, None]
+        self._finished |= done[:, -1]
+        keep = ~done if valid is None else (valid != 0) & ~done
+        return None if keep.all() else keep.astype(np.uint8)
+
+    def _reorder_cache(self, original: Callable | None, past: Any, beam_idx: torch.Tensor) -> Any:
+        self.reorder(beam_idx.detach().to("cpu").numpy())
+        if original is not None:
+            return original(past, beam_idx)
+        past.reorder_cache(beam_idx)
+        return past
+
+    def _generate(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        eos = kwargs.get("eos_token_id")
+        if eos is None:
+            config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+            eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, torch.Tensor):
+            eos = eos.tolist()
+        stop = np.asarray([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=np.int64)
+        previous = self._stop_ids
+        self._stop_ids = stop
+        self._in_generate += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._in_generate -= 1
+            self._stop_ids = previous
+
+    # ------------------------------------------------------------------ routing
+    def _router_forward(self, layer: Any, original: Callable) -> Callable:
+        index = layer.index
+        router = layer.router
+        following = self.layers[index + 1].router if index + 1 < self.num_layers else None
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            logits, weights, indices = original(hidden_states, *args, **kwargs)
+            if self._bypass:
+                return logits, weights, indices
+            if self._fwd is None:
+                raise RuntimeError(
+                    f"psr_hf: MoE layer {index} ran outside a forward pass of the patched model; call the model (or "
+                    "its decoder) so the routing state sees the input ids and the attention mask"
+                )
+            return self._route(index, router, following, hidden_states, logits, weights, indices)
+
+        return forward
+
+    def _route(self, layer: int, router: Any, following: Any, hidden: torch.Tensor, logits: torch.Tensor,
+               weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fwd = self._fwd
+        B, S, E, K = fwd.rows, fwd.positions, self.num_experts, self.top_k
+        family = self.family
+        z = family.selection_scores(router, logits).detach()  # [N, E]
+        g_next = None
+        if following is not None and self._needs_pregate:
+            g = family.pregate(following, hidden).detach()  # [N, E]
+            if g.dtype != z.dtype:
+                g = g.to(z.dtype)
+            host = torch.cat((z, g), dim=-1).cpu()  # the one transfer (and synchronisation) of this layer
+            host = (host if host.dtype == torch.float32 else host.float()).numpy()
+            z_host = host[:, :E].reshape(B, S, E)
+            g_next = host[:, E:].reshape(B, S, E)
+        else:
+            host = z.cpu()
+            z_host = (host if host.dtype == torch.float32 else host.float()).numpy().reshape(B, S, E)
+        plan = self._decide(layer, z_host, g_next, fwd)
+        selected = plan.selected  # [B, S, K] in selection order
+        if self._recorder is not None:
+            self._recorder._layer(layer, z_host, self._pregate[layer], selected)
+        if g_next is not None:
+            self._pregate[layer + 1] = g_next
+        replaced = plan.replaced.reshape(B * S) > 0  # [N]
+        if not replaced.any():
+            return logits, weights, indices  # the router's own choice: its own outputs, bitwise
+        chosen = selected.reshape(B * S, K)
+        self._add_displaced(layer, z_host.reshape(B * S, E), chosen, replaced, S)
+        packed = np.empty((B * S, K + 1), dtype=np.int64)
+        packed[:, :K] = chosen
+        packed[:, K] = replaced
+        packed_dev = torch.from_numpy(packed).to(logits.device)
+        chosen_dev, mask = packed_dev[:, :K], packed_dev[:, K:].bool()
+        new_weights = family.execution_weights(router, logits, chosen_dev)
+        return logits, torch.where(mask, new_weights.to(weights.dtype), weights), torch.where(mask, chosen_dev, indices)
+
+    def _decide(self, layer: int, z: np.ndarray, g_next: np.ndarray | None, fwd: _Forward) -> StepPlan:
+        cache, tokens, valid = self.cache, fwd.tokens, fwd.valid
+        g_here = self._pregate[layer]
+        if fwd.positions == 1 and self._needs_pregate:
+            # one position per row (decoding): part 2 of this layer, then part 1 of the next, so the next layer's
+            # prefetches are known while this layer computes (what the offload scheduler queues)
+            plan = cache.select(layer, z, tokens, valid, pregate=g_here if self._spec else None)
+            if g_next is not None:
+                self.last_prefetch = cache.prefetch(layer + 1, g_next, tokens, valid)
+            return plan
+        # a block of positions: parts 1 and 2 of this layer for each position in order
+        return cache.step(layer, z, g_here, tokens, valid)
+
+    def _add_displaced(self, layer: int, z: np.ndarray, chosen: np.ndarray, replaced: np.ndarray, S: int) -> None:
+        where = np.flatnonzero(replaced)
+        zr = z[where]  # [n, E]
+        mass = self.family.host_mass(layer, zr)  # [n, E] proportional to the router's own weights
+        own = np.argpartition(-zr, self.top_k - 1, axis=1)[:, : self.top_k]  # the router's own top-K (as a set)
+        own_mass = np.take_along_axis(mass, own, axis=1)
+        executed = np.zeros(zr.shape, dtype=bool)
+        np.put_along_axis(executed, chosen[where], True, axis=1)
+        lost = (own_mass * ~np.take_along_axis(executed, own, axis=1)).sum(axis=1)
+        fraction = lost / np.maximum(own_mass.sum(axis=1), np.finfo(np.float64).tiny)
+        np.add.at(self._displaced[layer], where // S, fraction)

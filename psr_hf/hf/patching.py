@@ -1,0 +1,166 @@
+"""patch() / unpatch() / patched() / controller(): install and remove cache-aware routing on a transformers model."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from ..patches import get_patch, supported_model_types
+from ..policy.config import RoutingConfig
+from .controller import Controller
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_psr_hf_controller"
+
+
+def _routing_config(config: Any) -> RoutingConfig:
+    if isinstance(config, RoutingConfig):
+        return config
+    if isinstance(config, dict):
+        return RoutingConfig.from_dict(config)
+    if isinstance(config, str) and config.endswith((".yaml", ".yml")):
+        return RoutingConfig.load_yaml(config)
+    raise ValueError(
+        "config must be a psr_hf.RoutingConfig (e.g. RoutingConfig(policy='psr', residency=0.5)), a dict of its "
+        f"fields or a path to its YAML file; got {type(config).__name__}"
+    )
+
+
+def _family(model: torch.nn.Module) -> Any:
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"psr_hf.patch needs a transformers model (nn.Module with .config), got {type(model).__name__}")
+    module = type(model).__module__
+    if not module.startswith("transformers."):
+        raise ValueError(
+            f"{type(model).__name__} comes from {module}, not from transformers: models loaded with "
+            "trust_remote_code=True run the hub's own code, which psr_hf cannot patch. Load the native class "
+            "instead: AutoModelForCausalLM.from_pretrained(path) without trust_remote_code (transformers has "
+            "native OLMoE, DeepSeek-V3/Moonlight, Qwen3.5-MoE and Qwen3-Next)"
+        )
+    model_type = getattr(model.config, "model_type", None)
+    candidates = [model_type]
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    if text is not None and getattr(text, "model_type", None) not in candidates:
+        candidates.append(text.model_type)
+    for candidate in candidates:
+        if candidate in supported_model_types():
+            return get_patch(candidate)(model)
+    raise ValueError(
+        f"model_type {model_type!r} ({type(model).__name__}) is not supported by psr_hf; supported: "
+        f"{', '.join(supported_model_types())}. A new architecture is one module in psr_hf/patches"
+    )
+
+
+def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None) -> torch.nn.Module:
+    """Make ``model``'s MoE routing cache-aware, in place; returns the same object.
+
+    Args:
+        model: a transformers MoE model of a supported family (OLMoE, DeepSeek-V3/Moonlight, Qwen3.5/3.6-MoE,
+            Qwen3-Next), loaded with its native class.
+        config: a :class:`RoutingConfig` (or a dict of its fields, or a path to its YAML file).
+        calibration: a :class:`Calibration`, a path to one, or None: then the running bonus scale, warm set = the
+            first C experts and a zero token prior are used, with a warning that recommends calibrating.
+        offload: not available in this version (experts stay where the model put them).
+
+    Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
+    """
+    if offload is not None:
+        raise NotImplementedError(
+            "offload is not available in this version of psr_hf: the model runs with its experts where they are; "
+            "pass offload=None"
+        )
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError(
+            "this model is already patched by psr_hf; call psr_hf.unpatch(model) first to patch it with another "
+            "configuration (psr_hf.controller(model) gives the current one)"
+        )
+    routing = _routing_config(config)
+    family = _family(model)
+    layers = family.moe_layers()
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no routed MoE layers for psr_hf to patch")
+    ctl = Controller(model, family, layers, routing, calibration)
+    if calibration is None and not (routing.biased and routing.delta_mode == "fixed"):
+        logger.warning(
+            "psr_hf.patch without a calibration: warm set = the first %d experts of each layer and no token prior; "
+            "calibrate the model (psr_hf.calibrate or psr-hf calibrate) for the paper's warm set and prior",
+            ctl.capacity)
+    try:
+        _install(model, family, ctl)
+    except BaseException:
+        _uninstall(ctl)
+        raise
+    setattr(model, _ATTR, ctl)
+    logger.info("psr_hf: patched %d MoE layers of %s (%s), capacity %d of %d experts", ctl.num_layers,
+                type(model).__name__, routing.policy, ctl.capacity, ctl.num_experts)
+    return model
+
+
+def _set_instance_attr(ctl: Controller, obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` as an instance attribute, remembering how to restore what was there."""
+    had = name in vars(obj)
+    previous = vars(obj).get(name)
+    object.__setattr__(obj, name, value)
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(obj, name, previous)
+        elif name in vars(obj):
+            object.__delattr__(obj, name)
+
+    ctl._undo.append(undo)
+
+
+def _install(model: torch.nn.Module, family: Any, ctl: Controller) -> None:
+    for layer in ctl.layers:
+        router = layer.router
+        _set_instance_attr(ctl, router, "forward", ctl._router_forward(layer, router.forward))
+    decoder = family.decoder()
+    for module in dict.fromkeys((model, decoder)):  # the model itself, and its decoder for direct calls
+        pre = module.register_forward_pre_hook(ctl._on_forward, with_kwargs=True)
+        post = module.register_forward_hook(ctl._on_forward_end, with_kwargs=True, always_call=True)
+        ctl._undo.extend((pre.remove, post.remove))
+    original_reorder = getattr(model, "_reorder_cache", None)
+    _set_instance_attr(ctl, model, "_reorder_cache", functools.partial(ctl._reorder_cache, original_reorder))
+    if hasattr(model, "generate"):
+        _set_instance_attr(ctl, model, "generate", functools.partial(ctl._generate, model.generate))
+
+
+def _uninstall(ctl: Controller) -> None:
+    while ctl._undo:
+        ctl._undo.pop()()
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Remove everything :func:`patch` installed; returns the same model, computing exactly as before."""
+    ctl = getattr(model, _ATTR, None)
+    if ctl is None:
+        raise ValueError("this model is not patched by psr_hf (nothing to unpatch); psr_hf.patch(model, config) patches it")
+    _uninstall(ctl)
+    if _ATTR in vars(model):
+        object.__delattr__(model, _ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None) -> Iterator[torch.nn.Module]:
+    """``with psr_hf.patched(model, config) as m: ...``: patched inside the block, unpatched after (even on error)."""
+    patch(model, config, calibration=calibration, offload=offload)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+
+
+def controller(model: torch.nn.Module) -> Controller:
+    """The :class:`Controller` of a patched model: per-row state, ``reset()``, ``stats()``, ``record()``."""
+    ctl = getattr(model, _ATTR, None)
+    if ctl is None:
+        raise ValueError("this model is not patched by psr_hf; call psr_hf.patch(model, config) first")
+    return ctl
+
