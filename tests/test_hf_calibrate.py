@@ -1,0 +1,148 @@
+"""calibrate() and the psr-hf calibrate / demo commands on tiny models (CPU, offline)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf.cli import main
+from psr_hf.hf.tiny import tiny_model
+
+RNG = np.random.default_rng(7)
+DOCS = [RNG.integers(3, 256, size=n) for n in (300, 170, 90)]
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return tiny_model("deepseek_v3")
+
+
+def _own_topk_and_ranges(model, docs, max_length):
+    """Reference statistics straight from the unpatched routers, one window at a time."""
+    ctl_family = psr_hf.hf.patching._family(model)
+    layers = ctl_family.moe_layers()
+    captured = {}
+    handles = [layer.router.register_forward_hook(
+        lambda mod, args, out, i=layer.index: captured.__setitem__(i, out[0])) for layer in layers]
+    tokens, selected, ranges = [], [], []
+    try:
+        with torch.no_grad():
+            for doc in docs:
+                for start in range(0, doc.size, max_length):
+                    window = torch.from_numpy(doc[start:start + max_length]).long()[None]
+                    model(window, use_cache=False)
+                    zs = [ctl_family.selection_scores(layer.router, captured[layer.index]) for layer in layers]
+                    selected.append(torch.stack([torch.topk(z, layer.router.top_k).indices
+                                                 for z, layer in zip(zs, layers)], 1))
+                    finite = [z.masked_fill(~torch.isfinite(z), float("nan")) for z in zs]
+                    ranges.append(torch.stack([torch.from_numpy(
+                        np.nanmax(f.numpy(), -1) - np.nanmin(f.numpy(), -1)) for f in finite], 1))
+                    tokens.append(window[0])
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(tokens).numpy(), torch.cat(selected).numpy(), torch.cat(ranges).numpy()
+
+
+def test_calibration_matches_the_routers_own_top_k(deepseek):
+    cal = psr_hf.calibrate(deepseek, DOCS, max_length=128, batch_size=3, progress=False)
+    tokens, selected, ranges = _own_topk_and_ranges(deepseek, DOCS, 128)
+    L, E = cal.num_layers, cal.num_experts
+    assert (L, E) == (3, 16) and cal.vocab_size == 256
+    counts = np.zeros((L, E))
+    for layer in range(L):
+        np.add.at(counts[layer], selected[:, layer].reshape(-1), 1)
+    np.testing.assert_array_equal(cal.expert_counts, counts)
+    np.testing.assert_allclose(cal.delta, ranges.mean(axis=0), rtol=1e-5)
+    # the token prior of a frequent token is the fraction of its occurrences whose top-K held each expert
+    token = int(np.bincount(tokens).argmax())
+    hits = np.zeros((L, E))
+    for layer in range(L):
+        np.add.at(hits[layer], selected[tokens == token, layer].reshape(-1), 1)
+    np.testing.assert_allclose(cal.dense_prior()[token], hits / (tokens == token).sum(), rtol=1e-6)
+
+
+def test_calibration_does_not_depend_on_batching_or_patching(deepseek):
+    a = psr_hf.calibrate(deepseek, DOCS, max_length=100, batch_size=1, progress=False)
+    b = psr_hf.calibrate(deepseek, DOCS, max_length=100, batch_size=4, progress=False)
+    np.testing.assert_array_equal(a.expert_counts, b.expert_counts)
+    np.testing.assert_allclose(a.delta, b.delta, rtol=1e-5)
+    with psr_hf.patched(deepseek, psr_hf.RoutingConfig(policy="psr", residency=0.25), calibration=a):
+        ctl = psr_hf.controller(deepseek)
+        state = ctl.cache.state.copy()
+        c = psr_hf.calibrate(deepseek, DOCS, max_length=100, batch_size=4, progress=False)
+        np.testing.assert_array_equal(ctl.cache.state, state)  # the routing state was not touched
+    np.testing.assert_array_equal(a.expert_counts, c.expert_counts)
+
+
+def test_calibration_limits_and_bad_input(deepseek):
+    cal = psr_hf.calibrate(deepseek, DOCS, max_length=64, max_tokens=100, progress=False)
+    assert cal.expert_counts[0].sum() == 100 * 4
+    with pytest.raises(ValueError, match="no tokenizer"):
+        psr_hf.calibrate(deepseek, ["some text"], progress=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        psr_hf.calibrate(deepseek, [np.array([5, 300])], progress=False)
+    with pytest.raises(ValueError, match="no tokens"):
+        psr_hf.calibrate(deepseek, [], progress=False)
+
+
+def test_calibrated_patch_warm_set_is_the_most_used_experts(deepseek):
+    cal = psr_hf.calibrate(deepseek, DOCS, max_length=128, progress=False)
+    with psr_hf.patched(deepseek, psr_hf.RoutingConfig(policy="exact", residency=0.25), calibration=cal):
+        ctl = psr_hf.controller(deepseek)
+        ctl.reset()
+        for layer in range(ctl.num_layers):
+            np.testing.assert_array_equal(ctl.cache.resident(layer), np.sort(cal.warm_set(layer, ctl.capacity)))
+
+
+def _byte_tokenizer(path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["x"], vocab_size=256, show_progress=False, special_tokens=[])
+    PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer).save_pretrained(path)
+
+
+def test_calibrate_command_writes_a_calibration_that_patches(tmp_path, capsys):
+    model = tiny_model("olmoe")
+    model.save_pretrained(tmp_path / "model")
+    _byte_tokenizer(tmp_path / "model")
+    text = tmp_path / "held_out.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                    "must be in want of a wife.\n" * 8)
+    out = tmp_path / "cal.safetensors"
+    assert main(["calibrate", "--model", str(tmp_path / "model"), "--text", str(text), "--out", str(out),
+                 "--max-length", "64"]) == 0
+    assert "delta per layer" in capsys.readouterr().out
+    cal = psr_hf.Calibration.load(out)
+    assert (cal.num_layers, cal.num_experts, cal.vocab_size) == (3, 16, 256)
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", residency=0.5), calibration=str(out))
+    psr_hf.unpatch(model)
+    assert main(["calibrate", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "missing.txt"),
+                 "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_demo_generates_and_reports_copies(capsys):
+    assert main(["demo", "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    for fragment in ("exact + LRU", "psr lam 0.2 n=1", "50% (C=32)", "25% (C=16)", "demand/tok", "prompt 3"):
+        assert fragment in out
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    columns = re.split(r"\s{2,}", header.strip())
+    table = [dict(zip(columns, re.split(r"\s{2,}", line.strip()))) for line in out.splitlines()
+             if line.startswith(("exact + LRU", "cache_prior lam", "psr lam"))]
+    assert len(table) == 6
+    for row in table:
+        if row["policy"].startswith("exact"):
+            # exact routing replaces no router slot and gives the exact tokens
+            assert float(row["replaced/tok"]) == 0 and row["tokens = exact"] == "100%"
+        else:
+            assert float(row["replaced/tok"]) > 0
+            assert float(row["demand/tok"]) < float(next(r["demand/tok"] for r in table if r["policy"].startswith(
+                "exact") and r["residency"] == row["residency"]))
