@@ -22,38 +22,60 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- demo
-DEMO_CONFIGS = [
-    ("exact + LRU", dict(policy="exact")),
-    ("cache_prior lam 0.2", dict(policy="cache_prior", lam=0.2)),
-    ("psr lam 0.2 n=1", dict(policy="psr", lam=0.2, budget=1)),
-    ("psr lam 0.3 n=1", dict(policy="psr", lam=0.3, budget=1)),
-    ("spec", dict(policy="spec")),
-]
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .policy import RoutingConfig, replay
-    from .policy.traces import calibration_from_trace, synthetic_trace
+    from .hf.demo import run_demo
 
-    L, E, K, V = 16, 64, 8, 2048  # OLMoE-1B-7B's routing shape
-    print("psr-hf demo: the logical expert cache on a synthetic OLMoE-shaped routing trace")
-    print(f"({L} MoE layers x {E} experts, top-{K}; calibration on one trace, replay on another of "
-          f"{args.tokens} tokens).")
-    print("Model-based generation replaces this trace once the transformers patches land.\n")
-    calibration = calibration_from_trace(synthetic_trace(20000, L, E, vocab_size=V, seed=1), K, V)
-    trace = synthetic_trace(args.tokens, L, E, vocab_size=V, seed=2)
+    result = run_demo(new_tokens=args.new_tokens)
+    print(f"psr-hf demo: {result['model']}")
+    print(f"calibrated on {result['calibration_tokens']} tokens of standard-library source; "
+          f"{len(result['prompts'])} prompts in one left-padded batch, {result['new_tokens']} greedy tokens each.")
+    print("Random weights: the continuations are noise; the routing numbers are the point.\n")
+    runs = result["runs"]
+    for p, prompt in enumerate(result["prompts"]):
+        print(f"prompt {p + 1}: {prompt!r}")
+        for run in runs:
+            if run.name.startswith("exact") and run.residency != runs[0].residency:
+                continue  # exact routing gives the same text at every residency
+            label = "exact" if run.name.startswith("exact") else f"{run.name} @ {run.residency:.0%}"
+            print(f"  {label:<28} {run.texts[p]!r}")
+        print()
     rows = []
-    for residency in (0.5, 0.25):
-        for name, kw in DEMO_CONFIGS:
-            config = RoutingConfig(residency=residency, **kw)
-            result = replay(config, trace.scores, trace.pregate, trace.tokens, calibration, K)
-            c = result.copies_per_token()
-            C = config.capacity_for(E, K)
-            rows.append([name, f"{residency:.0%} (C={C})", f"{c['demand']:.2f}", f"{c['prefetch']:.2f}",
-                         f"{c['total']:.2f}", f"{c['replaced']:.2f}"])
-    print(_table(rows, ["policy", "residency", "demand/tok", "prefetch/tok", "copies/tok", "replaced/tok"]))
-    print("\ndemand copies stall the layer; prefetch copies are issued one layer early and overlap computation;")
-    print("replaced = selected experts outside the router's own top-K (summed over layers).")
+    for run in runs:
+        s = run.stats
+        rows.append([run.name, f"{run.residency:.0%} (C={run.capacity})", f"{s['demand_per_token']:.2f}",
+                     f"{s['prefetch_per_token']:.2f}", f"{s['copies_per_token']:.2f}", f"{s['replaced_per_token']:.2f}",
+                     f"{s['displaced_mass']:.3f}", f"{s['same_tokens_as_exact']:.0%}"])
+    print(_table(rows, ["policy", "residency", "demand/tok", "prefetch/tok", "copies/tok", "replaced/tok",
+                        "displaced mass", "tokens = exact"]))
+    print("\ncopies are logical expert loads summed over the MoE layers, per token (prompt and generated);")
+    print("demand copies stall the layer, prefetch copies are issued one layer early and overlap computation;")
+    print("replaced = selected experts outside the router's own top-K; displaced mass = the share of the router's")
+    print("own top-K weight that was not executed (mean over token-layers).")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- calibrate
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .hf.calibrate import calibrate
+
+    texts = []
+    for name in args.text:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"--text {name}: no such file")
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    calibration = calibrate(model, texts, tokenizer=tokenizer, max_length=args.max_length,
+                            batch_size=args.batch_size, max_tokens=args.max_tokens, progress=True)
+    calibration.save(args.out)
+    print(f"calibration of {calibration.num_layers} MoE layers x {calibration.num_experts} experts, "
+          f"token prior over {calibration.vocab_size} ids: {args.out}")
+    print("delta per layer: " + " ".join(f"{d:.3f}" for d in calibration.delta))
     return 0
 
 
@@ -80,15 +102,33 @@ def cmd_bench_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- bench-patch
+def cmd_bench_patch(args: argparse.Namespace) -> int:
+    from .hf.bench_patch import run_cli
+
+    return run_cli(args)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="psr-hf", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the logical cache under each policy: copies per token")
-    p.add_argument("--tokens", type=int, default=2000, help="tokens of the replayed trace (default 2000)")
+    p = sub.add_parser("demo", help="generate under exact and cache-aware routing on a small model: copies per token")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("calibrate", help="calibrate a model's routing policy on held-out text")
+    p.add_argument("--model", required=True, help="model directory (transformers format, with its tokenizer)")
+    p.add_argument("--text", required=True, nargs="+", help="held-out text files (UTF-8)")
+    p.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    p.add_argument("--device", default="cpu", help="torch device to run the model on (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench-policy", help="per-call cost of the policy kernel and replay throughput")
     p.add_argument("--rounds", type=int, default=5)
@@ -97,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=16, help="MoE layers of the replayed trace")
     p.add_argument("--json", help="write the JSON record here")
     p.set_defaults(func=cmd_bench_policy)
+
+    p = sub.add_parser("bench-patch", help="decode ms/token of generate(), unpatched vs patched exact and psr")
+    p.add_argument("--device", default="cuda", help="torch device (default cuda; cpu with --tiny)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration first (default 1)")
+    p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per run (default 256)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="seeded random prompt length (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt")
+    p.add_argument("--experts", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
+                   help="experts_implementation of the model (default grouped_mm)")
+    p.add_argument("--calibrate-tokens", type=int, default=0,
+                   help="calibrate on this many random tokens first (default 0: patched runs uncalibrated)")
+    p.add_argument("--tiny", action="store_true", help="a tiny OLMoE shape that runs on a CPU in seconds")
+    p.add_argument("--json", help="write the JSON record here")
+    p.set_defaults(func=cmd_bench_patch)
     return parser
 
 

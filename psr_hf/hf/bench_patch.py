@@ -1,0 +1,532 @@
+"""Benchmark of the patching overhead: decode ms per token of ``generate()``, unpatched vs patched.
+
+An OLMoE-1B-7B-shaped model with random weights (every expert resident on the device), batch-1 greedy decoding of
+a fixed seeded prompt. Each round runs every configuration once, in an order rotated by one per round
+(interleaved, so drift in clocks or temperature falls on all configurations alike); a configuration is patched
+right before its run and unpatched right after.
+
+Decode-only time: ``generate()`` hands the prompt to its streamer before the prefill and then every new token
+as soon as it is on the host. A streamer that synchronises the device and takes a timestamp at each call
+gives ``t[0]`` (before the prefill), ``t[1]`` (prefill and first token done) and ``t[n]`` (token ``n`` done);
+``(t[n] - t[1]) / (n - 1)`` is the time per decode step: one one-position forward pass plus the sampling and
+bookkeeping of ``generate()``, prefill excluded. ``generate()`` already waits for each token on the host
+(it reads the stop flag every step), so the synchronisation adds nothing but the timestamp. The prefill time
+``t[1] - t[0]`` is recorded beside it.
+
+Routing statistics of patched runs (copies, replaced router slots per token) are taken over the same decode
+steps: the controller's totals are reset at the first token (:meth:`Controller.reset_stats`).
+
+Summary per configuration: mean and median over rounds with a 95% t-interval of the mean, and the ratio to the
+baseline (unpatched) from the paired per-round ratios: the mean of the per-round log ratios with its 95%
+t-interval, exponentiated. The exact configuration's tokens are compared with the same round's unpatched tokens
+(bitwise identity is a correctness claim the table shows). The library logs; :func:`run_cli` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..policy.bench import summarize
+from ..policy.config import RoutingConfig
+from .patching import controller, patch, unpatch
+
+logger = logging.getLogger(__name__)
+
+# allenai/OLMoE-1B-7B-0924's shape; no end-of-sequence or pad token, so generation never stops early
+OLMOE_1B_7B: dict[str, Any] = dict(
+    vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+)
+# a shape that decodes in milliseconds per token on a CPU (tests, --tiny)
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, num_experts=16, num_experts_per_tok=4,
+)
+
+BASELINE = "unpatched"
+# the issue's three rows: unpatched, exact routing with LRU and no prefetch, PSR at the paper's operating point
+DEFAULT_CONFIGS: dict[str, RoutingConfig | None] = {
+    BASELINE: None,
+    "exact": RoutingConfig(policy="exact", eviction="lru", budget=0, residency=0.5),
+    "psr": RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5),
+}
+GOAL_RATIO = 1.10  # the issue's goal: patching costs at most 10%
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def olmoe_1b_7b_config(**overrides: Any) -> Any:
+    """An ``OlmoeConfig`` with OLMoE-1B-7B's shape (see :data:`OLMOE_1B_7B`); ``overrides`` replace fields.
+
+    ``rope_theta=`` is accepted as an override and stored in ``rope_parameters`` (transformers 5 keeps it there).
+    """
+    from transformers import OlmoeConfig
+
+    fields = {**OLMOE_1B_7B, **overrides}
+    if "rope_theta" in fields:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
+    return OlmoeConfig(**fields)
+
+
+def router_weight_std(hidden_size: int) -> float:
+    """Std of the random router weights: the logit scale that std 0.5 gives at hidden size 64 (tiny.py).
+
+    Logits are sums over ``hidden_size`` unit-RMS inputs, so the std scales as ``1/sqrt(hidden_size)``; the
+    default init (0.02) would make routing nearly uniform, unlike trained routers.
+    """
+    return 0.5 * math.sqrt(64.0 / hidden_size)
+
+
+def build_random_model(config: Any, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+    """A seeded random ``AutoModelForCausalLM`` of ``config``, built directly on ``device`` in ``dtype``, eval mode.
+
+    The router weights get :func:`router_weight_std` so routing is peaked; everything else keeps transformers'
+    init. ``experts_implementation`` (``grouped_mm``, ``batched_mm`` or ``eager``) is passed to ``from_config``;
+    note that ``generate()`` on a GPU switches ``grouped_mm`` to ``batched_mm`` for its decode steps.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' (with the tiny shape)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    rng_devices = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     experts_implementation=experts_implementation)
+        std = router_weight_std(int(config.hidden_size))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight") and param.ndim == 2:
+                    param.normal_(mean=0.0, std=std)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------- one run
+class _DecodeClock:  # duck-typed transformers BaseStreamer (put, end): generate() only calls those
+    """A ``generate()`` streamer that timestamps each call (after synchronising the device).
+
+    ``generate()`` calls ``put`` with the prompt before the prefill, then with every new token once it is on the
+    host; ``on_first_token`` runs at the first new token (before the first decode step)."""
+
+    def __init__(self, sync: Callable[[], None], on_first_token: Callable[[], None] | None = None):
+        self.sync = sync
+        self.on_first_token = on_first_token
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.sync()
+        self.times.append(time.perf_counter())
+        if len(self.times) == 2 and self.on_first_token is not None:
+            self.on_first_token()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """One timed ``generate()``: decode-only ms per token, prefill ms, wall ms, the new tokens, routing stats."""
+
+    ms_per_token: float
+    prefill_ms: float
+    total_ms: float
+    tokens: list[int]
+    experts_during_decode: str | None
+    decode_stats: dict[str, float] | None  # Controller totals over the decode steps (None: unpatched)
+    sequence_stats: dict[str, float] | None  # row 0 over prompt + decode
+    effective: dict[str, Any] | None  # what the logical cache runs: capacity, window, budget, delta_mode
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _experts_implementation(model: torch.nn.Module) -> str | None:
+    getter = getattr(model, "get_experts_implementation", None)
+    if getter is not None:
+        return str(getter().get(""))
+    return getattr(model.config, "_experts_implementation", None)
+
+
+def decode_run(model: torch.nn.Module, config: RoutingConfig | None, input_ids: torch.Tensor,
+               new_tokens: int, calibration: Any = None) -> DecodeRun:
+    """Patch ``model`` with ``config`` and ``calibration`` (config None: leave it unpatched), greedy-decode
+    ``new_tokens`` tokens after ``input_ids`` ``[1, P]``, unpatch; returns the timings, tokens and routing
+    statistics (see module docstring)."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (decode-only time needs a step after the first token)")
+    device = input_ids.device
+    sync = _sync_for(device)
+    if config is not None:
+        patch(model, config, calibration=calibration)
+    try:
+        ctl = controller(model) if config is not None else None
+        seen: dict[str, str | None] = {}
+
+        def first_token() -> None:
+            seen["experts"] = _experts_implementation(model)  # what the decode steps run (generate may switch it)
+            if ctl is not None:
+                ctl.reset_stats()  # from here on, the totals count decode steps only
+
+        clock = _DecodeClock(sync, first_token)
+        mask = torch.ones_like(input_ids)
+        sync()
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, use_cache=True, streamer=clock)
+        sync()
+        stop = time.perf_counter()
+        decode_stats = sequence_stats = effective = None
+        if ctl is not None:
+            effective = {"capacity": int(ctl.cache.capacity), "window": int(ctl.cache.window),
+                         "budget": int(ctl.cache.budget), "delta_mode": ctl.cache.delta_mode}
+            s = ctl.stats()
+            decode_stats = dict(s.total)
+            sequence_stats = {name: float(v[0]) for name, v in s.to_dict()["rows"].items()}
+    finally:
+        if config is not None:
+            unpatch(model)
+    t = clock.times
+    tokens = out[0, input_ids.shape[1]:].tolist()
+    if len(t) != new_tokens + 1 or len(tokens) != new_tokens:
+        raise RuntimeError(
+            f"generate() produced {len(tokens)} tokens and {len(t) - 1} streamed ones, not {new_tokens}; "
+            "an end-of-sequence token or a stopping criterion ended it early"
+        )
+    return DecodeRun(
+        ms_per_token=(t[-1] - t[1]) / (new_tokens - 1) * 1e3,
+        prefill_ms=(t[1] - t[0]) * 1e3,
+        total_ms=(stop - start) * 1e3,
+        tokens=tokens,
+        experts_during_decode=seen.get("experts"),
+        decode_stats=decode_stats,
+        sequence_stats=sequence_stats,
+        effective=effective,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
+    """Ratio of ``values`` to ``baseline`` paired by round: exp of the mean per-round log ratio, with the
+    exponentiated 95% t-interval of that mean (nan with one round)."""
+    from scipy import stats
+
+    logs = np.log(np.asarray(values, dtype=np.float64) / np.asarray(baseline, dtype=np.float64))
+    mean = float(logs.mean())
+    if logs.size > 1:
+        half = float(stats.t.ppf(0.975, logs.size - 1) * logs.std(ddof=1) / np.sqrt(logs.size))
+    else:
+        half = float("nan")
+    return {"ratio": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
+            "rounds": np.exp(logs).tolist()}
+
+
+_UNCALIBRATED = ("psr_hf.patch without a calibration", "no calibration given")
+_UNCALIBRATED_LOGGERS = ("psr_hf.hf.patching", "psr_hf.policy.cache")
+
+
+class _QuietUncalibrated(logging.Filter):
+    # patch() warns on every uncalibrated install; a benchmark patches once per run and says so once instead
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_UNCALIBRATED)
+
+
+def prompt_ids(vocab_size: int, prompt_tokens: int, seed: int) -> torch.Tensor:
+    """``[1, prompt_tokens]`` token ids drawn uniformly from ``[0, vocab_size)`` by a CPU generator seeded ``seed``."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, prompt_tokens), generator=generator)
+
+
+def bench_patch(
+    model: torch.nn.Module, *, configs: Mapping[str, RoutingConfig | None] | None = None, prompt_tokens: int = 32,
+    new_tokens: int = 256, rounds: int = 5, warmup: int = 1, seed: int = 0, baseline: str | None = None,
+    calibration: Any = None, progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time greedy decoding of ``model`` under each configuration, interleaved over ``rounds``.
+
+    Args:
+        model: a transformers MoE model psr_hf can patch (unpatched on entry and on return).
+        configs: name -> :class:`RoutingConfig`, or None for the unpatched model; default :data:`DEFAULT_CONFIGS`.
+        prompt_tokens, new_tokens: prompt length (seeded random ids, :func:`prompt_ids`) and tokens generated.
+        rounds: timed rounds; each runs every configuration once, the order rotated by one per round.
+        warmup: untimed runs of every configuration before the rounds (kernel compilation, allocator, clocks).
+        seed: seed of the prompt.
+        baseline: the configuration ratios and token identity refer to; default the first unpatched one (else
+            the first configuration).
+        calibration: passed to :func:`psr_hf.patch` for every patched run (None: uncalibrated; psr then uses
+            the running bonus scale).
+
+    Returns one dict per configuration, in ``configs`` order: ``ms_per_token`` and ``prefill_ms``
+    (:func:`~psr_hf.policy.bench.summarize` over rounds), ``ratio`` (:func:`paired_ratio` to the baseline),
+    decode-only routing statistics (means over rounds; None when unpatched), ``tokens_identical_to_baseline``
+    (every round's tokens equal the same round's baseline tokens) and the tokens of the last round.
+    """
+    configs = dict(DEFAULT_CONFIGS if configs is None else configs)
+    if not configs:
+        raise ValueError("configs is empty; give at least one name -> RoutingConfig or None")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds={rounds} must be >= 1 and warmup={warmup} >= 0")
+    if baseline is None:
+        baseline = next((name for name, config in configs.items() if config is None), next(iter(configs)))
+    if baseline not in configs:
+        raise ValueError(f"baseline={baseline!r} is not one of the configurations: {', '.join(configs)}")
+    device = next(model.parameters()).device
+    ids = prompt_ids(int(model.config.get_text_config().vocab_size), prompt_tokens, seed).to(device)
+    names = list(configs)
+    runs: dict[str, list[DecodeRun]] = {name: [] for name in names}
+    baseline_tokens: list[list[int]] = []  # every baseline run, warm-up included: is the baseline repeatable?
+    quiet = _QuietUncalibrated()
+    for name in _UNCALIBRATED_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    if calibration is None and any(config is not None for config in configs.values()):
+        logger.info("bench_patch: patched runs are uncalibrated (warm set = the first C experts, no token prior, "
+                    "running bonus scale)")
+    try:
+        for w in range(warmup):
+            for name in names:
+                run = decode_run(model, configs[name], ids, new_tokens, calibration)
+                if name == baseline:
+                    baseline_tokens.append(run.tokens)
+            if progress is not None:
+                progress(f"warm-up {w + 1}/{warmup} done")
+        for r in range(rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                runs[name].append(decode_run(model, configs[name], ids, new_tokens, calibration))
+            baseline_tokens.append(runs[baseline][-1].tokens)
+            if progress is not None:
+                line = ", ".join(f"{name} {runs[name][-1].ms_per_token:.2f}" for name in names)
+                progress(f"round {r + 1}/{rounds}: ms/token {line}")
+    finally:
+        for name in _UNCALIBRATED_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
+    repeatable = all(tokens == baseline_tokens[0] for tokens in baseline_tokens)
+    base_ms = [run.ms_per_token for run in runs[baseline]]
+    rows = []
+    for name in names:
+        config, done = configs[name], runs[name]
+        ms = [run.ms_per_token for run in done]
+        same = [run.tokens == ref.tokens for run, ref in zip(done, runs[baseline])]
+        divergence = [next((i for i, (a, b) in enumerate(zip(run.tokens, ref.tokens)) if a != b), None)
+                      for run, ref in zip(done, runs[baseline])]
+        stats = None
+        if done[0].decode_stats is not None:
+            keys = ("tokens", "copies_per_token", "prefetch_per_token", "demand_per_token", "replaced_per_token",
+                    "displaced_mass")
+            stats = {key: float(np.mean([run.decode_stats[key] for run in done])) for key in keys}
+            stats["sequence"] = {key: float(np.mean([run.sequence_stats[key] for run in done])) for key in keys}
+        rows.append({
+            "configuration": name,
+            "routing": None if config is None else config.to_dict(),
+            "routing_effective": done[0].effective,
+            "baseline": name == baseline,
+            "ms_per_token": summarize(ms),
+            "prefill_ms": summarize([run.prefill_ms for run in done]),
+            "total_ms": summarize([run.total_ms for run in done]),
+            "ratio": paired_ratio(ms, base_ms),
+            "routing_stats": stats,
+            "tokens_identical_to_baseline": all(same),
+            "rounds_identical_to_baseline": int(sum(same)),
+            "first_divergence": divergence,
+            "baseline_repeatable": repeatable,
+            "experts_implementation_during_decode": done[0].experts_during_decode,
+            "tokens": done[-1].tokens,
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- record
+def _machine(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    machine: dict[str, Any] = {
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        machine["device"] = torch.cuda.get_device_name(device)
+        machine["cuda"] = torch.version.cuda
+        machine["capability"] = list(torch.cuda.get_device_capability(device))
+    else:
+        machine["device"] = platform.processor() or platform.machine()
+    return machine
+
+
+def run_bench_patch(
+    *, device: str = "cuda", dtype: str = "bf16", tiny: bool = False, rounds: int = 5, new_tokens: int = 256,
+    prompt_tokens: int = 32, warmup: int = 1, seed: int = 0, experts_implementation: str = "grouped_mm",
+    calibrate_tokens: int = 0, configs: Mapping[str, RoutingConfig | None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build the random model (OLMoE-1B-7B shape, or :data:`TINY_SHAPE` with ``tiny``), run :func:`bench_patch`
+    and return a JSON-ready record: settings, model, machine (device name, torch/transformers versions), results.
+
+    ``calibrate_tokens`` > 0 calibrates the model (:func:`psr_hf.calibrate`) on that many seeded random token ids
+    first, so the patched runs pay for a fixed bonus scale and a token prior as a calibrated deployment does (the
+    values mean nothing for random weights); 0 runs them uncalibrated."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+    if new_tokens < 2 or prompt_tokens < 1 or rounds < 1 or warmup < 0 or calibrate_tokens < 0:
+        raise ValueError("new_tokens must be >= 2, prompt_tokens and rounds >= 1, warmup and calibrate_tokens >= 0")
+    config = olmoe_1b_7b_config(**(TINY_SHAPE if tiny else {}))
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; run with --device cpu --tiny here")
+    if progress is not None:
+        progress(f"building the random {'tiny' if tiny else 'OLMoE-1B-7B'}-shaped model on {device} ({dtype})")
+    model = build_random_model(config, target, DTYPES[dtype], seed=seed, experts_implementation=experts_implementation)
+    target = next(model.parameters()).device
+    configs = dict(DEFAULT_CONFIGS if configs is None else configs)
+    calibration = None
+    if calibrate_tokens:
+        from .calibrate import calibrate
+
+        if progress is not None:
+            progress(f"calibrating on {calibrate_tokens} random tokens")
+        window = 256
+        ids = prompt_ids(config.vocab_size, -(-calibrate_tokens // window) * window, seed + 1).reshape(-1, window)
+        calibration = calibrate(model, ids, max_length=window, batch_size=4, max_tokens=calibrate_tokens,
+                                progress=False)
+    rows = bench_patch(model, configs=configs, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
+                       warmup=warmup, seed=seed, calibration=calibration, progress=progress)
+    shape_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                  "max_position_embeddings", "rope_parameters", "rms_norm_eps")
+    record = {
+        "benchmark": "patch",
+        "settings": {
+            "rounds": rounds, "warmup": warmup, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "seed": seed, "batch": 1, "decoding": "greedy generate(), min_new_tokens = max_new_tokens, no eos",
+            "prompt": f"uniform random ids from a CPU torch.Generator seeded {seed}",
+            "prompt_ids": prompt_ids(config.vocab_size, prompt_tokens, seed)[0].tolist(),
+            "order": "every configuration once per round, order rotated by one per round; patched right before "
+                     "its run, unpatched right after",
+            "timing": "decode only: streamer timestamps (device synchronised) from the first new token to the "
+                      "last, divided by new_tokens - 1; prefill_ms from the prompt to the first token",
+            "routing_stats": "Controller totals over the decode steps (reset at the first token), mean over rounds",
+            "calibration": None if calibration is None else
+                f"psr_hf.calibrate on {calibrate_tokens} uniform random token ids (CPU generator seed {seed + 1})",
+            "goal": f"ratio to {BASELINE} <= {GOAL_RATIO}",
+        },
+        "model": {
+            "class": type(model).__name__,
+            "shape": "tiny" if tiny else "OLMoE-1B-7B",
+            "config": {key: getattr(config, key) for key in shape_keys},
+            "dtype": dtype,
+            "device": str(target),
+            "parameters": int(sum(p.numel() for p in model.parameters())),
+            "experts_implementation": _experts_implementation(model),
+            "experts_implementation_during_decode": rows[0]["experts_implementation_during_decode"],
+            "router_weight_std": router_weight_std(config.hidden_size),
+            "weights": f"random, torch.manual_seed({seed}) on {target.type}; routers at router_weight_std",
+        },
+        "machine": _machine(target),
+        "results": rows,
+    }
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def format_table(record: dict[str, Any]) -> str:
+    """The results of :func:`run_bench_patch` as a text table."""
+    from ..cli import _table
+
+    rows = []
+    for row in record["results"]:
+        ms = row["ms_per_token"]
+        lo, hi = ms["ci95"]
+        mean = f"{ms['mean']:.2f} ± {(hi - lo) / 2:.2f}" if math.isfinite(hi) else f"{ms['mean']:.2f}"
+        if row["baseline"]:
+            ratio, identical = "1 (baseline)", "-"
+        else:
+            r = row["ratio"]
+            ratio = f"{r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+            n = len(ms["rounds"])
+            identical = f"{'yes' if row['tokens_identical_to_baseline'] else 'no'} ({row['rounds_identical_to_baseline']}/{n})"
+        stats = row["routing_stats"]
+        copies = "-" if stats is None else f"{stats['copies_per_token']:.2f}"
+        replaced = "-" if stats is None else f"{stats['replaced_per_token']:.2f}"
+        rows.append([row["configuration"], mean, f"{ms['median']:.2f}", ratio, copies, replaced, identical])
+    header = ["configuration", "ms/token mean ± 95% CI", "median", "ratio vs unpatched [95% CI]", "copies/tok",
+              "replaced/tok", "tokens = unpatched"]
+    return _table(rows, header)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``psr-hf bench-patch``: run the benchmark, print the table and write the JSON record."""
+    shape = "tiny OLMoE" if args.tiny else "OLMoE-1B-7B"
+    print(f"psr-hf bench-patch: {shape}-shaped random model, batch-1 greedy decode of {args.new_tokens} tokens "
+          f"after {args.prompt_tokens} prompt tokens, {args.rounds} interleaved rounds")
+    record = run_bench_patch(
+        device=args.device, dtype=args.dtype, tiny=args.tiny, rounds=args.rounds, new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens, warmup=args.warmup, seed=args.seed, experts_implementation=args.experts,
+        calibrate_tokens=args.calibrate_tokens, progress=lambda msg: print("  " + msg, file=sys.stderr),
+    )
+    print(format_table(record))
+    model, machine = record["model"], record["machine"]
+    print("\ndecode-only ms per token (prefill excluded; mean ± half-width of the 95% t-interval over rounds); ratio: "
+          "paired per round, geometric mean")
+    calibrated = "uncalibrated" if record["settings"]["calibration"] is None else "calibrated on random tokens"
+    print(f"exact: policy exact, LRU, budget 0, residency 0.5; psr: lam 0.2, budget 1, residency 0.5 ({calibrated}); "
+          "copies and replaced router slots per decoded token, all MoE layers")
+    baseline_ok = record["results"][0]["baseline_repeatable"]
+    print(f"unpatched tokens identical across all runs: {'yes' if baseline_ok else 'NO (nondeterministic kernels)'}")
+    for row in record["results"]:
+        if not row["baseline"]:
+            hi = row["ratio"]["ci95"][1]
+            verdict = "met" if hi <= GOAL_RATIO else ("not shown" if row["ratio"]["ratio"] <= GOAL_RATIO else "missed")
+            print(f"goal ratio <= {GOAL_RATIO:.2f} for {row['configuration']}: {verdict} "
+                  f"(ratio {row['ratio']['ratio']:.3f}, upper 95% bound {hi:.3f})")
+    decode = model["experts_implementation_during_decode"]
+    note = "" if decode == model["experts_implementation"] else " (generate() switches it for decode steps)"
+    n = model["parameters"]
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    print(f"model: {size} parameters, {model['dtype']}, experts "
+          f"{model['experts_implementation']}, during decode {decode}{note}")
+    print(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"JSON record: {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m psr_hf.hf.bench_patch [options]`` = ``psr-hf bench-patch [options]``."""
+    from ..cli import main as cli_main
+
+    return cli_main(["bench-patch", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
