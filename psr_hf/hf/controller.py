@@ -205,6 +205,7 @@ class Controller:
         self._bypass = 0
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
         self._undo: list[Callable[[], None]] = []
 
@@ -320,7 +321,7 @@ class Controller:
             )
         valid = self._valid_positions(kwargs.get("attention_mask"), B, S)
         if self._in_generate and past > 0 and self._stop_ids.size:
-            valid = self._mark_finished(tokens, valid)
+            valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
         self._fwd = _Forward(B, S, tokens, valid, module)
         self._pregate = [None] * self.num_layers
 
@@ -356,10 +357,12 @@ class Controller:
         valid = mask[:, -S:].detach().to("cpu").numpy() != 0
         return None if valid.all() else valid.astype(np.uint8)
 
-    def _mark_finished(self, tokens: np.ndarray, valid: np.ndarray | None) -> np.ndarray | None:
+    def _mark_finished(self, tokens: np.ndarray, valid: np.ndarray | None, prompt: int = 0) -> np.ndarray | None:
         # generate() feeds a row's end-of-sequence token back once, then pad tokens: from that position on the
-        # row's outputs are discarded, so they must not touch its state
+        # row's outputs are discarded, so they must not touch its state. Only generated tokens count: the first
+        # `prompt` positions of this block are prompt (a chat turn continuing a cached sequence holds eos ids)
         hit = np.isin(tokens, self._stop_ids)  # [B, S]
+        hit[:, : max(prompt, 0)] = False
         if not hit.any() and not self._finished.any():
             return valid
         done = np.logical_or.accumulate(hit, axis=1) | self._finished[:, None]
@@ -382,14 +385,20 @@ class Controller:
         if isinstance(eos, torch.Tensor):
             eos = eos.tolist()
         stop = np.asarray([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=np.int64)
-        previous = self._stop_ids
+        prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if prompt is None:
+            prompt = kwargs.get("inputs_embeds")
+        previous = self._stop_ids, self._prompt_length
         self._stop_ids = stop
+        self._prompt_length = int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.ndim >= 2 else 0
+        # a call that continues a cached sequence gives every row new input: rows that finished before run again
+        self._finished[:] = False
         self._in_generate += 1
         try:
             return original(*args, **kwargs)
         finally:
             self._in_generate -= 1
-            self._stop_ids = previous
+            self._stop_ids, self._prompt_length = previous
 
     # ------------------------------------------------------------------ routing
     def _router_forward(self, layer: Any, original: Callable) -> Callable:

@@ -122,9 +122,9 @@ def _install(model: torch.nn.Module, family: Any, ctl: Controller) -> None:
         _set_instance_attr(ctl, router, "forward", ctl._router_forward(layer, router.forward))
     decoder = family.decoder()
     for module in dict.fromkeys((model, decoder)):  # the model itself, and its decoder for direct calls
-        pre = module.register_forward_pre_hook(ctl._on_forward, with_kwargs=True)
-        post = module.register_forward_hook(ctl._on_forward_end, with_kwargs=True, always_call=True)
-        ctl._undo.extend((pre.remove, post.remove))
+        # each handle joins the undo list as soon as it exists, so a failure at the next one still removes it
+        ctl._undo.append(module.register_forward_pre_hook(ctl._on_forward, with_kwargs=True).remove)
+        ctl._undo.append(module.register_forward_hook(ctl._on_forward_end, with_kwargs=True, always_call=True).remove)
     original_reorder = getattr(model, "_reorder_cache", None)
     _set_instance_attr(ctl, model, "_reorder_cache", functools.partial(ctl._reorder_cache, original_reorder))
     if hasattr(model, "generate"):
