@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psr_hf.policy._mass import MASS_SOFTMAX
+
 
 @dataclass(frozen=True)
 class MoELayer:
@@ -95,7 +97,22 @@ class ArchitecturePatch:
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype)
 
-    def host_mass(self, layer: int, scores: np.ndarray) -> np.ndarray:
-        """Non-negative ``[N, E]`` values proportional to the router's own weights, from host scores ``[N, E]``
-        (used for the displaced router mass: only ratios within a row matter)."""
-        return np.exp(scores - scores.max(axis=-1, keepdims=True))
+    def stacked_router_weight(self, weight: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """``[2E, H]``: this router's weight over the next MoE layer's, so that :meth:`joint_scores` gets this
+        layer's logits and the next layer's pre-gate logits from one matmul."""
+        return torch.cat((weight, following), dim=0)
+
+    def joint_scores(self, router: nn.Module, following: nn.Module, hidden: torch.Tensor,
+                     stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [N, E], scores [N, 2E])``: this router's logits, and its selection scores beside the pre-gate
+        of ``following`` (the next MoE layer's router on this block's input ``hidden``), from one matmul with
+        :meth:`stacked_router_weight`."""
+        both = F.linear(hidden.reshape(-1, stacked.shape[1]), stacked)  # [N, 2E]
+        return both[:, : router.weight.shape[0]], both
+
+    #: how the router's own weight of an expert follows from its selection score (for the displaced router mass)
+    router_mass: int = MASS_SOFTMAX
+
+    def mass_bias(self, router: nn.Module) -> np.ndarray | None:
+        """Per-expert offset of the selection scores over the router's weights (None: none)."""
+        return None

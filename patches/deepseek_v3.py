@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psr_hf.policy._mass import MASS_SIGMOID_BIAS
+
 from . import register_patch
 from .base import ArchitecturePatch
 
@@ -43,16 +45,18 @@ class DeepseekV3Patch(ArchitecturePatch):
             weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
         return weights * router.routed_scaling_factor
 
-    def host_mass(self, layer: int, scores: np.ndarray) -> np.ndarray:
-        # z = sigmoid + bias, so the router's own (unnormalised) weight is z - bias; masked experts weigh 0
-        bias = self._bias[layer]
-        return np.where(np.isfinite(scores), scores - bias, 0.0)
+    router_mass = MASS_SIGMOID_BIAS  # the router's own weight of expert e is z[e] - bias[e] = sigmoid(logit)
 
-    @property
-    def _bias(self) -> list[np.ndarray]:
-        cached = getattr(self, "_bias_cache", None)
-        if cached is None:
-            cached = self._bias_cache = [
-                layer.router.e_score_correction_bias.detach().float().cpu().numpy() for layer in self.moe_layers()
-            ]
-        return cached
+    def mass_bias(self, router: nn.Module) -> np.ndarray:
+        return router.e_score_correction_bias.detach().double().cpu().numpy()
+
+    def stacked_router_weight(self, weight: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        return torch.cat((weight.float(), following.float()), dim=0)  # the router computes in float32
+
+    def joint_scores(self, router: nn.Module, following: nn.Module, hidden: torch.Tensor,
+                     stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = F.linear(hidden.reshape(-1, stacked.shape[1]).float(), stacked)  # [N, 2E] float32
+        E = router.num_experts
+        logits = both[:, :E]
+        scores = torch.cat((self.selection_scores(router, logits), self.selection_scores(following, both[:, E:])), -1)
+        return logits, scores

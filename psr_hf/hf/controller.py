@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..policy._mass import boundary_ties, displaced_fraction
 from ..policy.cache import LogicalCache, StepPlan
 from ..policy.config import RoutingConfig
 from ..policy.replaying import Recording
@@ -208,6 +209,9 @@ class Controller:
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
         self._undo: list[Callable[[], None]] = []
+        self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
+        self._pinned: torch.Tensor | None = None  # host staging buffer for selections going to the device
+        self._mass_bias = [family.mass_bias(layer.router) for layer in layers]
 
     # ------------------------------------------------------------------ public
     @property
@@ -405,56 +409,111 @@ class Controller:
         index = layer.index
         router = layer.router
         following = self.layers[index + 1].router if index + 1 < self.num_layers else None
+        joint = following is not None and self._needs_pregate
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            logits, weights, indices = original(hidden_states, *args, **kwargs)
             if self._bypass:
-                return logits, weights, indices
+                return original(hidden_states, *args, **kwargs)
             if self._fwd is None:
                 raise RuntimeError(
                     f"psr_hf: MoE layer {index} ran outside a forward pass of the patched model; call the model (or "
                     "its decoder) so the routing state sees the input ids and the attention mask"
                 )
-            return self._route(index, router, following, hidden_states, logits, weights, indices)
+            if joint:
+                return self._route_joint(index, router, following, hidden_states,
+                                         lambda: original(hidden_states, *args, **kwargs))
+            own = original(hidden_states, *args, **kwargs)
+            return self._route_own(index, router, own)
 
         return forward
 
-    def _route(self, layer: int, router: Any, following: Any, hidden: torch.Tensor, logits: torch.Tensor,
-               weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _route_own(self, layer: int, router: Any, own: tuple) -> tuple:
+        """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
         fwd = self._fwd
-        B, S, E, K = fwd.rows, fwd.positions, self.num_experts, self.top_k
-        family = self.family
-        z = family.selection_scores(router, logits).detach()  # [N, E]
-        g_next = None
-        if following is not None and self._needs_pregate:
-            g = family.pregate(following, hidden).detach()  # [N, E]
-            if g.dtype != z.dtype:
-                g = g.to(z.dtype)
-            host = torch.cat((z, g), dim=-1).cpu()  # the one transfer (and synchronisation) of this layer
-            host = (host if host.dtype == torch.float32 else host.float()).numpy()
-            z_host = host[:, :E].reshape(B, S, E)
-            g_next = host[:, E:].reshape(B, S, E)
-        else:
-            host = z.cpu()
-            z_host = (host if host.dtype == torch.float32 else host.float()).numpy().reshape(B, S, E)
+        logits = own[0]
+        z = self.family.selection_scores(router, logits).detach()  # [N, E]
+        z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
+        plan = self._decide(layer, z_host, None, fwd)
+        return self._execute(layer, router, plan, z_host, logits, own, None)
+
+    def _route_joint(self, layer: int, router: Any, following: Any, hidden: torch.Tensor,
+                     run_own: Callable[[], tuple]) -> tuple:
+        """This layer's scores and the next layer's pre-gate from one matmul, moved to the host in one transfer;
+        the model's own router runs afterwards, and only where the selection is the router's own top-K."""
+        fwd = self._fwd
+        B, S, E = fwd.rows, fwd.positions, self.num_experts
+        logits, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
+        host = _host(both.detach())  # [N, 2E]: this layer's z | the next layer's pre-gate
+        z_host = host[:, :E].reshape(B, S, E)
+        g_next = host[:, E:].reshape(B, S, E)
         plan = self._decide(layer, z_host, g_next, fwd)
+        self._pregate[layer + 1] = g_next
+        return self._execute(layer, router, plan, z_host, logits, None, run_own)
+
+    def _stacked_weight(self, layer: int) -> torch.Tensor:
+        """``[2E, H]`` this router's weight over the next one's (one matmul gives z and the next pre-gate);
+        rebuilt when either weight is replaced, moved or changed in place."""
+        a, b = self.layers[layer].router.weight, self.layers[layer + 1].router.weight
+        key = (a.data_ptr(), b.data_ptr(), a._version, b._version, a.device, a.dtype)
+        cached = self._stacked.get(layer)
+        if cached is None or cached[0] != key:
+            cached = self._stacked[layer] = (key, self.family.stacked_router_weight(a.detach(), b.detach()))
+        return cached[1]
+
+    def _execute(self, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: torch.Tensor,
+                 own: tuple | None, run_own: Callable[[], tuple] | None) -> tuple:
+        """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
+        ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
+        scores elsewhere."""
+        fwd = self._fwd
+        N, E, K = fwd.rows * fwd.positions, self.num_experts, self.top_k
         selected = plan.selected  # [B, S, K] in selection order
         if self._recorder is not None:
             self._recorder._layer(layer, z_host, self._pregate[layer], selected)
-        if g_next is not None:
-            self._pregate[layer + 1] = g_next
-        replaced = plan.replaced.reshape(B * S) > 0  # [N]
-        if not replaced.any():
-            return logits, weights, indices  # the router's own choice: its own outputs, bitwise
-        chosen = selected.reshape(B * S, K)
-        self._add_displaced(layer, z_host.reshape(B * S, E), chosen, replaced, S)
-        packed = np.empty((B * S, K + 1), dtype=np.int64)
+        replaced = plan.replaced.reshape(N) > 0  # [N]
+        z_flat = z_host.reshape(N, E)
+        # where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary pick; run the
+        # policy's (ties to the lower index) so the executed experts are always the logical cache's
+        explicit = replaced.astype(np.uint8)  # [N]
+        if fwd.valid is not None:
+            explicit[fwd.valid.reshape(N) == 0] = 2  # padding always runs the router's own outputs: skip it
+        boundary_ties(z_flat, K, explicit)
+        if fwd.valid is not None:
+            explicit[explicit == 2] = 0
+        count = int(explicit.sum())
+        if count == 0:
+            return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
+        chosen = selected.reshape(N, K)
+        if replaced.any():
+            where = np.flatnonzero(replaced)
+            fraction = displaced_fraction(z_flat, chosen, where, self.family.router_mass, self._mass_bias[layer])
+            np.add.at(self._displaced[layer], where // fwd.positions, fraction)
+        device = logits.device
+        if count == N:
+            chosen_dev = self._to_device(chosen, device)
+            return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
+        if own is None:
+            own = run_own()
+        _, weights, indices = own
+        packed = np.empty((N, K + 1), dtype=np.int64)
         packed[:, :K] = chosen
-        packed[:, K] = replaced
-        packed_dev = torch.from_numpy(packed).to(logits.device)
+        packed[:, K] = explicit
+        packed_dev = self._to_device(packed, device)
         chosen_dev, mask = packed_dev[:, :K], packed_dev[:, K:].bool()
-        new_weights = family.execution_weights(router, logits, chosen_dev)
-        return logits, torch.where(mask, new_weights.to(weights.dtype), weights), torch.where(mask, chosen_dev, indices)
+        new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
+        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+
+    def _to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        """Host int64 array -> device tensor; through a reused pinned buffer on CUDA (an asynchronous copy: the
+        buffer is rewritten only after the next layer's device-to-host transfer, which waits for this copy)."""
+        if device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(array))
+        size = array.size
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
+        staging = self._pinned[:size]
+        staging.numpy()[:] = array.reshape(-1)
+        return staging.view(array.shape).to(device, non_blocking=True)
 
     def _decide(self, layer: int, z: np.ndarray, g_next: np.ndarray | None, fwd: _Forward) -> StepPlan:
         cache, tokens, valid = self.cache, fwd.tokens, fwd.valid
@@ -469,14 +528,8 @@ class Controller:
         # a block of positions: parts 1 and 2 of this layer for each position in order
         return cache.step(layer, z, g_here, tokens, valid)
 
-    def _add_displaced(self, layer: int, z: np.ndarray, chosen: np.ndarray, replaced: np.ndarray, S: int) -> None:
-        where = np.flatnonzero(replaced)
-        zr = z[where]  # [n, E]
-        mass = self.family.host_mass(layer, zr)  # [n, E] proportional to the router's own weights
-        own = np.argpartition(-zr, self.top_k - 1, axis=1)[:, : self.top_k]  # the router's own top-K (as a set)
-        own_mass = np.take_along_axis(mass, own, axis=1)
-        executed = np.zeros(zr.shape, dtype=bool)
-        np.put_along_axis(executed, chosen[where], True, axis=1)
-        lost = (own_mass * ~np.take_along_axis(executed, own, axis=1)).sum(axis=1)
-        fraction = lost / np.maximum(own_mass.sum(axis=1), np.finfo(np.float64).tiny)
-        np.add.at(self._displaced[layer], where // S, fraction)
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A device tensor as a float32 host array (one device-to-host copy, which synchronises)."""
+    h = t.cpu()
+    return (h if h.dtype == torch.float32 else h.float()).numpy()

@@ -1,0 +1,99 @@
+"""Displaced router mass: how much of the router's own top-K weight a cache-aware selection left out (numba).
+
+Private and array-only, like :mod:`._kernels`; called by the HF controller on every layer where a selection
+differs from the router's own top-K, so it must cost microseconds, not the tens of microseconds of numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+MASS_SOFTMAX = 0  # weight of expert e proportional to exp(z[e]) (softmax routers: z are the logits)
+MASS_SIGMOID_BIAS = 1  # weight = z[e] - bias[e] (DeepSeek-V3: z = sigmoid(logits) + bias; -inf = masked, weight 0)
+
+
+@njit(cache=True, nogil=True)
+def _displaced_fraction(z, chosen, positions, mode, bias, out):  # pragma: no cover - compiled
+    """For each flat position ``p`` in ``positions``: the fraction of the router's own top-K weight (top-K of
+    ``z[p]``, ties to the lower index) whose experts are not in ``chosen[p]``. ``z`` [N, E] float32, ``chosen``
+    [N, K] int64, ``positions`` [n] int64, ``bias`` [E] float (read for MASS_SIGMOID_BIAS), ``out`` [n] float64."""
+    N, E = z.shape
+    K = chosen.shape[1]
+    taken = np.zeros(E, dtype=np.bool_)
+    executed = np.zeros(E, dtype=np.bool_)
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        row = z[p]
+        top = -np.inf
+        for e in range(E):
+            taken[e] = False
+            executed[e] = False
+            if row[e] > top:
+                top = row[e]
+        for k in range(K):
+            executed[chosen[p, k]] = True
+        own = 0.0
+        lost = 0.0
+        for k in range(K):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or row[e] > row[best]):
+                    best = e
+            taken[best] = True
+            if mode == MASS_SOFTMAX:
+                w = np.exp(np.float64(row[best]) - top)
+            elif np.isfinite(row[best]):
+                w = np.float64(row[best]) - bias[best]
+            else:
+                w = 0.0
+            own += w
+            if not executed[best]:
+                lost += w
+        out[i] = lost / own if own > 0 else 0.0
+    return out
+
+
+def displaced_fraction(z: np.ndarray, chosen: np.ndarray, positions: np.ndarray, mode: int,
+                       bias: np.ndarray | None = None) -> np.ndarray:
+    """``[n]`` displaced fraction of the router's own top-K weight at ``positions`` (see the kernel)."""
+    if bias is None:
+        bias = np.zeros(z.shape[1], dtype=np.float64)
+    out = np.empty(positions.shape[0], dtype=np.float64)
+    return _displaced_fraction(z, chosen, positions, mode, bias, out)
+
+
+@njit(cache=True, nogil=True)
+def _boundary_ties(z, K, flags):  # pragma: no cover - compiled
+    """Set ``flags[p] = 1`` where the K-th and (K+1)-th largest scores of ``z[p]`` are equal and finite (the
+    own top-K is then ambiguous); other flags are left as they are. Returns ``flags``."""
+    N, E = z.shape
+    if K >= E:
+        return flags
+    best = np.empty(K + 1, dtype=np.float64)  # the K+1 largest values so far, descending (insertion)
+    for p in range(N):
+        if flags[p]:
+            continue
+        row = z[p]
+        n = 0
+        for e in range(E):
+            v = np.float64(row[e])
+            if n < K + 1:
+                j = n
+                n += 1
+            elif v > best[K]:
+                j = K
+            else:
+                continue
+            while j > 0 and best[j - 1] < v:
+                best[j] = best[j - 1]
+                j -= 1
+            best[j] = v
+        if np.isfinite(best[K - 1]) and best[K] == best[K - 1]:
+            flags[p] = 1
+    return flags
+
+
+def boundary_ties(z: np.ndarray, top_k: int, flags: np.ndarray) -> np.ndarray:
+    """``flags`` ``[N]`` uint8, set to 1 where ``z`` ``[N, E]`` ties across its top-``top_k`` boundary."""
+    return _boundary_ties(z, top_k, flags)
