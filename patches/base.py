@@ -104,11 +104,11 @@ class ArchitecturePatch:
 
     def joint_scores(self, router: nn.Module, following: nn.Module, hidden: torch.Tensor,
                      stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [N, E], scores [N, 2E])``: this router's logits, and its selection scores beside the pre-gate
-        of ``following`` (the next MoE layer's router on this block's input ``hidden``), from one matmul with
-        :meth:`stacked_router_weight`."""
-        both = F.linear(hidden.reshape(-1, stacked.shape[1]), stacked)  # [N, 2E]
-        return both[:, : router.weight.shape[0]], both
+        """``(logits [N, 2E], scores [N, 2E])`` from one matmul with :meth:`stacked_router_weight`: the logits of
+        this router and of ``following`` (the next MoE layer's router) on this block's input ``hidden``, and the
+        selection scores of this layer beside the pre-gate of the next (for softmax routers: the logits)."""
+        both = F.linear(hidden if hidden.ndim == 2 else hidden.reshape(-1, stacked.shape[1]), stacked)
+        return both, both
 
     #: how the router's own weight of an expert follows from its selection score (for the displaced router mass)
     router_mass: int = MASS_SOFTMAX

@@ -57,6 +57,5 @@ class DeepseekV3Patch(ArchitecturePatch):
                      stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         both = F.linear(hidden.reshape(-1, stacked.shape[1]).float(), stacked)  # [N, 2E] float32
         E = router.num_experts
-        logits = both[:, :E]
-        scores = torch.cat((self.selection_scores(router, logits), self.selection_scores(following, both[:, E:])), -1)
-        return logits, scores
+        scores = torch.cat((self.selection_scores(router, both[:, :E]), self.selection_scores(following, both[:, E:])), -1)
+        return both, scores

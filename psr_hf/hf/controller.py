@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..policy._mass import boundary_ties, displaced_fraction
+from ..policy._mass import finish_layer
 from ..policy.cache import LogicalCache, StepPlan
 from ..policy.config import RoutingConfig
 from ..policy.replaying import Recording
@@ -199,7 +199,6 @@ class Controller:
         self._uses_tokens = bool(self.cache.calibration.vocab_size) and config.eviction == "score"
         self._fwd: _Forward | None = None
         self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
-        self.last_prefetch: StepPlan | None = None  # part-1 plan of the next layer (what an offload engine queues)
         self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
         self._totals = np.zeros(7)
@@ -211,7 +210,11 @@ class Controller:
         self._undo: list[Callable[[], None]] = []
         self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
         self._pinned: torch.Tensor | None = None  # host staging buffer for selections going to the device
-        self._mass_bias = [family.mass_bias(layer.router) for layer in layers]
+        self._pinned_np: np.ndarray | None = None
+        self._device = layers[0].router.weight.device
+        self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
+        self._mass_bias = [np.zeros(0) if b is None else b
+                           for b in (family.mass_bias(layer.router) for layer in layers)]
 
     # ------------------------------------------------------------------ public
     @property
@@ -278,6 +281,8 @@ class Controller:
         self._totals += current
         if self._recorder is not None:
             self._recorder._close_sequence()
+        self._stacked.clear()  # the model may have moved between sequences
+        self._device = self.layers[0].router.weight.device
         if rows != self.cache.rows:
             self.cache.resize(rows)
         else:
@@ -326,6 +331,10 @@ class Controller:
         valid = self._valid_positions(kwargs.get("attention_mask"), B, S)
         if self._in_generate and past > 0 and self._stop_ids.size:
             valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
+        if S == 1:  # decoding runs on the cache's own one-position buffers
+            io = self.cache.io
+            io.tokens[:, 0] = tokens[:, 0]
+            io.valid[:, 0] = 1 if valid is None else valid[:, 0]
         self._fwd = _Forward(B, S, tokens, valid, module)
         self._pregate = [None] * self.num_layers
 
@@ -430,11 +439,18 @@ class Controller:
     def _route_own(self, layer: int, router: Any, own: tuple) -> tuple:
         """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
         fwd = self._fwd
-        logits = own[0]
-        z = self.family.selection_scores(router, logits).detach()  # [N, E]
+        z = self.family.selection_scores(router, own[0]).detach()  # [N, E]
         z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
-        plan = self._decide(layer, z_host, None, fwd)
-        return self._execute(layer, router, plan, z_host, logits, own, None)
+        if fwd.positions == 1:
+            io = self.cache.io
+            io.scores[:, 0] = z_host[:, 0]
+            if self._spec and layer:
+                io.pregate[:, 0] = self._pregate[layer][:, 0]
+            # part 1 of this layer already ran in the previous layer's call when the policy inserts
+            plan = self.cache.step_io(layer, "select" if self._needs_pregate and layer else "both")
+        else:
+            plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
+        return self._execute(layer, router, plan, z_host, own[0], own, None)
 
     def _route_joint(self, layer: int, router: Any, following: Any, hidden: torch.Tensor,
                      run_own: Callable[[], tuple]) -> tuple:
@@ -442,94 +458,102 @@ class Controller:
         the model's own router runs afterwards, and only where the selection is the router's own top-K."""
         fwd = self._fwd
         B, S, E = fwd.rows, fwd.positions, self.num_experts
-        logits, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
+        raw, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
         host = _host(both.detach())  # [N, 2E]: this layer's z | the next layer's pre-gate
+        logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
         z_host = host[:, :E].reshape(B, S, E)
         g_next = host[:, E:].reshape(B, S, E)
-        plan = self._decide(layer, z_host, g_next, fwd)
+        if S == 1:
+            # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
+            # computes), on the cache's own buffers
+            io = self.cache.io
+            io.scores[:, 0] = host[:, :E]
+            if self._spec and layer:
+                io.pregate[:, 0] = self._pregate[layer][:, 0]
+            plan = self.cache.step_io(layer, "select")
+            result = self._execute(layer, router, plan, z_host, logits, None, run_own)
+            io.pregate[:, 0] = host[:, E:]
+            self.cache.step_io(layer + 1, "prefetch")
+        else:
+            # a block of positions: parts 1 and 2 of this layer for each position in order
+            plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
+            result = self._execute(layer, router, plan, z_host, logits, None, run_own)
         self._pregate[layer + 1] = g_next
-        return self._execute(layer, router, plan, z_host, logits, None, run_own)
+        return result
 
     def _stacked_weight(self, layer: int) -> torch.Tensor:
         """``[2E, H]`` this router's weight over the next one's (one matmul gives z and the next pre-gate);
-        rebuilt when either weight is replaced, moved or changed in place."""
+        rebuilt when either weight is replaced or changed in place, and at every new sequence (device moves)."""
         a, b = self.layers[layer].router.weight, self.layers[layer + 1].router.weight
-        key = (a.data_ptr(), b.data_ptr(), a._version, b._version, a.device, a.dtype)
         cached = self._stacked.get(layer)
-        if cached is None or cached[0] != key:
-            cached = self._stacked[layer] = (key, self.family.stacked_router_weight(a.detach(), b.detach()))
-        return cached[1]
+        if cached is None or cached[0] is not a or cached[1] is not b or cached[2] != (a._version, b._version):
+            stacked = self.family.stacked_router_weight(a.detach(), b.detach())
+            cached = self._stacked[layer] = (a, b, (a._version, b._version), stacked)
+        return cached[3]
 
     def _execute(self, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: torch.Tensor,
                  own: tuple | None, run_own: Callable[[], tuple] | None) -> tuple:
         """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
         ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
-        scores elsewhere."""
+        scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
+        pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
+        logical cache's."""
         fwd = self._fwd
         N, E, K = fwd.rows * fwd.positions, self.num_experts, self.top_k
-        selected = plan.selected  # [B, S, K] in selection order
+        raw = plan.plan.reshape(N, -1)
         if self._recorder is not None:
-            self._recorder._layer(layer, z_host, self._pregate[layer], selected)
-        replaced = plan.replaced.reshape(N) > 0  # [N]
-        z_flat = z_host.reshape(N, E)
-        # where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary pick; run the
-        # policy's (ties to the lower index) so the executed experts are always the logical cache's
-        explicit = replaced.astype(np.uint8)  # [N]
-        if fwd.valid is not None:
-            explicit[fwd.valid.reshape(N) == 0] = 2  # padding always runs the router's own outputs: skip it
-        boundary_ties(z_flat, K, explicit)
-        if fwd.valid is not None:
-            explicit[explicit == 2] = 0
-        count = int(explicit.sum())
+            self._recorder._layer(layer, z_host, self._pregate[layer], plan.selected)
+        packed = self._staging(N * (K + 1), self._device).reshape(N, K + 1)
+        valid = self._all_valid if fwd.valid is None else fwd.valid.reshape(N)
+        count = finish_layer(raw, K, plan.replaced_column, z_host.reshape(N, E), valid, self.family.router_mass,
+                             self._mass_bias[layer], self._displaced[layer], fwd.positions, packed)
         if count == 0:
             return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
-        chosen = selected.reshape(N, K)
-        if replaced.any():
-            where = np.flatnonzero(replaced)
-            fraction = displaced_fraction(z_flat, chosen, where, self.family.router_mass, self._mass_bias[layer])
-            np.add.at(self._displaced[layer], where // fwd.positions, fraction)
-        device = logits.device
+        if isinstance(logits, _Lazy):
+            logits = logits.value()
+        packed_dev = self._to_device(packed, logits.device)
+        chosen_dev = packed_dev[:, :K]
         if count == N:
-            chosen_dev = self._to_device(chosen, device)
             return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
-        if own is None:
-            own = run_own()
-        _, weights, indices = own
-        packed = np.empty((N, K + 1), dtype=np.int64)
-        packed[:, :K] = chosen
-        packed[:, K] = explicit
-        packed_dev = self._to_device(packed, device)
-        chosen_dev, mask = packed_dev[:, :K], packed_dev[:, K:].bool()
+        _, weights, indices = own if own is not None else run_own()
+        mask = packed_dev[:, K:].bool()
         new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
         return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
 
-    def _to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
-        """Host int64 array -> device tensor; through a reused pinned buffer on CUDA (an asynchronous copy: the
-        buffer is rewritten only after the next layer's device-to-host transfer, which waits for this copy)."""
+    def _staging(self, size: int, device: torch.device) -> np.ndarray:
+        """A host int64 buffer of ``size`` for selections going to ``device``: pinned and reused on CUDA (it is
+        rewritten only after the next layer's device-to-host transfer, which waits for the last copy from it)."""
         if device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(array))
-        size = array.size
+            return np.empty(size, dtype=np.int64)
         if self._pinned is None or self._pinned.numel() < size:
             self._pinned = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
-        staging = self._pinned[:size]
-        staging.numpy()[:] = array.reshape(-1)
-        return staging.view(array.shape).to(device, non_blocking=True)
+            self._pinned_np = self._pinned.numpy()
+        return self._pinned_np[:size]
 
-    def _decide(self, layer: int, z: np.ndarray, g_next: np.ndarray | None, fwd: _Forward) -> StepPlan:
-        cache, tokens, valid = self.cache, fwd.tokens, fwd.valid
-        g_here = self._pregate[layer]
-        if fwd.positions == 1 and self._needs_pregate:
-            # one position per row (decoding): part 2 of this layer, then part 1 of the next, so the next layer's
-            # prefetches are known while this layer computes (what the offload scheduler queues)
-            plan = cache.select(layer, z, tokens, valid, pregate=g_here if self._spec else None)
-            if g_next is not None:
-                self.last_prefetch = cache.prefetch(layer + 1, g_next, tokens, valid)
-            return plan
-        # a block of positions: parts 1 and 2 of this layer for each position in order
-        return cache.step(layer, z, g_here, tokens, valid)
+    def _to_device(self, packed: np.ndarray, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.from_numpy(packed)
+        return self._pinned[: packed.size].view(packed.shape).to(device, non_blocking=True)
+
+
+class _Lazy:
+    """The first ``E`` columns of a ``[N, 2E]`` tensor, sliced on first use (a torch call costs microseconds)."""
+
+    __slots__ = ("raw", "E")
+
+    def __init__(self, raw: torch.Tensor, E: int):
+        self.raw, self.E = raw, E
+
+    def value(self) -> torch.Tensor:
+        return self.raw[:, : self.E]
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """A device tensor as a float32 host array (one device-to-host copy, which synchronises)."""
+    """A device tensor as a float32 host array (one device-to-host copy, which synchronises). bfloat16 widens
+    on the host by a bit shift (exact, and cheaper than a torch conversion)."""
     h = t.cpu()
-    return (h if h.dtype == torch.float32 else h.float()).numpy()
+    if h.dtype == torch.float32:
+        return h.numpy()
+    if h.dtype == torch.bfloat16:
+        return (h.view(torch.int16).numpy().astype(np.int32) << 16).view(np.float32)
+    return h.float().numpy()

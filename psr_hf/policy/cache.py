@@ -86,9 +86,14 @@ class StepPlan:
         return self._cols(self._demand_base + 1 + self.top_k, self.top_k)
 
     @property
+    def replaced_column(self) -> int:
+        """Column of ``plan`` holding :attr:`replaced`."""
+        return self._demand_base + 1 + 2 * self.top_k
+
+    @property
     def replaced(self) -> np.ndarray:
         """[B, S] selected experts outside the router's own top-K (router slots replaced)."""
-        return self.plan[:, :, self._demand_base + 1 + 2 * self.top_k]
+        return self.plan[:, :, self.replaced_column]
 
 
 @dataclass(frozen=True)
