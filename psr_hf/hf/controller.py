@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..policy._mass import finish_layer
+from ..policy._mass import _finish_layer
 from ..policy.cache import LogicalCache, StepPlan
 from ..policy.config import RoutingConfig
 from ..policy.replaying import Recording
@@ -210,7 +210,8 @@ class Controller:
         self._undo: list[Callable[[], None]] = []
         self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
         self._pinned: torch.Tensor | None = None  # host staging buffer for selections going to the device
-        self._pinned_np: np.ndarray | None = None
+        self._staging_views: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._flags = np.zeros(1, dtype=np.uint8)
         self._device = layers[0].router.weight.device
         self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
         self._mass_bias = [np.zeros(0) if b is None else b
@@ -283,6 +284,7 @@ class Controller:
             self._recorder._close_sequence()
         self._stacked.clear()  # the model may have moved between sequences
         self._device = self.layers[0].router.weight.device
+        self._staging_views.clear()
         if rows != self.cache.rows:
             self.cache.resize(rows)
         else:
@@ -306,9 +308,17 @@ class Controller:
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor):
             ids = args[0]
+        mask = kwargs.get("attention_mask")
+        mask_host = None
         if ids is not None:
             B, S = int(ids.shape[0]), int(ids.shape[1])
-            tokens = ids.detach().to("cpu", torch.int64).numpy()
+            if (isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == B and mask.shape[1] >= S
+                    and mask.device == ids.device):
+                # token ids and the mask of these positions in one transfer (one synchronisation)
+                both = torch.cat((ids.detach().long(), mask[:, -S:].detach().long()), dim=1).cpu().numpy()
+                tokens, mask_host = np.ascontiguousarray(both[:, :S]), both[:, S:]
+            else:
+                tokens = ids.detach().to("cpu", torch.int64).numpy()
         else:
             embeds = kwargs.get("inputs_embeds")
             if embeds is None:
@@ -328,7 +338,7 @@ class Controller:
                 f"psr_hf: a batch of {B} rows continues a cached sequence of {self.cache.rows} rows; start a new "
                 "sequence (empty cache) or reorder the rows with the KV cache"
             )
-        valid = self._valid_positions(kwargs.get("attention_mask"), B, S)
+        valid = self._valid_positions(mask, B, S, mask_host)
         if self._in_generate and past > 0 and self._stop_ids.size:
             valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
         if S == 1:  # decoding runs on the cache's own one-position buffers
@@ -358,9 +368,11 @@ class Controller:
         )
 
     @staticmethod
-    def _valid_positions(mask: Any, B: int, S: int) -> np.ndarray | None:
+    def _valid_positions(mask: Any, B: int, S: int, host: np.ndarray | None = None) -> np.ndarray | None:
         if mask is None:
             return None
+        if host is not None:
+            return None if host.all() else (host != 0).astype(np.uint8)
         if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != B or mask.shape[1] < S:
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(
@@ -439,7 +451,9 @@ class Controller:
     def _route_own(self, layer: int, router: Any, own: tuple) -> tuple:
         """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
         fwd = self._fwd
-        z = self.family.selection_scores(router, own[0]).detach()  # [N, E]
+        z = self.family.selection_scores(router, own[0])  # [N, E]
+        if z.requires_grad:
+            z = z.detach()
         z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
         if fwd.positions == 1:
             io = self.cache.io
@@ -459,7 +473,7 @@ class Controller:
         fwd = self._fwd
         B, S, E = fwd.rows, fwd.positions, self.num_experts
         raw, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
-        host = _host(both.detach())  # [N, 2E]: this layer's z | the next layer's pre-gate
+        host = _host(both.detach() if both.requires_grad else both)  # [N, 2E]: this layer's z | next pre-gate
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
         z_host = host[:, :E].reshape(B, S, E)
         g_next = host[:, E:].reshape(B, S, E)
@@ -499,41 +513,46 @@ class Controller:
         pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
         logical cache's."""
         fwd = self._fwd
-        N, E, K = fwd.rows * fwd.positions, self.num_experts, self.top_k
-        raw = plan.plan.reshape(N, -1)
+        N, K = fwd.rows * fwd.positions, self.top_k
         if self._recorder is not None:
             self._recorder._layer(layer, z_host, self._pregate[layer], plan.selected)
-        packed = self._staging(N * (K + 1), self._device).reshape(N, K + 1)
-        valid = self._all_valid if fwd.valid is None else fwd.valid.reshape(N)
-        count = finish_layer(raw, K, plan.replaced_column, z_host.reshape(N, E), valid, self.family.router_mass,
-                             self._mass_bias[layer], self._displaced[layer], fwd.positions, packed)
+        chosen, chosen_dev_view = self._staging(N)
+        flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
+        count = _finish_layer(plan.plan.reshape(N, -1), K, plan.replaced_column, z_host.reshape(N, -1),
+                              self._all_valid if fwd.valid is None else fwd.valid.reshape(N),
+                              self.family.router_mass, self._mass_bias[layer], self._displaced[layer], fwd.positions,
+                              chosen, flags)
         if count == 0:
             return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
         if isinstance(logits, _Lazy):
             logits = logits.value()
-        packed_dev = self._to_device(packed, logits.device)
-        chosen_dev = packed_dev[:, :K]
+        device = logits.device
+        chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
         if count == N:
             return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
         _, weights, indices = own if own is not None else run_own()
-        mask = packed_dev[:, K:].bool()
+        mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
         new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
         return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
 
-    def _staging(self, size: int, device: torch.device) -> np.ndarray:
-        """A host int64 buffer of ``size`` for selections going to ``device``: pinned and reused on CUDA (it is
-        rewritten only after the next layer's device-to-host transfer, which waits for the last copy from it)."""
-        if device.type != "cuda":
-            return np.empty(size, dtype=np.int64)
-        if self._pinned is None or self._pinned.numel() < size:
-            self._pinned = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
-            self._pinned_np = self._pinned.numpy()
-        return self._pinned_np[:size]
-
-    def _to_device(self, packed: np.ndarray, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return torch.from_numpy(packed)
-        return self._pinned[: packed.size].view(packed.shape).to(device, non_blocking=True)
+    def _staging(self, rows: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A host ``[rows, K]`` int64 buffer for the selection and a tensor over the same memory. On CUDA it is
+        pinned and reused, so the copy to the device is asynchronous (the buffer is rewritten only after the
+        next layer's device-to-host transfer, which waits for this copy); views are cached per shape."""
+        view = self._staging_views.get(rows)
+        if view is None:
+            size = rows * self.top_k
+            if self._device.type == "cuda":
+                if self._pinned is None or self._pinned.numel() < size:
+                    self._pinned = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
+                    self._staging_views.clear()
+                tensor = self._pinned[:size].view(rows, self.top_k)
+            else:
+                tensor = torch.empty((rows, self.top_k), dtype=torch.int64)
+            view = self._staging_views[rows] = (tensor.numpy(), tensor)
+        if self._device.type != "cuda":  # CPU: the returned tensor is used as is, so never reuse it
+            del self._staging_views[rows]
+        return view
 
 
 class _Lazy:
