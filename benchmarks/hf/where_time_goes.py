@@ -53,7 +53,7 @@ def main() -> None:
     psr_hf.patch(model, config)
     ctl = psr_hf.controller(model)
     controller_module._host = timed("_host (D2H + wait)", controller_module._host)
-    for name in ("_route_joint", "_route_own", "_execute", "_on_forward", "_stacked_weight", "_to_device"):
+    for name in ("_route_joint", "_route_own", "_execute", "_on_forward", "_stacked_weight", "_staging"):
         setattr(ctl, name, timed(name, getattr(ctl, name)))
     ctl.cache.step_io = timed("step_io", ctl.cache.step_io)
     family = ctl.family
