@@ -157,7 +157,9 @@ def test_wheel_ships_patches_inside_psr_hf_with_the_cli_entry_point(tmp_path):
         entry_points = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
         assert len(entry_points) == 1, sorted(names)
         entry_text = wheel.read(entry_points[0]).decode()
-    for required in ("psr_hf/patches/__init__.py", "psr_hf/policy/_kernels.py", "psr_hf/cli.py"):
+    for required in ("psr_hf/patches/__init__.py", "psr_hf/policy/_kernels.py", "psr_hf/cli.py",
+                     "psr_hf/patches/olmoe.py", "psr_hf/patches/deepseek_v3.py", "psr_hf/patches/qwen3_5_moe.py",
+                     "psr_hf/patches/qwen3_next.py", "psr_hf/hf/controller.py", "psr_hf/policy/_mass.py"):
         assert required in names, sorted(names)
     assert re.search(r"^\[console_scripts\]$", entry_text, flags=re.M), entry_text
     assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text

@@ -209,10 +209,10 @@ class Controller:
         self._in_generate = 0
         self._undo: list[Callable[[], None]] = []
         self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
-        self._pinned: torch.Tensor | None = None  # host staging buffer for selections going to the device
-        self._staging_views: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._pinned: dict[torch.device, torch.Tensor] = {}  # host staging buffers for selections, per device
+        self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
         self._flags = np.zeros(1, dtype=np.uint8)
-        self._device = layers[0].router.weight.device
+        self._devices = [layer.router.weight.device for layer in layers]
         self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
         self._mass_bias = [np.zeros(0) if b is None else b
                            for b in (family.mass_bias(layer.router) for layer in layers)]
@@ -283,8 +283,7 @@ class Controller:
         if self._recorder is not None:
             self._recorder._close_sequence()
         self._stacked.clear()  # the model may have moved between sequences
-        self._device = self.layers[0].router.weight.device
-        self._staging_views.clear()
+        self._devices = [layer.router.weight.device for layer in self.layers]
         if rows != self.cache.rows:
             self.cache.resize(rows)
         else:
@@ -516,7 +515,8 @@ class Controller:
         N, K = fwd.rows * fwd.positions, self.top_k
         if self._recorder is not None:
             self._recorder._layer(layer, z_host, self._pregate[layer], plan.selected)
-        chosen, chosen_dev_view = self._staging(N)
+        device = self._devices[layer]
+        chosen, chosen_dev_view = self._staging(N, device)
         flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
         count = _finish_layer(plan.plan.reshape(N, -1), K, plan.replaced_column, z_host.reshape(N, -1),
                               self._all_valid if fwd.valid is None else fwd.valid.reshape(N),
@@ -526,7 +526,6 @@ class Controller:
             return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
         if isinstance(logits, _Lazy):
             logits = logits.value()
-        device = logits.device
         chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
         if count == N:
             return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
@@ -535,23 +534,24 @@ class Controller:
         new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
         return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
 
-    def _staging(self, rows: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A host ``[rows, K]`` int64 buffer for the selection and a tensor over the same memory. On CUDA it is
-        pinned and reused, so the copy to the device is asynchronous (the buffer is rewritten only after the
-        next layer's device-to-host transfer, which waits for this copy); views are cached per shape."""
-        view = self._staging_views.get(rows)
+    def _staging(self, rows: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+        """A host ``[rows, K]`` int64 buffer for the selection and a tensor over the same memory. For a CUDA
+        device it is pinned and reused (one per device), so the copy to the device is asynchronous: the buffer is
+        rewritten only after the next device-to-host transfer from that device, which waits for this copy."""
+        key = (device, rows)
+        view = self._staging_views.get(key)
         if view is None:
             size = rows * self.top_k
-            if self._device.type == "cuda":
-                if self._pinned is None or self._pinned.numel() < size:
-                    self._pinned = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
-                    self._staging_views.clear()
-                tensor = self._pinned[:size].view(rows, self.top_k)
-            else:
+            if device.type == "cuda":
+                pinned = self._pinned.get(device)
+                if pinned is None or pinned.numel() < size:
+                    pinned = self._pinned[device] = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
+                    self._staging_views = {k: v for k, v in self._staging_views.items() if k[0] != device}
+                tensor = pinned[:size].view(rows, self.top_k)
+                view = self._staging_views[key] = (tensor.numpy(), tensor)
+            else:  # the tensor is used as it is by the layer, so never reused
                 tensor = torch.empty((rows, self.top_k), dtype=torch.int64)
-            view = self._staging_views[rows] = (tensor.numpy(), tensor)
-        if self._device.type != "cuda":  # CPU: the returned tensor is used as is, so never reuse it
-            del self._staging_views[rows]
+                view = (tensor.numpy(), tensor)
         return view
 
 
