@@ -83,3 +83,25 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(std=0.05)
     return model.to(dtype).eval()
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level ``PreTrainedTokenizerFast`` over exactly 256 ids (one per byte, no merges), so it fits the tiny
+    models' vocabulary; eos/pad/bos are the tiny configs' ids 1/0/2 (bytes that never occur in text)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([""], vocab_size=256, show_progress=False, special_tokens=[])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    vocab = tokenizer.convert_ids_to_tokens([0, 1, 2])
+    tokenizer.pad_token, tokenizer.eos_token, tokenizer.bos_token = vocab[0], vocab[1], vocab[2]
+    return tokenizer
+
+
+def save_tiny(family: str, path: Any, *, seed: int = 0, **overrides: Any) -> Any:
+    """Save a tiny ``family`` model with :func:`byte_tokenizer` to ``path`` (loadable offline with
+    ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(path)``, e.g. by lm-eval's ``hf`` model); returns path."""
+    tiny_model(family, seed=seed, **overrides).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
