@@ -9,7 +9,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev
+# eval: lm-eval and the statistics stack; `make test` runs the lm-eval integration tests too
+EXTRAS ?= dev,eval
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 
@@ -34,7 +35,7 @@ $(PY):
 		$(PYTHON) -m venv $(VENV); \
 	fi
 
-$(STAMP): $(PY) pyproject.toml Makefile
+$(STAMP): $(PY) pyproject.toml setup.py Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "make: using the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else \

@@ -207,6 +207,7 @@ class Controller:
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
+        self._right_padded: np.ndarray | None = None  # [R] real lengths of mask-less right-padded rows
         self._undo: list[Callable[[], None]] = []
         self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
         self._pinned: dict[torch.device, torch.Tensor] = {}  # host staging buffers for selections, per device
@@ -254,6 +255,19 @@ class Controller:
             self._recorder.stop()
         self._recorder = Recorder(self)
         return self._recorder
+
+    @contextlib.contextmanager
+    def right_padded(self, lengths: Any) -> Iterator[None]:
+        """Forward passes inside this block that get no attention mask have right-padded rows: positions from
+        ``lengths[row]`` on (counted from the start of the sequence) are padding. They run the router's own top-K
+        and never touch the state or the statistics, as masked positions do. For callers that pad on the right
+        without a mask (lm-eval's loglikelihood batches): the model computes exactly as without this block."""
+        previous = self._right_padded
+        self._right_padded = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        try:
+            yield
+        finally:
+            self._right_padded = previous
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:
@@ -338,6 +352,8 @@ class Controller:
                 "sequence (empty cache) or reorder the rows with the KV cache"
             )
         valid = self._valid_positions(mask, B, S, mask_host)
+        if mask is None and self._right_padded is not None:
+            valid = self._valid_from_lengths(self._right_padded, B, S, past)
         if self._in_generate and past > 0 and self._stop_ids.size:
             valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
         if S == 1:  # decoding runs on the cache's own one-position buffers
@@ -379,6 +395,13 @@ class Controller:
                 f"got {shape}. Pass the tokenizer's attention_mask (or none when nothing is padded)"
             )
         valid = mask[:, -S:].detach().to("cpu").numpy() != 0
+        return None if valid.all() else valid.astype(np.uint8)
+
+    @staticmethod
+    def _valid_from_lengths(lengths: np.ndarray, B: int, S: int, past: int) -> np.ndarray | None:
+        if lengths.shape != (B,):
+            raise ValueError(f"psr_hf: right_padded() got {lengths.shape[0]} lengths for a batch of {B} rows")
+        valid = past + np.arange(S)[None, :] < lengths[:, None]  # [B, S]
         return None if valid.all() else valid.astype(np.uint8)
 
     def _mark_finished(self, tokens: np.ndarray, valid: np.ndarray | None, prompt: int = 0) -> np.ndarray | None:

@@ -1,0 +1,244 @@
+"""The lm-evaluation-harness model ``psr_hf``: lm-eval's HF model with cache-aware expert routing.
+
+::
+
+    lm-eval --model psr_hf --tasks ... \\
+        --model_args pretrained=PATH,policy=psr,lam=0.2,budget=1,residency=0.5,calibration=calib.safetensors
+
+:class:`PSRLM` is lm-eval's ``HFLM`` with the model patched (:func:`psr_hf.patch`) right after it is loaded.
+Model args are split three ways: the :class:`~psr_hf.RoutingConfig` fields (``policy``, ``capacity``,
+``residency``, ``lam``, ``budget``, ``window``, ``eviction``, ``top_j``, ``delta_mode``, ``decay_fast``,
+``decay_slow``), psr_hf's own (``calibration``: a calibration file; ``config``: a RoutingConfig YAML file, which
+explicit fields override; ``offload``) and whatever ``HFLM.__init__`` accepts. Any other name raises
+``ValueError`` with the allowed names, before the model is loaded.
+
+Every batch row has its own logical cache, reset at every request (each loglikelihood batch and each
+``generate()`` call starts with an empty KV cache). Padding never touches the routing state:
+
+- loglikelihood (and rolling) batches are right-padded with token id 0 and run **without** an attention mask;
+  the real length of each row is recovered from the requests and given to the controller
+  (:meth:`Controller.right_padded`), so the model computes exactly as lm-eval's ``hf`` model does;
+- generation batches are left-padded with an attention mask, which the patched model reads itself.
+
+So a request gets the same routing decisions at every batch size. The routing configuration and the statistics
+(:meth:`Controller.stats`, copies per token) go into lm-eval's results JSON under ``config.psr_hf``
+(through :meth:`PSRLM.get_model_info`) and into the log.
+
+Registration: ``@register_model("psr_hf")`` below, and a lazy placeholder that the start-up hook registers when
+lm-eval loads its registry (:mod:`psr_hf.eval.lm_eval_hook`), so ``lm-eval --model psr_hf`` finds this class
+without an entry point, and processes that never use lm-eval import nothing of psr_hf.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from ..hf.patching import controller, patch
+from ..policy.config import RoutingConfig
+
+# a child of lm-eval's logger: lm-eval's CLI configures "lm_eval" only, and the statistics belong in its output
+logger = logging.getLogger("lm_eval.models.psr_hf")
+
+# RoutingConfig fields as they arrive from --model_args (strings, or what lm-eval's parser made of them)
+ROUTING_ARGS: dict[str, type] = {
+    "policy": str, "capacity": int, "residency": float, "lam": float, "budget": int, "window": int,
+    "eviction": str, "top_j": int, "delta_mode": str, "decay_fast": float, "decay_slow": float,
+}
+PSR_ARGS = ("calibration", "config", "offload")
+
+
+def _hflm_args() -> list[str]:
+    """The named parameters of ``HFLM.__init__`` (introspected, so a new lm-eval argument is accepted as is)."""
+    params = inspect.signature(HFLM.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def allowed_args() -> str:
+    """The accepted model arg names, grouped, for error messages."""
+    return (f"routing: {', '.join(ROUTING_ARGS)}; psr_hf: {', '.join(PSR_ARGS)}; "
+            f"lm-eval's HF model: {', '.join(_hflm_args())}")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", ""))
+
+
+def _convert(name: str, value: Any, kind: type) -> Any:
+    """A model arg value as the RoutingConfig field's type (RoutingConfig then checks its range)."""
+    if _is_none(value):
+        return None
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"psr_hf model arg {name}={value!r} must be a name (a string)")
+        return value.strip()
+    if isinstance(value, bool):
+        raise ValueError(f"psr_hf model arg {name}={value!r} must be a number, not a boolean")
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"psr_hf model arg {name}={value!r} must be an integer")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise ValueError(f"psr_hf model arg {name}={value!r} must be a finite number")
+
+
+def _existing_file(name: str, value: Any) -> str | None:
+    if _is_none(value):
+        return None
+    if not isinstance(value, (str, Path)) or not Path(value).is_file():
+        raise ValueError(f"psr_hf model arg {name}={value!r}: no such file")
+    return str(value)
+
+
+def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None, dict[str, Any]]:
+    """Split lm-eval model args into the routing config, the calibration path and ``HFLM``'s own args.
+
+    ``config=FILE.yaml`` loads a :class:`RoutingConfig`; routing fields given explicitly override it. Raises
+    ``ValueError`` naming the allowed args for an unknown name, and RoutingConfig's errors for invalid values;
+    ``NotImplementedError`` for ``offload`` (not available in this version).
+    """
+    hflm = set(_hflm_args())
+    unknown = sorted(set(args) - set(ROUTING_ARGS) - set(PSR_ARGS) - hflm)
+    if unknown:
+        raise ValueError(f"unknown psr_hf model arg(s) {', '.join(unknown)}; allowed: {allowed_args()}")
+    offload = args.get("offload")
+    if not (_is_none(offload) or offload is False):
+        raise NotImplementedError(
+            f"offload={args['offload']!r}: expert offloading is not available in this version of psr_hf (the "
+            "experts stay where lm-eval's HF model puts them: device=, parallelize=); leave offload unset"
+        )
+    fields = {name: _convert(name, args[name], kind) for name, kind in ROUTING_ARGS.items() if name in args}
+    config_path = _existing_file("config", args.get("config"))
+    if config_path is not None:
+        routing = RoutingConfig.load_yaml(config_path)
+        if fields:
+            routing = routing.replace(**fields)
+    else:
+        routing = RoutingConfig(**{k: v for k, v in fields.items() if v is not None})
+    calibration = _existing_file("calibration", args.get("calibration"))
+    return routing, calibration, {k: v for k, v in args.items() if k in hflm}
+
+
+def _key(tokens: list[int]) -> tuple[int, int]:
+    """A key of the tokens without trailing pad ids (HFLM right-pads loglikelihood inputs with 0): their length
+    and hash (a collision can only add a candidate length, see :meth:`PSRLM._real_lengths`)."""
+    end = len(tokens)
+    while end and tokens[end - 1] == 0:
+        end -= 1
+    return end, hash(tuple(tokens[:end]))
+
+
+@register_model("psr_hf")
+class PSRLM(HFLM):
+    """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (see the module doc).
+
+    Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``; :meth:`routing_stats` gives the
+    statistics so far.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        routing, calibration, hf_args = split_model_args(kwargs)
+        if "pretrained" not in hf_args:
+            raise ValueError(f"psr_hf needs pretrained= (a model path or hub name); allowed: {allowed_args()}")
+        super().__init__(**hf_args)
+        self.routing = routing
+        self.calibration_path = calibration
+        # real input lengths of the current loglikelihood requests, by their tokens without trailing zeros
+        self._input_lengths: dict[tuple[int, int], set[int]] | None = None
+        patch(self.model, routing, calibration=calibration)
+        ctl = controller(self.model)
+        logger.info("psr_hf: %s routing, capacity %d of %d experts in %d MoE layers (top-%d), calibration %s",
+                    routing.policy, ctl.capacity, ctl.num_experts, ctl.num_layers, ctl.top_k, calibration)
+
+    # ------------------------------------------------------------------ padding
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, override_bs: int | None = None) -> list:
+        # HFLM builds each row as (context + continuation)[-(max_length + 1):][:-1], right-pads the batch with 0
+        # and passes no attention mask; index those inputs so _model_call can tell pads from real zeros
+        lengths: dict[tuple[int, int], set[int]] = {}
+        for _, context, continuation in requests:
+            inp = (context + continuation)[-(self.max_length + 1):][:-1]
+            lengths.setdefault(_key(inp), set()).add(len(inp))
+        self._input_lengths = lengths
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        finally:
+            self._input_lengths = None
+
+    def _real_lengths(self, inps: torch.Tensor) -> list[int] | None:
+        """Per row of a right-padded batch, its real length: the longest request input that the row's tokens
+        match up to trailing zeros, or the whole row where no request matches; None when no row is padded. The
+        row's own input is always a candidate, so a real token is never taken for padding (a real trailing 0
+        stays real); at worst, where two inputs differ only in trailing zeros, a pad counts as real, which
+        cannot change the row's decisions (they run in position order)."""
+        if self._input_lengths is None or inps.ndim != 2:
+            return None
+        width = int(inps.shape[1])
+        result = []
+        for row in inps.tolist():
+            candidates = [n for n in self._input_lengths.get(_key(row), ()) if n <= width]
+            result.append(max(candidates) if candidates else width)
+        return None if min(result) == width else result
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        lengths = self._real_lengths(inps) if attn_mask is None else None
+        if lengths is None:
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        with controller(self.model).right_padded(lengths):
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _detect_batch_size(self, requests: Any = None, pos: int = 0) -> int:
+        # batch_size=auto probes memory with batches of ones: route them with the model's own routers, so the
+        # probes never reach the routing state or the statistics
+        with controller(self.model).bypassed():
+            return super()._detect_batch_size(requests, pos)
+
+    # ------------------------------------------------------------------ results
+    def routing_stats(self) -> dict[str, Any]:
+        """The routing config, the cache geometry and the statistics over every request so far."""
+        ctl = controller(self.model)
+        return {
+            "routing": self.routing.to_dict(),
+            "calibration": self.calibration_path,
+            "capacity": ctl.capacity,
+            "num_experts": ctl.num_experts,
+            "top_k": ctl.top_k,
+            "moe_layers": ctl.num_layers,
+            "stats": ctl.stats().total,
+        }
+
+    def get_model_info(self) -> dict:
+        """HFLM's model info plus ``psr_hf``: :meth:`routing_stats` (lm-eval stores it in the results JSON under
+        ``config``, after the evaluation)."""
+        info = super().get_model_info()
+        info["psr_hf"] = self.routing_stats()
+        s = info["psr_hf"]["stats"]
+        logger.info("psr_hf routing stats: %d tokens in %d sequences, %.3f copies per token (%.3f demand, %.3f "
+                    "prefetch), %.3f replaced per token, displaced mass %.4f", s["tokens"], s["sequences"],
+                    s["copies_per_token"], s["demand_per_token"], s["prefetch_per_token"],
+                    s["replaced_per_token"], s["displaced_mass"])
+        return info

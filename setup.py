@@ -1,0 +1,41 @@
+"""Build step that pyproject.toml cannot express: ship ``psr_hf_lm_eval.pth`` at the top of site-packages.
+
+The .pth imports ``_psr_hf_lm_eval`` (startup/_psr_hf_lm_eval.py) at interpreter start, which registers the
+``psr_hf`` lm-eval model when lm-eval loads its registry (lm-eval 0.4.13 has no entry points for models;
+psr_hf/eval/lm_eval_hook.py explains the mechanism). A
+regular wheel gets the .pth from build_lib; an editable install (PEP 660, ``pip install -e .``) gets it in the
+editable wheel, which setuptools assembles from the folder that ``install_lib`` points at, beside its own
+``__editable__`` finder (whose .pth sorts first, so ``_psr_hf_lm_eval`` is importable when ours runs).
+Everything else is in pyproject.toml.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH_NAME = "psr_hf_lm_eval.pth"
+PTH_LINE = "import _psr_hf_lm_eval\n"
+
+
+class build_py_with_pth(build_py):
+    """build_py that also writes :data:`PTH_NAME` to the root of the built (or editable) wheel."""
+
+    def _pth_target(self) -> Path:
+        if getattr(self, "editable_mode", False):
+            # setuptools' editable_wheel points install_lib at the unpacked editable wheel it writes out
+            return Path(self.get_finalized_command("install").install_lib, PTH_NAME)
+        return Path(self.build_lib, PTH_NAME)
+
+    def run(self) -> None:
+        super().run()
+        target = self._pth_target()
+        self.mkpath(str(target.parent))
+        target.write_text(PTH_LINE)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), str(self._pth_target())]
+
+
+# egg_base: the metadata folder stays at the top (setuptools would put it in startup/, the "" package dir)
+setup(cmdclass={"build_py": build_py_with_pth}, options={"egg_info": {"egg_base": "."}})
