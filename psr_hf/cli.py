@@ -104,9 +104,22 @@ def cmd_bench_policy(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- bench-patch
 def cmd_bench_patch(args: argparse.Namespace) -> int:
-    from .hf.bench_patch import run_cli
+    from .hf.bench_patch import format_table, report_lines, run_bench_patch
 
-    return run_cli(args)
+    shape = "tiny OLMoE" if args.tiny else "OLMoE-1B-7B"
+    print(f"psr-hf bench-patch: {shape}-shaped random model, batch-1 greedy decode of {args.new_tokens} tokens "
+          f"after {args.prompt_tokens} prompt tokens, {args.rounds} interleaved rounds")
+    record = run_bench_patch(
+        device=args.device, dtype=args.dtype, tiny=args.tiny, rounds=args.rounds, new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens, warmup=args.warmup, seed=args.seed, experts_implementation=args.experts,
+        calibrate_tokens=args.calibrate_tokens, progress=lambda msg: print("  " + msg, file=sys.stderr),
+    )
+    print(format_table(record))
+    print("\n".join(report_lines(record)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"JSON record: {args.json}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- compare

@@ -4,7 +4,6 @@ lm-eval 0.4.13's --log_samples layout (and, when lm-eval and accelerate are inst
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -590,8 +589,6 @@ _TASKS = {
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("accelerate") is None,
-                    reason="needs lm-eval and accelerate (the eval extra)")
 def test_real_lm_eval_outputs_are_read_and_paired(tmp_path):
     from psr_hf.hf.tiny import save_tiny
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -24,19 +23,7 @@ class RemoteCodeOlmoe(OlmoeForCausalLM):
     """Stands in for a class loaded with ``trust_remote_code=True``: its module is not transformers'."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the tiny models are far too small for intra-op threads: one thread is as fast alone and many times faster
-    # when other processes share the cores (OpenMP workers spin)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_uncalibrated_warning(caplog):
-    caplog.set_level(logging.ERROR, logger="psr_hf")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ execution weights are the model's own router weights for the executed experts.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,20 +24,7 @@ NEW = 6  # tokens generated per call
 RESIDENCY = 0.5  # 8 of 16 experts per layer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the tiny models are far too small for intra-op threads: one thread is as fast alone and many times faster
-    # when other processes share the cores (OpenMP workers spin)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_uncalibrated_warning(caplog):
-    # patch() without a calibration warns (by design); keep the test log readable
-    caplog.set_level(logging.ERROR, logger="psr_hf")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 
 # ---------------------------------------------------------------------------------------------- inputs

@@ -9,8 +9,8 @@ In the byte tokenizer ``!`` is token 0, lm-eval's loglikelihood pad id, so some 
 
 from __future__ import annotations
 
+
 import json
-import logging
 import os
 import re
 import subprocess
@@ -36,18 +36,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 _WORDS = "the a cat dog sat on mat ran far blue red tree river stone cloud wow yes".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the tiny model is far too small for intra-op threads, and the console runs share the cores
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _quiet(caplog):
-    caplog.set_level(logging.ERROR, logger="psr_hf")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -158,8 +147,7 @@ def console_runs(tiny):
     """The three command lines, started together in a foreign working directory; name -> (returncode, output,
     output folder)."""
     for script in ("lm-eval", "psr-hf"):
-        if not (BIN / script).exists():
-            pytest.skip(f"{BIN / script} is not installed (make install installs the eval extra)")
+        assert (BIN / script).exists(), f"{BIN / script} is not installed (make install installs the eval extra)"
     env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tiny["root"] / "datasets")}
     env.pop("PYTHONPATH", None)
     work = tiny["root"] / "cwd"
@@ -228,7 +216,7 @@ def test_psr_hf_eval_forwards_to_lm_eval_with_a_routing_config_file(console_runs
 # ---------------------------------------------------------------------------------------------- in process
 @pytest.fixture(scope="module")
 def lm_eval_api():
-    lm_eval = pytest.importorskip("lm_eval")
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     from psr_hf.eval.lm_model import PSRLM
@@ -324,8 +312,6 @@ def test_exact_policy_gives_lm_evals_hf_model_per_sample_results(lm_eval_api, ev
 
 def test_a_shipped_offline_task_runs_under_psr_hf(lm_eval_api, tiny):
     shipped = REPO / "eval_configs" / "tasks"
-    if not (shipped / "psr_mmlu_exemplars.yaml").exists():
-        pytest.skip("eval_configs/tasks/psr_mmlu_exemplars.yaml is not there")
     lm_eval, TaskManager, _ = lm_eval_api
     lm = _model(lm_eval_api, tiny, 2, **ROUTING, max_length=1024)
     out = lm_eval.simple_evaluate(model=lm, tasks=["psr_mmlu_exemplars"], limit=2, bootstrap_iters=0,
@@ -456,7 +442,7 @@ def test_lm_eval_finds_psr_hf_lazily_through_the_hook():
 
 def test_the_wheel_ships_the_startup_hook(tmp_path):
     """setup.py's build_py writes psr_hf_lm_eval.pth into the wheel root, beside the module it imports."""
-    pytest.importorskip("build")
+    import build  # noqa: F401  (the dev extra must be installed)
     import zipfile
 
     created = [REPO / "build", REPO / "psr_hf.egg-info"]

@@ -24,8 +24,6 @@ t-interval, exponentiated. The exact configuration's tokens are compared with th
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import os
@@ -34,7 +32,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -483,42 +480,31 @@ def format_table(record: dict[str, Any]) -> str:
     return _table(rows, header)
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    """``psr-hf bench-patch``: run the benchmark, print the table and write the JSON record."""
-    shape = "tiny OLMoE" if args.tiny else "OLMoE-1B-7B"
-    print(f"psr-hf bench-patch: {shape}-shaped random model, batch-1 greedy decode of {args.new_tokens} tokens "
-          f"after {args.prompt_tokens} prompt tokens, {args.rounds} interleaved rounds")
-    record = run_bench_patch(
-        device=args.device, dtype=args.dtype, tiny=args.tiny, rounds=args.rounds, new_tokens=args.new_tokens,
-        prompt_tokens=args.prompt_tokens, warmup=args.warmup, seed=args.seed, experts_implementation=args.experts,
-        calibrate_tokens=args.calibrate_tokens, progress=lambda msg: print("  " + msg, file=sys.stderr),
-    )
-    print(format_table(record))
+def report_lines(record: dict[str, Any]) -> list[str]:
+    """The lines ``psr-hf bench-patch`` prints under the table: how it was measured, the goal, model and machine."""
     model, machine = record["model"], record["machine"]
-    print("\ndecode-only ms per token (prefill excluded; mean ± half-width of the 95% t-interval over rounds); ratio: "
-          "paired per round, geometric mean")
+    lines = ["", "decode-only ms per token (prefill excluded; mean ± half-width of the 95% t-interval over rounds); "
+                 "ratio: paired per round, geometric mean"]
     calibrated = "uncalibrated" if record["settings"]["calibration"] is None else "calibrated on random tokens"
-    print(f"exact: policy exact, LRU, budget 0, residency 0.5; psr: lam 0.2, budget 1, residency 0.5 ({calibrated}); "
-          "copies and replaced router slots per decoded token, all MoE layers")
+    lines.append(f"exact: policy exact, LRU, budget 0, residency 0.5; psr: lam 0.2, budget 1, residency 0.5 "
+                 f"({calibrated}); copies and replaced router slots per decoded token, all MoE layers")
     baseline_ok = record["results"][0]["baseline_repeatable"]
-    print(f"unpatched tokens identical across all runs: {'yes' if baseline_ok else 'NO (nondeterministic kernels)'}")
+    lines.append(f"unpatched tokens identical across all runs: "
+                 f"{'yes' if baseline_ok else 'NO (nondeterministic kernels)'}")
     for row in record["results"]:
         if not row["baseline"]:
             hi = row["ratio"]["ci95"][1]
             verdict = "met" if hi <= GOAL_RATIO else ("not shown" if row["ratio"]["ratio"] <= GOAL_RATIO else "missed")
-            print(f"goal ratio <= {GOAL_RATIO:.2f} for {row['configuration']}: {verdict} "
-                  f"(ratio {row['ratio']['ratio']:.3f}, upper 95% bound {hi:.3f})")
+            lines.append(f"goal ratio <= {GOAL_RATIO:.2f} for {row['configuration']}: {verdict} "
+                         f"(ratio {row['ratio']['ratio']:.3f}, upper 95% bound {hi:.3f})")
     decode = model["experts_implementation_during_decode"]
     note = "" if decode == model["experts_implementation"] else " (generate() switches it for decode steps)"
     n = model["parameters"]
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-    print(f"model: {size} parameters, {model['dtype']}, experts "
-          f"{model['experts_implementation']}, during decode {decode}{note}")
-    print(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2))
-        print(f"JSON record: {args.json}")
-    return 0
+    lines.append(f"model: {size} parameters, {model['dtype']}, experts "
+                 f"{model['experts_implementation']}, during decode {decode}{note}")
+    lines.append(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
