@@ -31,7 +31,8 @@ class ArchitecturePatch:
     """How psr_hf reads and steers one architecture family's routers.
 
     Subclasses override what differs from a softmax top-K router (OLMoE's ``OlmoeTopKRouter`` and its kin):
-    ``selection_scores`` (the policy's ``z``), ``execution_weights`` (ALGORITHM.md step 6) and ``host_mass``.
+    ``selection_scores`` (the policy's ``z``), ``joint_scores`` (this layer's scores and the next layer's pre-gate
+    from one matmul), ``execution_weights`` (ALGORITHM.md step 6) and ``router_mass``/``mass_bias``.
     """
 
     model_types: tuple[str, ...] = ()
@@ -73,17 +74,9 @@ class ArchitecturePatch:
         return layers
 
     # ------------------------------------------------------------------ scores and weights
-    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, E]`` logits of ``router`` on ``hidden`` ``[..., H]``, computed like the router computes them."""
-        return F.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight)
-
     def selection_scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         """``[N, E]`` scores ``z`` the policy ranks (ALGORITHM.md, Inputs): the raw logits for softmax routers."""
         return logits
-
-    def pregate(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, E]`` pre-gate: ``router`` (the next MoE layer's) applied to this MoE block's input."""
-        return self.selection_scores(router, self.router_logits(router, hidden))
 
     def _normalize(self, router: nn.Module) -> bool:
         return bool(router.norm_topk_prob) if self.normalize is None else self.normalize

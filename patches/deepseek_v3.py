@@ -24,10 +24,6 @@ class DeepseekV3Patch(ArchitecturePatch):
     model_types = ("deepseek_v3",)
     default_window = 4  # the paper's window for Moonlight
 
-    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        # the router computes in float32 whatever the model dtype
-        return F.linear(hidden.reshape(-1, router.weight.shape[1]).float(), router.weight.float())
-
     def selection_scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.sigmoid() + router.e_score_correction_bias  # [N, E]
         groups, keep = router.num_group, router.topk_group

@@ -457,7 +457,7 @@ def run_bench_patch(
 # ---------------------------------------------------------------------------------------------------- CLI
 def format_table(record: dict[str, Any]) -> str:
     """The results of :func:`run_bench_patch` as a text table."""
-    from ..cli import _table
+    from .._text import text_table
 
     rows = []
     for row in record["results"]:
@@ -477,7 +477,7 @@ def format_table(record: dict[str, Any]) -> str:
         rows.append([row["configuration"], mean, f"{ms['median']:.2f}", ratio, copies, replaced, identical])
     header = ["configuration", "ms/token mean ± 95% CI", "median", "ratio vs unpatched [95% CI]", "copies/tok",
               "replaced/tok", "tokens = unpatched"]
-    return _table(rows, header)
+    return text_table(rows, header)
 
 
 def report_lines(record: dict[str, Any]) -> list[str]:
