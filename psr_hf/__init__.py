@@ -25,6 +25,10 @@ _LAZY = {
     "patched": "psr_hf.hf.patching",
     "controller": "psr_hf.hf.patching",
     "calibrate": "psr_hf.hf.calibrate",
+    "OffloadConfig": "psr_hf.offload.config",
+    "OffloadStats": "psr_hf.offload.engine",
+    "OffloadMemory": "psr_hf.offload.placement",
+    "OffloadMemoryError": "psr_hf.offload.placement",
 }
 
 __all__ = ["RoutingConfig", "__version__", *_LAZY]

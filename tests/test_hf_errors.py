@@ -144,9 +144,9 @@ def test_a_config_dict_is_accepted(model):
     assert psr_hf.controller(model).config == RoutingConfig(policy="cache_prior", residency=0.5)
 
 
-def test_offload_is_not_available(model):
+def test_a_bad_offload_argument_leaves_the_model_untouched(model):
     before = _snapshot(model)
-    with pytest.raises(NotImplementedError, match="offload is not available.*pass offload=None"):
+    with pytest.raises(ValueError, match="offload must be a psr_hf.OffloadConfig"):
         psr_hf.patch(model, CONFIG, offload=object())
     _assert_clean(model, before)
 

@@ -346,9 +346,31 @@ def test_invalid_model_args_fail_naming_the_field(lm_eval_api, tiny, arg, messag
         cls.create_from_arg_string(f"{base},{arg}")
 
 
-def test_offload_is_refused_until_it_is_available(lm_eval_api, tiny):
-    with pytest.raises(NotImplementedError, match="offload='cuda:0': expert offloading is not available"):
-        lm_eval_api[2].create_from_arg_string(f"pretrained={tiny['model']},residency=0.5,offload=cuda:0")
+def test_offloaded_experts_give_the_same_samples_and_report_their_copies(lm_eval_api, evaluate, tiny):
+    plain = _model(lm_eval_api, tiny, 4, **ROUTING, calibration=tiny["calibration"])
+    offloaded = _model(lm_eval_api, tiny, 4, **ROUTING, calibration=tiny["calibration"], offload="cpu",
+                       max_in_flight=1)
+    assert psr_hf.controller(offloaded.model).memory().capacity == psr_hf.controller(plain.model).capacity
+    # prompts whose experts exceed the slots run in chunks of positions: equal to rounding
+    _assert_same_responses(evaluate(plain), evaluate(offloaded), rel=1e-5)
+    stats, reference = offloaded.routing_stats(), plain.routing_stats()["stats"]
+    # the same decisions (the displaced mass is computed from the scores, equal to rounding)
+    assert stats["stats"] == pytest.approx(reference, rel=1e-6)
+    assert {k: v for k, v in stats["stats"].items() if k != "displaced_mass"} == \
+        {k: v for k, v in reference.items() if k != "displaced_mass"}
+    assert stats["offload"]["tokens"] == stats["stats"]["tokens"] and stats["offload"]["bytes"] > 0
+    assert stats["memory"]["capacity"] == stats["capacity"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ("offload=gpu", r"device='gpu' must be 'cuda', 'cuda:N' or 'cpu'"),
+    ("max_in_flight=2", r"max_in_flight is used only with offload="),
+    ("offload=cpu,max_in_flight=0", r"max_in_flight=0 must be an int >= 1"),
+    ("offload=cpu,parallelize=True", r"offload= and parallelize=True exclude each other"),
+])
+def test_invalid_offload_args_fail_naming_the_field(lm_eval_api, tiny, args, message):
+    with pytest.raises(ValueError, match=message):
+        lm_eval_api[2].create_from_arg_string(f"pretrained={tiny['model']},residency=0.5,{args}")
 
 
 def test_model_args_become_a_routing_config(lm_eval_api, tiny):

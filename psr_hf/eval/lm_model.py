@@ -9,7 +9,8 @@
 Model args are split three ways: the :class:`~psr_hf.RoutingConfig` fields (``policy``, ``capacity``,
 ``residency``, ``lam``, ``budget``, ``window``, ``eviction``, ``top_j``, ``delta_mode``, ``decay_fast``,
 ``decay_slow``), psr_hf's own (``calibration``: a calibration file; ``config``: a RoutingConfig YAML file, which
-explicit fields override; ``offload``) and whatever ``HFLM.__init__`` accepts. Any other name raises
+explicit fields override; ``offload``: a device such as ``cuda:0``, ``cuda`` or ``cpu`` to offload the experts to
+host memory with :class:`~psr_hf.OffloadConfig`; ``max_in_flight``) and whatever ``HFLM.__init__`` accepts. Any other name raises
 ``ValueError`` with the allowed names, before the model is loaded.
 
 Every batch row has its own logical cache, reset at every request (each loglikelihood batch and each
@@ -31,6 +32,7 @@ without an entry point, and processes that never use lm-eval import nothing of p
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -43,6 +45,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..hf.patching import controller, patch
+from ..offload.config import OffloadConfig
 from ..policy.config import RoutingConfig
 
 # a child of lm-eval's logger: lm-eval's CLI configures "lm_eval" only, and the statistics belong in its output
@@ -53,7 +56,7 @@ ROUTING_ARGS: dict[str, type] = {
     "policy": str, "capacity": int, "residency": float, "lam": float, "budget": int, "window": int,
     "eviction": str, "top_j": int, "delta_mode": str, "decay_fast": float, "decay_slow": float,
 }
-PSR_ARGS = ("calibration", "config", "offload")
+PSR_ARGS = ("calibration", "config", "offload", "max_in_flight")
 
 
 def _hflm_args() -> list[str]:
@@ -118,19 +121,13 @@ def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None
     """Split lm-eval model args into the routing config, the calibration path and ``HFLM``'s own args.
 
     ``config=FILE.yaml`` loads a :class:`RoutingConfig`; routing fields given explicitly override it. Raises
-    ``ValueError`` naming the allowed args for an unknown name, and RoutingConfig's errors for invalid values;
-    ``NotImplementedError`` for ``offload`` (not available in this version).
+    ``ValueError`` naming the allowed args for an unknown name, and RoutingConfig's errors for invalid values
+    (``offload`` is read by :func:`offload_config`).
     """
     hflm = set(_hflm_args())
     unknown = sorted(set(args) - set(ROUTING_ARGS) - set(PSR_ARGS) - hflm)
     if unknown:
         raise ValueError(f"unknown psr_hf model arg(s) {', '.join(unknown)}; allowed: {allowed_args()}")
-    offload = args.get("offload")
-    if not (_is_none(offload) or offload is False):
-        raise NotImplementedError(
-            f"offload={args['offload']!r}: expert offloading is not available in this version of psr_hf (the "
-            "experts stay where lm-eval's HF model puts them: device=, parallelize=); leave offload unset"
-        )
     fields = {name: _convert(name, args[name], kind) for name, kind in ROUTING_ARGS.items() if name in args}
     config_path = _existing_file("config", args.get("config"))
     if config_path is not None:
@@ -141,6 +138,26 @@ def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None
         routing = RoutingConfig(**{k: v for k, v in fields.items() if v is not None})
     calibration = _existing_file("calibration", args.get("calibration"))
     return routing, calibration, {k: v for k, v in args.items() if k in hflm}
+
+
+def offload_config(args: Mapping[str, Any]) -> OffloadConfig | None:
+    """The :class:`~psr_hf.OffloadConfig` of the model args ``offload=DEVICE`` (``cuda``, ``cuda:N``, ``cpu``; ``true``
+    means ``cuda``) and ``max_in_flight=N``; None without ``offload``. Raises ``ValueError`` naming the field."""
+    value = args.get("offload")
+    if isinstance(value, str) and value.strip().lower() in ("false", "no", "0"):
+        value = None
+    max_in_flight = _convert("max_in_flight", args.get("max_in_flight"), int)
+    if _is_none(value) or value is False:
+        if max_in_flight is not None:
+            raise ValueError("psr_hf model arg max_in_flight is used only with offload= (e.g. offload=cuda:0)")
+        return None
+    device = "cuda" if value is True or (isinstance(value, str) and value.strip().lower() == "true") else value
+    if not isinstance(device, str):
+        raise ValueError(f"psr_hf model arg offload={value!r} must be a device: cuda, cuda:N or cpu")
+    fields: dict[str, Any] = {"device": device.strip()}
+    if max_in_flight is not None:
+        fields["max_in_flight"] = max_in_flight
+    return OffloadConfig(**fields)
 
 
 def _key(tokens: list[int]) -> tuple[int, int]:
@@ -162,17 +179,35 @@ class PSRLM(HFLM):
 
     def __init__(self, **kwargs: Any) -> None:
         routing, calibration, hf_args = split_model_args(kwargs)
+        offload = offload_config(kwargs)
         if "pretrained" not in hf_args:
             raise ValueError(f"psr_hf needs pretrained= (a model path or hub name); allowed: {allowed_args()}")
+        self._psr_offload = offload
+        if offload is not None:
+            if hf_args.get("parallelize") not in (None, False, "False", "false"):
+                raise ValueError("psr_hf model args offload= and parallelize=True exclude each other: the offload "
+                                 "puts every non-expert weight on one device and the experts in host memory")
+            hf_args["device"] = "cpu"  # load on the host; the offload moves everything but the experts
         super().__init__(**hf_args)
         self.routing = routing
         self.calibration_path = calibration
         # real input lengths of the current loglikelihood requests, by their tokens without trailing zeros
         self._input_lengths: dict[tuple[int, int], set[int]] | None = None
-        patch(self.model, routing, calibration=calibration)
+        if offload is not None and getattr(self, "accelerator", None) is not None:
+            # data parallel (accelerate launch): every process offloads to its own device
+            offload = dataclasses.replace(offload, device=str(self.accelerator.device))
+        patch(self.model, routing, calibration=calibration, offload=offload)
         ctl = controller(self.model)
+        if ctl.offload is not None:
+            self._device = ctl.offload.device
+            logger.info("psr_hf: %s", ctl.memory())
         logger.info("psr_hf: %s routing, capacity %d of %d experts in %d MoE layers (top-%d), calibration %s",
                     routing.policy, ctl.capacity, ctl.num_experts, ctl.num_layers, ctl.top_k, calibration)
+
+    def _get_accelerate_args(self, *args: Any, **kwargs: Any) -> dict:
+        if self._psr_offload is not None:  # the model loads on the host (data parallel included)
+            return {"device_map": {"": "cpu"}, "max_memory": None}
+        return super()._get_accelerate_args(*args, **kwargs)
 
     # ------------------------------------------------------------------ padding
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, override_bs: int | None = None) -> list:
@@ -229,6 +264,8 @@ class PSRLM(HFLM):
             "top_k": ctl.top_k,
             "moe_layers": ctl.num_layers,
             "stats": ctl.stats().total,
+            **({} if ctl.offload is None else {"offload": ctl.stats().offload.to_dict(),
+                                                "memory": ctl.memory().to_dict()}),
         }
 
     def get_model_info(self) -> dict:

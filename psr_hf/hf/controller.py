@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..policy._kernels import RESIDENT
 from ..policy._mass import _finish_layer
 from ..policy.cache import LogicalCache, StepPlan
 from ..policy.config import RoutingConfig
@@ -39,7 +40,8 @@ class RoutingStats:
     """Routing statistics of a patched model.
 
     Per row (``[R]`` arrays) for the current sequence, and ``total`` over every sequence since :func:`patch` or
-    :meth:`Controller.reset_stats`. Copies are logical cache insertions summed over all MoE layers, per real
+    :meth:`Controller.reset_stats`; ``offload``: the physical copies (:class:`~psr_hf.offload.OffloadStats`) of an
+    offloaded model over the same tokens. Copies are logical cache insertions summed over all MoE layers, per real
     (unpadded) token; ``replaced`` counts selected experts outside the router's own top-K; ``displaced_mass`` is
     the mean over token-layers of the fraction of the router's own top-K weight whose experts were not executed.
     """
@@ -51,12 +53,16 @@ class RoutingStats:
     replaced_per_token: np.ndarray
     displaced_mass: np.ndarray
     total: dict[str, float] = field(default_factory=dict)
+    offload: Any = None  # OffloadStats (physical copies since reset_stats) when the experts are offloaded
 
     def to_dict(self) -> dict[str, Any]:
         rows = {name: getattr(self, name).tolist() for name in (
             "tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token",
             "displaced_mass")}
-        return {"rows": rows, "total": dict(self.total)}
+        out: dict[str, Any] = {"rows": rows, "total": dict(self.total)}
+        if self.offload is not None:
+            out["offload"] = self.offload.to_dict()
+        return out
 
 
 # totals: tokens, token-layers, prefetch, demand, replaced, displaced-mass sum, sequences
@@ -179,7 +185,6 @@ class Controller:
         self.model = model
         self.family = family
         self.layers = layers
-        self.config = config
         routers = [layer.router for layer in layers]
         shapes = {(int(r.weight.shape[0]), int(r.top_k)) for r in routers}
         if len(shapes) != 1:
@@ -187,21 +192,9 @@ class Controller:
         (self.num_experts, self.top_k), = shapes
         self.num_layers = len(layers)
         self.default_window = family.default_window
-        vocab = getattr(family.config, "vocab_size", None)
-        self.cache = LogicalCache(
-            config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
-            calibration=calibration, rows=1, default_window=self.default_window, vocab_size=vocab,
-        )
-        self.capacity = self.cache.capacity
-        self.calibration = self.cache.calibration
-        self._needs_pregate = config.inserts or config.policy == "spec"
-        self._spec = config.policy == "spec"
-        self._uses_tokens = bool(self.cache.calibration.vocab_size) and config.eviction == "score"
+        self.offload: Any = None  # the OffloadEngine when the experts are offloaded (patch(..., offload=...))
         self._fwd: _Forward | None = None
         self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
-        self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
-        self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
-        self._totals = np.zeros(7)
         self._bypass = 0
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -214,9 +207,27 @@ class Controller:
         self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
         self._flags = np.zeros(1, dtype=np.uint8)
         self._devices = [layer.router.weight.device for layer in layers]
-        self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
         self._mass_bias = [np.zeros(0) if b is None else b
                            for b in (family.mass_bias(layer.router) for layer in layers)]
+        self._configure(config, calibration)
+
+    def _configure(self, config: RoutingConfig, calibration: Any) -> None:
+        """Everything that follows from the routing config: the logical cache, fresh rows and zero statistics."""
+        vocab = getattr(self.family.config, "vocab_size", None)
+        cache = LogicalCache(
+            config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
+            calibration=calibration, rows=1, default_window=self.default_window, vocab_size=vocab,
+        )
+        self.config = config
+        self.cache = cache
+        self.capacity = cache.capacity
+        self.calibration = cache.calibration
+        self._needs_pregate = config.inserts or config.policy == "spec"
+        self._spec = config.policy == "spec"
+        self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
+        self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
+        self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
+        self._totals = np.zeros(7)
 
     # ------------------------------------------------------------------ public
     @property
@@ -228,8 +239,35 @@ class Controller:
         self._new_sequence(self.rows)
 
     def reset_stats(self) -> None:
-        """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept)."""
+        """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept), and the
+        offload's copy counters."""
         self._totals[:] = -self._current_totals()
+        if self.offload is not None:
+            self.offload.reset_stats()
+
+    def reconfigure(self, config: Any, calibration: Any = None) -> None:
+        """Route with another :class:`RoutingConfig` (and calibration) from the next forward pass on, without
+        unpatching: an offloaded model keeps its host store and gets new slots if the capacity changed. Starts a
+        new sequence and zeroes every statistic."""
+        if isinstance(config, dict):
+            config = RoutingConfig.from_dict(config)
+        if not isinstance(config, RoutingConfig):
+            raise ValueError(f"config must be a psr_hf.RoutingConfig or a dict of its fields, got {type(config).__name__}")
+        if self._fwd is not None:
+            raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
+        self._configure(config, calibration)
+        if self.offload is not None:
+            if self.offload.capacity != self.capacity:
+                self.offload.resize(self.capacity)
+            self.offload.reset_stats()
+        logger.info("psr_hf: reconfigured to %s, capacity %d of %d experts", config.policy, self.capacity,
+                    self.num_experts)
+
+    def memory(self) -> Any:
+        """Where the experts are (:class:`~psr_hf.offload.OffloadMemory`); only for an offloaded model."""
+        if self.offload is None:
+            raise ValueError("this model is not offloaded: patch it with offload=psr_hf.OffloadConfig(...)")
+        return self.offload.memory()
 
     def stats(self) -> RoutingStats:
         """Copies per token, replaced router slots and displaced router mass, per row and in total."""
@@ -247,6 +285,7 @@ class Controller:
             replaced_per_token=s.replaced.sum(axis=0) / per,
             displaced_mass=self._displaced.sum(axis=0) / steps,
             total=_totals_dict(total),
+            offload=None if self.offload is None else self.offload.stats(int(total[_T_TOKENS])),
         )
 
     def record(self) -> Recorder:
@@ -304,6 +343,8 @@ class Controller:
             self.cache.reset()
         self._displaced = np.zeros((self.num_layers, rows))
         self._finished = np.zeros(rows, dtype=bool)
+        if self.offload is not None:  # every row starts from the warm set: copy it into the slots
+            self.offload.new_sequence([self.cache.resident(layer, 0) for layer in range(self.num_layers)])
 
     def reorder(self, index: Any) -> None:
         """Reorder or expand the rows like the KV cache (beam search): new row ``i`` continues old row ``index[i]``."""
@@ -509,7 +550,9 @@ class Controller:
             plan = self.cache.step_io(layer, "select")
             result = self._execute(layer, router, plan, z_host, logits, None, run_own)
             io.pregate[:, 0] = host[:, E:]
-            self.cache.step_io(layer + 1, "prefetch")
+            plan = self.cache.step_io(layer + 1, "prefetch")
+            if self.offload is not None and self._mirrors():
+                self.offload.prefetch(layer + 1, plan, self._resident(layer + 1))
         else:
             # a block of positions: parts 1 and 2 of this layer for each position in order
             plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
@@ -542,9 +585,11 @@ class Controller:
         chosen, chosen_dev_view = self._staging(N, device)
         flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
         count = _finish_layer(plan.plan.reshape(N, -1), K, plan.replaced_column, z_host.reshape(N, -1),
-                              self._all_valid if fwd.valid is None else fwd.valid.reshape(N),
                               self.family.router_mass, self._mass_bias[layer], self._displaced[layer], fwd.positions,
                               chosen, flags)
+        if self.offload is not None:
+            mirror = self._mirrors()
+            self.offload.route(layer, plan, chosen, mirror, self._resident(layer) if fwd.rows == 1 else None)
         if count == 0:
             return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
         if isinstance(logits, _Lazy):
@@ -556,6 +601,15 @@ class Controller:
         mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
         new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
         return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+
+    def _mirrors(self) -> bool:
+        """One row and one real position: the offload's slots follow this step's plan exactly."""
+        fwd = self._fwd
+        return fwd.rows == 1 and fwd.positions == 1 and (fwd.valid is None or bool(fwd.valid[0, 0]))
+
+    def _resident(self, layer: int) -> np.ndarray:
+        """[E] bool: row 0's logical cache at ``layer``."""
+        return self.cache.state[layer, 0, RESIDENT] != 0
 
     def _staging(self, rows: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
         """A host ``[rows, K]`` int64 buffer for the selection and a tensor over the same memory. For a CUDA

@@ -65,15 +65,18 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
         config: a :class:`RoutingConfig` (or a dict of its fields, or a path to its YAML file).
         calibration: a :class:`Calibration`, a path to one, or None: then the running bonus scale, warm set = the
             first C experts and a zero token prior are used, with a warning that recommends calibrating.
-        offload: not available in this version (experts stay where the model put them).
+        offload: None (the experts stay where the model put them), or a :class:`~psr_hf.OffloadConfig` (or a
+            device string such as ``"cuda:0"``): every non-expert weight moves to its device, the routed experts to
+            a host store, and each MoE layer gets ``capacity`` expert slots on the device that follow the logical
+            cache; :meth:`Controller.memory` reports the memory, :meth:`Controller.stats` the copies.
 
     Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
     """
+    offload_config = None
     if offload is not None:
-        raise NotImplementedError(
-            "offload is not available in this version of psr_hf: the model runs with its experts where they are; "
-            "pass offload=None"
-        )
+        from ..offload.config import OffloadConfig
+
+        offload_config = OffloadConfig.coerce(offload)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError(
             "this model is already patched by psr_hf; call psr_hf.unpatch(model) first to patch it with another "
@@ -92,6 +95,12 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             ctl.capacity)
     try:
         _install(model, family, ctl)
+        if offload_config is not None:
+            from ..offload.engine import OffloadEngine
+
+            ctl.offload = OffloadEngine(model, layers, ctl.num_experts, ctl.capacity, offload_config)
+            ctl._undo.append(ctl.offload.close)
+            ctl._devices = [layer.router.weight.device for layer in layers]
     except BaseException:
         _uninstall(ctl)
         raise

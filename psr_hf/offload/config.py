@@ -1,0 +1,75 @@
+"""OffloadConfig: where the experts run and how their copies are scheduled (torch-free, like RoutingConfig)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Offload the routed experts of a patched model: ``psr_hf.patch(model, config, calibration, offload=...)``.
+
+    Every non-expert weight moves to ``device``; the routed experts of each MoE layer move into one contiguous
+    host buffer per layer (pinned, so copies are asynchronous); each layer gets ``C`` expert slots on ``device``
+    (``C`` = the routing config's capacity). Copies follow the logical cache's decisions and never feed back into
+    them (``spec/ALGORITHM.md``, "Physical scheduling"), so nothing here changes which experts run.
+
+    Args:
+        device: where the model computes: ``"cuda"``, ``"cuda:N"``, or ``"cpu"`` (the same slot cache and
+            scheduler with slots in ordinary memory and a copy thread; for tests and machines without a GPU).
+        max_in_flight: prefetch copies in flight at once (>= 1); further prefetches wait in a queue and are
+            issued at later layer boundaries. Demand copies are always issued at once.
+        pin_memory: pin the host store (CUDA only; pageable memory makes every copy synchronous and slower).
+        copy_delay_ms: an artificial delay before every copy (>= 0; diagnostic: shows that timing changes latency,
+            never outputs). On CUDA the copy stream sleeps for about this long.
+        check_slots: after waiting for its slots, every layer checks that each slot it executes holds the expert
+            the host store has (slow; for tests and debugging).
+    """
+
+    device: str = "cuda"
+    max_in_flight: int = 2
+    pin_memory: bool = True
+    copy_delay_ms: float = 0.0
+    check_slots: bool = False
+
+    def __post_init__(self) -> None:
+        device = self.device
+        if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
+                device.startswith("cuda:") and device[5:].isdigit())):
+            raise ValueError(f"device={device!r} must be 'cuda', 'cuda:N' or 'cpu'")
+        if not isinstance(self.max_in_flight, int) or isinstance(self.max_in_flight, bool) or self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight={self.max_in_flight!r} must be an int >= 1 (prefetch copies in flight)")
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False")
+        delay = self.copy_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+            raise ValueError(f"copy_delay_ms={delay!r} must be a finite number >= 0")
+        if not isinstance(self.check_slots, bool):
+            raise ValueError(f"check_slots={self.check_slots!r} must be True or False")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "OffloadConfig":
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"unknown OffloadConfig field(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        return cls(**dict(values))
+
+    @classmethod
+    def coerce(cls, value: Any) -> "OffloadConfig":
+        """An OffloadConfig from itself, a dict of its fields, or a device string (``"cuda:0"``, ``"cpu"``)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(device=value)
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise ValueError(
+            "offload must be a psr_hf.OffloadConfig (e.g. OffloadConfig(device='cuda:0')), a dict of its fields or a "
+            f"device string; got {type(value).__name__}"
+        )

@@ -1,0 +1,304 @@
+"""The offload engine of one patched model: placement, slot buffers, scheduler and the registered experts function.
+
+The controller tells the engine what the logical cache decided (:meth:`OffloadEngine.route` after a layer's
+selection, :meth:`OffloadEngine.prefetch` after the next layer's part 1); the model's experts modules, switched to
+the ``"psr_offload"`` implementation of transformers' ``ExpertsInterface``, call :meth:`OffloadEngine.run`, which
+waits for the slots the layer executes, maps expert ids to slots on the device, and runs the model's own experts
+implementation (``grouped_mm`` by default) on the slot buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .placement import OffloadMemory, place
+from .scheduler import CudaLink, SlotScheduler, ThreadLink
+
+logger = logging.getLogger(__name__)
+
+IMPLEMENTATION = "psr_offload"
+_ATTR = "_psr_offload"
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Physical copies of an offloaded model since :meth:`Controller.reset_stats` (per token: divided by the real
+    tokens the model processed in that time).
+
+    ``demand``: copies a layer needed at once (it waits for all of it); ``prefetch``: prefetch insertions, of which
+    ``prefetch_in_time`` had arrived when their expert first executed, ``prefetch_late`` were still in flight or
+    queued then (the layer waits for the rest), ``prefetch_unused`` were copied but evicted before any use, and
+    ``dropped`` were reassigned before they were issued (no copy); ``warm``: warm-set copies at sequence starts
+    (part of prompt processing); ``bytes``: bytes copied; ``wait_ms``: time the computation waited for copies
+    (device time on CUDA, measured with events; wall time on the CPU path).
+    """
+
+    tokens: int
+    demand: int
+    prefetch: int
+    prefetch_in_time: int
+    prefetch_late: int
+    prefetch_unused: int
+    dropped: int
+    warm: int
+    bytes: int
+    wait_ms: float
+
+    def per_token(self, name: str) -> float:
+        return float(getattr(self, name)) / max(self.tokens, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = asdict(self)
+        for name in ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped",
+                     "bytes", "wait_ms"):
+            out[f"{name}_per_token"] = self.per_token(name)
+        out["copies_per_token"] = (self.demand + self.prefetch - self.dropped) / max(self.tokens, 1)
+        out["warm_copies"] = self.warm
+        return out
+
+
+class _SlotExperts:
+    """An experts module as the stock implementation sees it: the slot buffers as its weights, ``C`` experts."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], capacity: int):
+        self.__dict__.update(weights)
+        self.num_experts = capacity
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _offload_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"psr_offload"`` experts implementation (registered in transformers' ``ExpertsInterface``)."""
+    binding = self.__dict__.get(_ATTR)
+    if binding is None:
+        raise RuntimeError(
+            f"{type(self).__name__} runs with experts_implementation='psr_offload' but is not offloaded by psr_hf; "
+            "patch the model with psr_hf.patch(..., offload=OffloadConfig(...)) or set another experts implementation"
+        )
+    engine, layer = binding
+    return engine.run(layer, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION) is not _offload_forward:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _offload_forward)
+
+
+def _inner_function(module: nn.Module) -> Any:
+    """The experts implementation ``module`` runs now (the stock function that will run on the slot buffers)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(module.config, "_experts_implementation", None)
+    if name == IMPLEMENTATION:
+        raise ValueError(f"{type(module).__name__} already runs the psr_offload experts implementation")
+    if name not in (None, "eager") and name in ALL_EXPERTS_FUNCTIONS:
+        return ALL_EXPERTS_FUNCTIONS[name]
+    forward = type(module).forward
+    return getattr(forward, "__wrapped__", forward)  # the class's own (eager) forward under transformers' wrapper
+
+
+def _set_implementation(config: Any, value: str | None) -> None:
+    # transformers 5.23+ keeps it behind a property whose setter recurses into sub-configs; set this config only
+    if isinstance(getattr(type(config), "_experts_implementation", None), property):
+        config._experts_implementation_internal = value
+    else:
+        config._experts_implementation = value
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"offload device={name!r} but torch sees no CUDA device; use OffloadConfig(device='cpu')")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"offload device={name!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
+
+
+class OffloadEngine:
+    """Everything physical of one offloaded model; created by :func:`psr_hf.patch`, removed by :meth:`close`."""
+
+    def __init__(self, model: nn.Module, layers: list, num_experts: int, capacity: int, config: OffloadConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.num_layers, self.num_experts = len(layers), num_experts
+        self.modules = [layer.block.experts for layer in layers]
+        for layer, module in zip(layers, self.modules):
+            if not hasattr(module, "config") or not hasattr(type(module), "forward"):
+                raise ValueError(
+                    f"MoE layer {layer.index}: {type(module).__name__} is not a transformers experts module with "
+                    "an experts implementation (use_experts_implementation); psr_hf cannot offload it"
+                )
+        self._inner = [_inner_function(m) for m in self.modules]
+        self.placement = place(model, self.modules, num_experts, capacity, self.device, config.pin_memory)
+        self._configs: list[tuple[Any, Any]] = []
+        try:
+            self._allocate(capacity)
+            _register()
+            for index, module in enumerate(self.modules):
+                module.__dict__[_ATTR] = (self, index)
+            for cfg in {id(m.config): m.config for m in self.modules}.values():
+                self._configs.append((cfg, getattr(cfg, "_experts_implementation", None)))
+                _set_implementation(cfg, IMPLEMENTATION)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("psr_hf offload: %s", self.memory())
+
+    # ------------------------------------------------------------------ buffers
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = C = int(capacity)
+        store = self.placement.store
+        self.slots = [{name: torch.empty((C, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                       for name, t in layer.items()} for layer in store]
+        dst = [[[t[s] for t in layer.values()] for s in range(C)] for layer in self.slots]
+        src = [[[t[e] for t in layer.values()] for e in range(self.num_experts)] for layer in store]
+        cuda = self.device.type == "cuda"
+        self.link = CudaLink(self.device, self.config.copy_delay_ms) if cuda else ThreadLink(self.config.copy_delay_ms)
+        self.scheduler = SlotScheduler(self.num_layers, self.num_experts, C, self.link, self.config.max_in_flight,
+                                       self.placement.bytes_per_expert, src, dst)
+        self._proxies = [_SlotExperts(m, w, C) for m, w in zip(self.modules, self.slots)]
+        E, L = self.num_experts, self.num_layers
+        if cuda:
+            self._map_device = [torch.zeros(E, dtype=torch.int64, device=self.device) for _ in range(L)]
+            self._map_host = [[torch.zeros(E, dtype=torch.int64, pin_memory=True) for _ in range(2)] for _ in range(L)]
+            self._map_turn = [0] * L
+        self._pending: list[Any] = [None] * L
+
+    def resize(self, capacity: int) -> None:
+        """New slot buffers for ``capacity`` slots per layer (empty; the next sequence copies its warm set)."""
+        self.link.close()
+        self._allocate(capacity)
+
+    def memory(self) -> OffloadMemory:
+        p = self.placement
+        full = self.num_layers * self.num_experts * p.bytes_per_expert
+        return OffloadMemory(
+            device=str(self.device), num_layers=self.num_layers, num_experts=self.num_experts, capacity=self.capacity,
+            bytes_per_expert=p.bytes_per_expert, expert_bytes_full=full,
+            expert_bytes_device=self.num_layers * self.capacity * p.bytes_per_expert,
+            host_store_bytes=sum(b.numel() for b in p.buffers), non_expert_bytes_device=p.non_expert_bytes,
+            pinned=p.pinned,
+        )
+
+    def close(self) -> None:
+        """Restore the model (weights on their original devices, original experts implementation)."""
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
+        for cfg, previous in self._configs:
+            _set_implementation(cfg, previous)
+        self._configs = []
+        for module in self.modules:
+            module.__dict__.pop(_ATTR, None)
+        self.placement.restore()
+        self.slots = []
+        self._proxies = []
+
+    # ------------------------------------------------------------------ decisions (from the controller)
+    def new_sequence(self, warm: list[np.ndarray]) -> None:
+        self._pending = [None] * self.num_layers
+        self.scheduler.new_sequence(warm)
+
+    def route(self, layer: int, plan: Any, chosen: np.ndarray, mirror: bool, resident: np.ndarray | None) -> None:
+        """A layer's selection is known: ``chosen`` [N, K] host experts per flattened position (what the layer
+        executes). ``mirror``: one row, one real position (the slots follow ``plan`` exactly); else a block, run in
+        chunks, after which the slots move toward ``resident`` ([E] bool, the row's logical cache; None with
+        several rows)."""
+        if mirror:
+            self.scheduler.decode_select(layer, plan, chosen[0].copy(), resident)
+            self._pending[layer] = True
+        else:
+            self._pending[layer] = (chosen.copy(), resident)
+
+    def prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
+        """Part 1 of ``layer`` ran (one row, one position): queue its prefetch copies."""
+        self.scheduler.decode_prefetch(layer, plan, resident)
+
+    # ------------------------------------------------------------------ execution (from the experts modules)
+    def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        pending, self._pending[layer] = self._pending[layer], None
+        sched = self.scheduler
+        if pending is True:  # decoding: the copies were issued when the layer's selection was made
+            sched.wait(layer)
+            out = self._compute(layer, hidden, top_k_index, top_k_weights, upload_async=True)
+            sched.pump()
+            return out
+        if pending is None:  # the router ran without the controller (calibration of a patched model): ask the device
+            chosen, target = top_k_index.detach().to("cpu").numpy().astype(np.int64), None
+        else:
+            chosen, target = pending
+        parts = []
+        for start, stop in sched.chunks(chosen):
+            sched.load(layer, np.unique(chosen[start:stop]), target)
+            sched.wait(layer)
+            parts.append(self._compute(layer, hidden[start:stop], top_k_index[start:stop],
+                                       top_k_weights[start:stop], upload_async=False))
+        if target is not None:
+            sched.reconcile(layer, target)
+        sched.pump()
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _compute(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                 upload_async: bool) -> torch.Tensor:
+        slot_map = self.scheduler.layers[layer].expert_slot
+        if self.config.check_slots:
+            self._check(layer, index)
+        if self.device.type == "cuda":
+            device_map = self._map_device[layer]
+            if upload_async:
+                if self.scheduler.layers[layer].dirty:
+                    # two pinned buffers per layer, used in turn: one is rewritten only after the other's upload,
+                    # and every decode step synchronises with the device in between
+                    turn = self._map_turn[layer] = 1 - self._map_turn[layer]
+                    staging = self._map_host[layer][turn]
+                    staging.numpy()[:] = self.scheduler.slot_map(layer)
+                    device_map.copy_(staging, non_blocking=True)
+            else:  # a chunk of a block: the map changes between chunks, so copy it synchronously
+                self.scheduler.slot_map(layer)
+                device_map = torch.from_numpy(slot_map.copy()).to(self.device)
+            slots = device_map[index]
+        else:
+            slots = torch.from_numpy(slot_map.copy())[index]
+        out = self._inner[layer](self._proxies[layer], hidden, slots, weights)
+        self.link.read_done(layer)
+        return out
+
+    def _check(self, layer: int, index: torch.Tensor) -> None:
+        """check_slots: every expert the layer executes is in a slot whose buffers equal the host store's."""
+        self.link.synchronize()
+        st = self.scheduler.layers[layer]
+        for e in np.unique(index.detach().to("cpu").numpy()):
+            slot = int(st.expert_slot[e])
+            if slot < 0:
+                raise RuntimeError(f"psr_hf offload: layer {layer} executes expert {e}, which is in no slot")
+            for name, buf in self.slots[layer].items():
+                if not torch.equal(buf[slot].cpu(), self.placement.store[layer][name][e]):
+                    raise RuntimeError(f"psr_hf offload: layer {layer} slot {slot} does not hold expert {e} ({name})")
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self, tokens: int) -> OffloadStats:
+        s = self.scheduler.stats()
+        return OffloadStats(
+            tokens=int(tokens), demand=int(s["demand"]), prefetch=int(s["prefetch"]),
+            prefetch_in_time=int(s["prefetch_in_time"]), prefetch_late=int(s["prefetch_late"]),
+            prefetch_unused=int(s["prefetch_unused"]), dropped=int(s["dropped"]), warm=int(s["warm"]),
+            bytes=int(s["bytes"]), wait_ms=s["wait_s"] * 1e3,
+        )
+
+    def reset_stats(self) -> None:
+        self.scheduler.reset_counters()

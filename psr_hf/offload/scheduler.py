@@ -1,0 +1,425 @@
+"""The slot cache and the copy scheduler (``spec/ALGORITHM.md``, "Physical scheduling"; paper Section 4.2).
+
+Each MoE layer has ``C`` device slots. The scheduler keeps a map expert -> slot per layer in step with the logical
+cache and turns logical insertions into copies:
+
+- a demand insertion is copied at once, into the slot of the expert it evicted;
+- a prefetch insertion is assigned its slot at once and its copy is queued; the queue is issued at layer
+  boundaries with at most ``max_in_flight`` prefetch copies in flight; a queued prefetch whose slot is reassigned
+  before it was issued is dropped;
+- every copy goes through one ordered copy stream (a CUDA stream, or one copy thread on the CPU path), and each
+  slot keeps its latest copy, whose completion the layer that executes the slot waits for, and for nothing else;
+- at the start of a sequence the warm set is copied into place before the prompt runs.
+
+Nothing here is read by the policy: which slot an expert occupies and when its copy completes change latency only.
+
+With one batch row and one position (decoding) the slots mirror the row's logical cache exactly. Blocks of
+positions (a prompt) and batches of several rows (each row has its own logical cache, but the layer has one set of
+slots) run through :meth:`SlotScheduler.block`: the experts the block executes are loaded on demand, in chunks of
+consecutive positions whose experts fit in ``C`` slots; afterwards a single row's slots are brought back in line
+with its logical cache by prefetches.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+WARM, DEMAND, PREFETCH = 0, 1, 2
+QUEUED, ISSUED, DROPPED = 0, 1, 2
+
+# counters (totals since the last reset)
+C_DEMAND, C_PREFETCH, C_IN_TIME, C_LATE, C_UNUSED, C_DROPPED, C_WARM, C_BYTES, C_SIZE = range(9)
+
+
+class Copy:
+    """One expert copy into one slot; the slot's latest copy until the slot is reassigned."""
+
+    __slots__ = ("layer", "slot", "expert", "kind", "state", "event", "used", "seq")
+
+    def __init__(self, layer: int, slot: int, expert: int, kind: int):
+        self.layer, self.slot, self.expert, self.kind = layer, slot, expert, kind
+        self.state = QUEUED
+        self.seq = -1  # issue order (one ordered stream: a later copy completes after an earlier one)
+        self.event: Any = None
+        self.used = False
+
+
+# ---------------------------------------------------------------------------------------------------- links
+class CudaLink:
+    """Copies on one dedicated CUDA stream (ordered), one event per copy; the compute stream waits on events."""
+
+    def __init__(self, device: torch.device, delay_ms: float):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._read: dict[int, torch.cuda.Event] = {}  # layer -> event after its latest computation on the slots
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.wait_s = 0.0
+        self._sleep_cycles = _sleep_cycles(device, delay_ms) if delay_ms > 0 else 0
+
+    def copy(self, job: Copy, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        with torch.cuda.stream(self.stream):
+            read = self._read.pop(job.layer, None)
+            if read is not None:  # the slot's previous contents may still be read by a queued computation
+                self.stream.wait_event(read)
+            if self._sleep_cycles:
+                torch.cuda._sleep(self._sleep_cycles)
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        job.event = event
+
+    @staticmethod
+    def done(job: Copy) -> bool:
+        return job.event.query()
+
+    def wait(self, job: Copy) -> None:
+        """Make the computation wait for ``job`` (and, the stream being ordered, every copy issued before it)."""
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(job.event)
+        end.record(compute)
+        self._waits.append((start, end))
+        if len(self._waits) > 4096:
+            self._collect(block=False)
+
+    def read_done(self, layer: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._read[layer] = event
+
+    def _collect(self, block: bool) -> None:
+        keep = []
+        for start, end in self._waits:
+            if block or end.query():
+                end.synchronize()
+                self.wait_s += start.elapsed_time(end) / 1e3
+            else:
+                keep.append((start, end))
+        self._waits = keep
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        self._collect(block=True)
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+def _sleep_cycles(device: torch.device, delay_ms: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` needs for about ``delay_ms`` (measured once)."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 1_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    return max(int(per_ms * delay_ms), 1)
+
+
+class ThreadLink:
+    """The CPU path: one copy thread working through a FIFO (an ordered copy stream), one ``threading.Event``
+    per copy; the computation (the calling thread) blocks on events."""
+
+    def __init__(self, delay_ms: float):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._delay = delay_ms / 1e3
+        self.wait_s = 0.0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="psr_hf-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, dst, src = item
+            try:
+                if self._delay:
+                    time.sleep(self._delay)
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+            except BaseException as error:  # surfaced by the next wait
+                self._error = error
+            event.set()
+
+    def copy(self, job: Copy, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("psr_hf offload: the copy thread has stopped (the model was unpatched)")
+        job.event = threading.Event()
+        self._queue.put((job.event, dst, src))
+
+    @staticmethod
+    def done(job: Copy) -> bool:
+        return job.event.is_set()
+
+    def wait(self, job: Copy) -> None:
+        start = time.perf_counter()
+        job.event.wait()
+        self.wait_s += time.perf_counter() - start
+        if self._error is not None:
+            raise RuntimeError(f"psr_hf offload: an expert copy failed: {self._error}") from self._error
+
+    def read_done(self, layer: int) -> None:
+        pass  # the computation ran synchronously in this thread
+
+    def synchronize(self) -> None:
+        event = threading.Event()
+        self._queue.put((event, (), ()))
+        event.wait()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+# ---------------------------------------------------------------------------------------------------- scheduler
+@dataclass
+class _Layer:
+    slot_expert: np.ndarray  # [C] expert in each slot (-1: empty)
+    expert_slot: np.ndarray  # [E] slot of each expert (-1: none)
+    jobs: list  # [C] latest Copy of each slot (None: never copied)
+    last_use: np.ndarray  # [C] clock of the slot's latest execution
+    dirty: bool = True  # the device copy of expert_slot is stale
+    pending: list = field(default_factory=list)  # Copies this layer must wait for before it computes
+
+
+class SlotScheduler:
+    """Slot maps and copies of every MoE layer; the engine calls it, the policy never reads it."""
+
+    def __init__(self, num_layers: int, num_experts: int, capacity: int, link: Any, max_in_flight: int,
+                 bytes_per_expert: int, src: list, dst: list):
+        self.num_layers, self.num_experts, self.capacity = num_layers, num_experts, capacity
+        self.link = link
+        self.max_in_flight = max_in_flight
+        self.bytes_per_expert = bytes_per_expert
+        self._src = src  # [L][E] -> list of host tensors of that expert
+        self._dst = dst  # [L][C] -> list of slot tensors
+        self.layers = [self._empty_layer() for _ in range(num_layers)]
+        self.queue: collections.deque[Copy] = collections.deque()
+        self.in_flight: collections.deque[Copy] = collections.deque()  # issued prefetch copies, oldest first
+        self.counters = np.zeros(C_SIZE)
+        self._clock = 0
+        self._issued = 0
+
+    def _empty_layer(self) -> _Layer:
+        C, E = self.capacity, self.num_experts
+        return _Layer(np.full(C, -1, dtype=np.int64), np.full(E, -1, dtype=np.int64), [None] * C,
+                      np.zeros(C, dtype=np.int64))
+
+    # ------------------------------------------------------------------ copies
+    def _issue(self, job: Copy) -> None:
+        self.link.copy(job, self._dst[job.layer][job.slot], self._src[job.layer][job.expert])
+        job.state = ISSUED
+        job.seq = self._issued
+        self._issued += 1
+        self.counters[C_BYTES] += self.bytes_per_expert
+        if job.kind == PREFETCH:
+            self.in_flight.append(job)
+
+    def _assign(self, layer: int, expert: int, slot: int, kind: int) -> Copy:
+        """Put ``expert`` in ``slot`` (a logical insertion or a load): retire the slot's previous copy, update the
+        maps, issue the copy (demand, warm) or queue it (prefetch)."""
+        st = self.layers[layer]
+        previous = st.jobs[slot]
+        if previous is not None and previous.kind == PREFETCH and not previous.used:
+            if previous.state == QUEUED:
+                previous.state = DROPPED  # never issued: skipped when the queue reaches it
+                self.counters[C_DROPPED] += 1
+            else:
+                self.counters[C_UNUSED] += 1
+        old = st.slot_expert[slot]
+        if old >= 0:
+            st.expert_slot[old] = -1
+        st.slot_expert[slot] = expert
+        st.expert_slot[expert] = slot
+        st.dirty = True
+        job = st.jobs[slot] = Copy(layer, slot, expert, kind)
+        if kind == PREFETCH:
+            self.counters[C_PREFETCH] += 1
+            self.queue.append(job)
+        else:
+            self.counters[C_WARM if kind == WARM else C_DEMAND] += 1
+            self._issue(job)
+            st.pending.append(job)
+        return job
+
+    def pump(self) -> None:
+        """A layer boundary: issue queued prefetches while fewer than ``max_in_flight`` are in flight."""
+        flying = self.in_flight
+        while flying and self.link.done(flying[0]):  # one ordered stream: copies complete in issue order
+            flying.popleft()
+        while self.queue and len(flying) < self.max_in_flight:
+            job = self.queue.popleft()
+            if job.state == QUEUED:
+                self._issue(job)
+
+    def _victim(self, layer: int, protect: np.ndarray | None, avoid: np.ndarray | None) -> int:
+        """A slot to load into: an empty one; else the least recently executed slot whose expert is neither
+        ``protect``-ed ([E] bool: needed now) nor in ``avoid`` ([E] bool: the logical cache); else ignoring ``avoid``."""
+        st = self.layers[layer]
+        empty = np.flatnonzero(st.slot_expert < 0)
+        if empty.size:
+            return int(empty[0])
+        held = st.slot_expert
+        free = np.ones(self.capacity, dtype=bool) if protect is None else ~protect[held]
+        if avoid is not None:
+            preferred = free & ~avoid[held]
+            if preferred.any():
+                free = preferred
+        if not free.any():
+            raise RuntimeError(f"psr_hf offload: no free slot in layer {layer} (every slot is needed now)")
+        candidates = np.flatnonzero(free)
+        return int(candidates[np.argmin(st.last_use[candidates])])
+
+    def insert(self, layer: int, expert: int, evicted: int, kind: int, resident: np.ndarray | None) -> None:
+        """Follow a logical insertion of ``expert`` (evicting ``evicted``, -1 for a free slot): the evicted
+        expert's slot if it holds one, else a slot outside the logical cache ``resident`` ([E] bool)."""
+        st = self.layers[layer]
+        if st.expert_slot[expert] >= 0:
+            return  # already in a slot (the slots had not followed the logical cache exactly)
+        slot = st.expert_slot[evicted] if evicted >= 0 else -1
+        if slot < 0:
+            slot = self._victim(layer, None, resident)
+        self._assign(layer, expert, int(slot), kind)
+
+    def _use(self, layer: int, experts: np.ndarray, protect: np.ndarray, resident: np.ndarray | None) -> None:
+        """Make ``experts`` present for an execution (demand loads for missing ones) and record first uses."""
+        st = self.layers[layer]
+        self._clock += 1
+        for e in experts:
+            slot = st.expert_slot[e]
+            if slot < 0:
+                self._assign(layer, int(e), self._victim(layer, protect, resident), DEMAND)
+                slot = st.expert_slot[e]
+            st.last_use[slot] = self._clock
+            job = st.jobs[slot]
+            if job is None or job.used:
+                continue
+            job.used = True
+            if job.kind != PREFETCH:
+                continue
+            if job.state == QUEUED:  # needed before the queue reached it: issue now, the layer waits for all of it
+                self._issue(job)
+                self.counters[C_LATE] += 1
+                st.pending.append(job)
+            elif self.link.done(job):
+                self.counters[C_IN_TIME] += 1
+            else:
+                self.counters[C_LATE] += 1
+                st.pending.append(job)
+
+    def wait(self, layer: int) -> None:
+        """Make ``layer``'s computation wait for the copies it uses that are not complete (only those)."""
+        st = self.layers[layer]
+        if st.pending:
+            latest = max(st.pending, key=lambda job: job.seq)  # one ordered stream: the latest completes last
+            st.pending = []
+            if not self.link.done(latest):
+                self.link.wait(latest)
+
+    # ------------------------------------------------------------------ what the engine calls
+    def new_sequence(self, warm: Sequence[np.ndarray]) -> None:
+        """A new sequence: queued prefetches are dropped and each layer's warm set ``warm[layer]`` (experts) is
+        copied into slots that do not hold it yet."""
+        while self.queue:
+            job = self.queue.popleft()
+            if job.state == QUEUED and not job.used:
+                job.state = DROPPED
+                self.counters[C_DROPPED] += 1
+        E = self.num_experts
+        for layer, experts in enumerate(warm):
+            st = self.layers[layer]
+            wanted = np.zeros(E, dtype=bool)
+            wanted[experts] = True
+            for e in experts:
+                if st.expert_slot[e] < 0:
+                    self._assign(layer, int(e), self._victim(layer, wanted, None), WARM)
+
+    def decode_select(self, layer: int, plan: Any, chosen: np.ndarray, resident: np.ndarray) -> None:
+        """One row, one position: follow the plan's demand insertions, then make ``chosen`` ([K] experts) present.
+        ``resident``: [E] bool, the row's logical cache after the step."""
+        count = int(plan.demand_count[0, 0])
+        if count:
+            experts, evicted = plan.demand_experts[0, 0], plan.demand_evicted[0, 0]
+            for i in range(count):
+                self.insert(layer, int(experts[i]), int(evicted[i]), DEMAND, resident)
+        protect = np.zeros(self.num_experts, dtype=bool)
+        protect[chosen] = True
+        self._use(layer, chosen, protect, resident)
+
+    def decode_prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
+        """One row, one position: queue the copies of the plan's prefetch insertions into ``layer``."""
+        count = int(plan.prefetch_count[0, 0])
+        if count:
+            experts, evicted = plan.prefetch_experts[0, 0], plan.prefetch_evicted[0, 0]
+            for i in range(count):
+                self.insert(layer, int(experts[i]), int(evicted[i]), PREFETCH, resident)
+
+    def chunks(self, chosen: np.ndarray) -> list[tuple[int, int]]:
+        """Consecutive position ranges of ``chosen`` ([N, K]) whose experts fit in the slots, greedily."""
+        N = chosen.shape[0]
+        seen = np.zeros(self.num_experts, dtype=bool)
+        ranges, start, count = [], 0, 0
+        for p in range(N):
+            new = np.unique(chosen[p][~seen[chosen[p]]])
+            if count + new.size > self.capacity:
+                ranges.append((start, p))
+                seen[:] = False
+                start, new = p, np.unique(chosen[p])
+                count = 0
+            seen[new] = True
+            count += new.size
+        ranges.append((start, N))
+        return ranges
+
+    def load(self, layer: int, experts: np.ndarray, target: np.ndarray | None) -> None:
+        """Make ``experts`` (distinct, at most C) present for one chunk of a block; loads avoid the experts of
+        ``target`` ([E] bool, the logical cache the slots should end up mirroring; None: plain LRU)."""
+        protect = np.zeros(self.num_experts, dtype=bool)
+        protect[experts] = True
+        self._use(layer, experts, protect, target)
+
+    def reconcile(self, layer: int, target: np.ndarray) -> None:
+        """After a block of one row: queue prefetches so the slots hold the row's logical cache ``target``."""
+        st = self.layers[layer]
+        for e in np.flatnonzero(target & (st.expert_slot < 0)):
+            self._assign(layer, int(e), self._victim(layer, None, target), PREFETCH)
+
+    def slot_map(self, layer: int) -> np.ndarray:
+        """[E] int64 slot of each expert of ``layer`` now (-1: none); marks it uploaded."""
+        st = self.layers[layer]
+        st.dirty = False
+        return st.expert_slot
+
+    def stats(self) -> dict[str, float]:
+        """Totals since :meth:`reset_counters` (waits on the copies in flight to read the wait times)."""
+        self.link.synchronize()
+        c = self.counters
+        return {
+            "demand": float(c[C_DEMAND]), "prefetch": float(c[C_PREFETCH]), "prefetch_in_time": float(c[C_IN_TIME]),
+            "prefetch_late": float(c[C_LATE]), "prefetch_unused": float(c[C_UNUSED]), "dropped": float(c[C_DROPPED]),
+            "warm": float(c[C_WARM]), "bytes": float(c[C_BYTES]), "wait_s": float(self.link.wait_s),
+        }
+
+    def reset_counters(self) -> None:
+        self.link.synchronize()
+        self.counters[:] = 0
+        self.link.wait_s = 0.0

@@ -1,0 +1,101 @@
+"""The offload on a GPU (marked cuda: skipped on CI, run on the lent GPU).
+
+Copies go through a CUDA stream from pinned host memory; how many are in flight and how long each takes change
+latency, never tokens: greedy outputs are identical for max_in_flight 1, 2 and 4 and with an artificial delay
+injected into every copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import psr_hf
+from psr_hf import OffloadConfig, RoutingConfig
+from psr_hf.hf.tiny import tiny_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+              pytest.mark.usefixtures("quiet_psr_hf")]
+
+CONFIG = RoutingConfig(policy="psr", lam=0.3, budget=2, residency=0.25)
+
+
+def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, mask=None, new=24):
+    device = next(model.parameters()).device if not hasattr(model, "device") else model.device
+    kwargs = {} if mask is None else {"attention_mask": mask.to(device)}
+    with torch.no_grad():
+        out = model.generate(ids.to(device), max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    return out.sequences.cpu(), torch.stack(out.logits).float().cpu()
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_5_moe_text", "deepseek_v3"])
+def test_greedy_tokens_do_not_depend_on_copy_timing(family):
+    model = tiny_model(family, dtype=torch.bfloat16)
+    prompts = [(_ids(1, 1, 1), None), (_ids(2, 1, 9), None)]
+    ids = _ids(3, 2, 8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    prompts.append((ids, mask))
+    runs = []
+    for max_in_flight, delay in ((1, 0.0), (2, 0.0), (4, 0.0), (2, 1.0), (1, 2.0)):
+        psr_hf.patch(model, CONFIG, offload=OffloadConfig(device="cuda:0", max_in_flight=max_in_flight,
+                                                          copy_delay_ms=delay))
+        try:
+            assert next(model.lm_head.parameters()).is_cuda
+            outputs = [_generate(model, p, m) for p, m in prompts]
+            stats = psr_hf.controller(model).stats()
+        finally:
+            psr_hf.unpatch(model)
+        runs.append((outputs, stats))
+    first = runs[0]
+    for outputs, stats in runs[1:]:
+        for (tokens, logits), (ref_tokens, ref_logits) in zip(outputs, first[0]):
+            assert torch.equal(tokens, ref_tokens)
+            assert torch.equal(logits, ref_logits)
+        assert stats.total == first[1].total
+    # the delayed runs waited longer for their copies than the undelayed ones
+    assert runs[4][1].offload.wait_ms > runs[0][1].offload.wait_ms
+    # and the same tokens as the non-offloaded patched model on the GPU
+    model.cuda()
+    with psr_hf.patched(model, CONFIG):
+        resident = [_generate(model, p, m) for p, m in prompts]
+    model.cpu()
+    for (tokens, _), (ref_tokens, _) in zip(first[0], resident):
+        assert torch.equal(tokens, ref_tokens)
+
+
+def test_slots_hold_the_executed_experts_on_cuda():
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    psr_hf.patch(model, CONFIG, offload=OffloadConfig(device="cuda:0", check_slots=True, max_in_flight=1))
+    try:
+        ids = _ids(4, 2, 7)
+        _generate(model, ids, torch.ones_like(ids), new=16)
+        _generate(model, _ids(5, 1, 1), new=16)
+    finally:
+        psr_hf.unpatch(model)
+
+
+def test_device_memory_holds_only_the_slots_and_unpatch_restores():
+    model = tiny_model("olmoe", dtype=torch.bfloat16, num_experts=64, num_experts_per_tok=8, intermediate_size=256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    psr_hf.patch(model, RoutingConfig(policy="psr", residency=0.25), offload="cuda:0")
+    try:
+        mem = psr_hf.controller(model).memory()
+        used = torch.cuda.memory_allocated() - start
+        engine = psr_hf.controller(model).offload
+        assert all(buffer.is_pinned() for buffer in engine.placement.buffers)
+        assert mem.pinned and mem.capacity == 16 and mem.expert_bytes_device * 4 == mem.expert_bytes_full
+        # slots plus the non-expert weights, and nothing like the full experts
+        assert mem.expert_bytes_device <= used < mem.expert_bytes_device + mem.non_expert_bytes_device + 2**20
+        _generate(model, _ids(6, 1, 4), new=8)
+    finally:
+        psr_hf.unpatch(model)
+    for k, v in model.state_dict().items():
+        assert v.device.type == "cpu" and torch.equal(v, before[k]), k
