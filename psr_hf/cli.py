@@ -113,6 +113,47 @@ def cmd_bench_patch(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .eval.latency import format_table, plot, report_lines, run_bench
+
+    try:
+        capacities = [float(c) for c in args.capacities.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--capacities {args.capacities}: expected comma-separated residencies, e.g. 0.5,0.25")
+    configs = None if args.configs is None else [c for c in args.configs.split(",") if c.strip()]
+    print(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of {args.windows} window(s) "
+          f"x {args.tokens} tokens, {args.rounds} interleaved rounds")
+    record = run_bench(
+        model=args.model, device=args.device, rounds=args.rounds, windows=args.windows, tokens=args.tokens,
+        capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
+        accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
+        texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
+        progress=lambda msg: print("  " + msg, file=sys.stderr),
+    )
+    print(format_table(record))
+    print("\n".join(report_lines(record)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"JSON record: {args.json}")
+    if args.plot:
+        print(f"plot: {plot(record, args.plot)}")
+    return 0
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    from .eval.latency import plot
+
+    path = Path(args.record)
+    if not path.is_file():
+        raise ValueError(f"{args.record}: no such file")
+    record = json.loads(path.read_text())
+    if record.get("benchmark") != "latency":
+        raise ValueError(f"{args.record} is not a psr-hf bench record (benchmark: {record.get('benchmark')!r})")
+    print(f"plot: {plot(record, args.out)}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- compare
 def cmd_compare(args: argparse.Namespace) -> int:
     from .eval.compare import compare_runs, load_run, parse_run_argument
@@ -207,6 +248,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a tiny OLMoE shape that runs on a CPU in seconds")
     p.add_argument("--json", help="write the JSON record here")
     p.set_defaults(func=cmd_bench_patch)
+
+    p = sub.add_parser("bench", help="offload latency: teacher-forced decode ms/token and copies per token of "
+                                     "resident, accelerate and routed rows (the paper's Section 6.1)")
+    p.add_argument("--model", default="random-olmoe-1b-7b",
+                   help="random-olmoe-1b-7b (random weights, bf16), tiny (CPU-sized, float32) or a model directory")
+    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu with --model tiny)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, at least 3 (default 3)")
+    p.add_argument("--windows", type=int, default=2, help="text windows per round (default 2)")
+    p.add_argument("--tokens", type=int, default=128, help="timed decode positions per window (default 128)")
+    p.add_argument("--capacities", default="0.5,0.25", help="residencies of the routed rows (default 0.5,0.25)")
+    p.add_argument("--configs", help="comma-separated rows to run (full names like psr_lam0.3_n1_res50, or policy "
+                                     "names for every capacity; resident always runs)")
+    p.add_argument("--max-in-flight", type=int, default=2, help="prefetch copies in flight at most (default 2)")
+    p.add_argument("--copy-delay-ms", type=float, default=0.0,
+                   help="emulated extra time per copy (default 0; for CPU runs)")
+    p.add_argument("--accelerate-tokens", type=int, default=8,
+                   help="timed positions of the accelerate row per round (default 8)")
+    p.add_argument("--no-accelerate", action="store_true", help="skip the accelerate dispatch_model row")
+    p.add_argument("--calibration", help="a saved calibration (.safetensors); default: calibrate on stdlib sources")
+    p.add_argument("--calibration-tokens", type=int, default=8192,
+                   help="tokens of the default calibration (default 8192)")
+    p.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="text file to cut the windows from (repeatable; default: standard-library sources)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed short warm-up rounds first (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--json", help="write the JSON record here")
+    p.add_argument("--plot", help="write the latency-vs-copies plot here (PNG)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
+    p.add_argument("record", help="JSON record written by psr-hf bench --json")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.set_defaults(func=cmd_bench_plot)
 
     p = sub.add_parser("compare", help="paired comparison of lm-eval --log_samples runs with a reference: points, "
                                        "McNemar, Holm (the paper's Tables 3-4)")

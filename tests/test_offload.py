@@ -371,3 +371,20 @@ def test_the_experts_implementation_refuses_an_experts_module_that_is_not_offloa
             other(_ids(1, 1, 3))
     finally:
         psr_hf.unpatch(model)
+
+
+def test_reconfigure_from_a_policy_without_prefetch_to_one_with_it():
+    """The pre-gate is computed per call, so a model patched with exact+LRU can switch to psr or spec."""
+    model = tiny_model("olmoe")
+    ids = _ids(11, 1, 4)
+    expected = {name: _run(model, POLICIES[name], "cpu", ids)[0] for name in ("psr", "spec")}
+    psr_hf.patch(model, POLICIES["exact_lru"], offload="cpu")
+    try:
+        ctl = psr_hf.controller(model)
+        for name in ("psr", "spec"):
+            ctl.reconfigure(POLICIES[name])
+            assert torch.equal(_generate(model, ids).sequences, expected[name])
+            off = ctl.stats().offload
+            assert off.prefetch_in_time + off.prefetch_late + off.prefetch_unused <= off.prefetch - off.dropped
+    finally:
+        psr_hf.unpatch(model)

@@ -493,7 +493,6 @@ class Controller:
         index = layer.index
         router = layer.router
         following = self.layers[index + 1].router if index + 1 < self.num_layers else None
-        joint = following is not None and self._needs_pregate
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self._bypass:
@@ -503,7 +502,7 @@ class Controller:
                     f"psr_hf: MoE layer {index} ran outside a forward pass of the patched model; call the model (or "
                     "its decoder) so the routing state sees the input ids and the attention mask"
                 )
-            if joint:
+            if following is not None and self._needs_pregate:  # read per call: reconfigure() may change it
                 return self._route_joint(index, router, following, hidden_states,
                                          lambda: original(hidden_states, *args, **kwargs))
             own = original(hidden_states, *args, **kwargs)

@@ -344,6 +344,11 @@ class SlotScheduler:
             if job.state == QUEUED and not job.used:
                 job.state = DROPPED
                 self.counters[C_DROPPED] += 1
+        for st in self.layers:  # prefetches of the sequence that ended and were never used
+            for job in st.jobs:
+                if job is not None and job.kind == PREFETCH and not job.used:
+                    job.used = True
+                    self.counters[C_UNUSED] += 1
         E = self.num_experts
         for layer, experts in enumerate(warm):
             st = self.layers[layer]
@@ -420,6 +425,14 @@ class SlotScheduler:
         }
 
     def reset_counters(self) -> None:
+        """Start a new statistics interval. A prefetch belongs to the interval in which it was issued: copies
+        issued before and not used yet are closed (their later use is not counted), queued ones count in the
+        new interval, where they are issued or dropped."""
         self.link.synchronize()
         self.counters[:] = 0
         self.link.wait_s = 0.0
+        for st in self.layers:
+            for job in st.jobs:
+                if job is not None and job.kind == PREFETCH and not job.used and job.state == ISSUED:
+                    job.used = True
+        self.counters[C_PREFETCH] = sum(1 for job in self.queue if job.state == QUEUED)

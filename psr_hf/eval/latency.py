@@ -1,0 +1,1010 @@
+"""The offload latency benchmark behind ``psr-hf bench``: teacher-forced batch-1 decoding of fixed text windows.
+
+Protocol (the paper's Section 6.1, "Latency"): every position of every window goes through the batch-1 decode
+path (a new :class:`transformers.DynamicCache` per window, one one-token forward per position, the device
+synchronised after each), so every configuration processes the same tokens. Position 0 starts the sequence
+(the offloaded model copies its warm set then): it is not timed, and the routing and copy statistics are reset
+after it, so both cover the decode positions 1..T only.
+
+Rows (configurations):
+
+- ``resident``: the unpatched model with every expert on the device (``grouped_mm``): the floor.
+- ``accelerate``: a copy of the model dispatched by ``accelerate.dispatch_model`` with every ``...mlp.experts``
+  module on ``"cpu"`` (its weights stream to the device at every forward): what a transformers user would pick
+  without psr_hf. It is slow, so it decodes only the first ``accelerate_tokens`` positions of the first window.
+- per capacity (residency 0.5 and 0.25 by default, suffix ``_res50`` / ``_res25``): ``exact_lru``,
+  ``exact_a_pf`` (exact routing, A priority, logical prefetch budget 1), ``cp_lam0.2`` (Cache-Prior),
+  ``psr_lam0.2_n1``, ``psr_lam0.3_n1`` and ``spec``. They share ONE offloaded copy of the model, patched with
+  :class:`psr_hf.OffloadConfig` once and switched between configurations with ``Controller.reconfigure``.
+
+Rounds: every round runs every configuration once over the same windows, the order rotated by one per round
+(interleaved, so drift in clocks and temperature falls on all rows alike); at least 3 rounds. Per row: mean
+ms/token per round, the mean over rounds, the 99th percentile over every timed token of every round, copies per
+token (means over rounds) split as in the paper's Section 6.5 (demand copies; prefetch copies that arrived in
+time, that were still in flight when the layer needed them (late), never used), bytes moved and time waited per
+token. Ratios between rows pair rounds: the exponentiated mean per-round log ratio with its 95% t-interval and
+the p-value of a one-sample t-test on the log ratios (the repetition, not the token, is the unit; Kalibera and
+Jones 2013). Where two rows decode different tokens (``accelerate``), the ratio uses the tokens both decoded.
+
+The library logs; ``psr-hf bench`` (:mod:`psr_hf.cli`) prints.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..hf.bench_patch import (
+    _UNCALIBRATED_LOGGERS,
+    TINY_SHAPE,
+    _machine,
+    _QuietUncalibrated,
+    build_random_model,
+    olmoe_1b_7b_config,
+    paired_ratio,
+)
+from ..hf.patching import controller, patch, unpatch
+from ..policy.bench import summarize
+from ..policy.config import RoutingConfig
+
+logger = logging.getLogger(__name__)
+
+RESIDENT = "resident"
+ACCELERATE = "accelerate"
+MIN_ROUNDS = 3
+RANDOM_OLMOE = "random-olmoe-1b-7b"
+TINY = "tiny"
+
+# Default text: sources of standard-library modules (offline, deterministic for a given Python). The windows and
+# the calibration never share a module, so the warm set and the token prior are not fitted on the timed tokens.
+WINDOW_MODULES = ("textwrap", "argparse", "json.decoder", "collections")
+CALIBRATION_MODULES = ("functools", "heapq", "string", "contextlib", "dataclasses", "enum")
+CALIBRATION_TOKENS = 8192
+
+# name -> RoutingConfig fields (the residency is added per capacity); the paper's Section 6.1 baselines
+POLICY_CONFIGS: dict[str, dict[str, Any]] = {
+    "exact_lru": dict(policy="exact", eviction="lru", budget=0),
+    "exact_a_pf": dict(policy="exact", eviction="score", budget=1),
+    "cp_lam0.2": dict(policy="cache_prior", lam=0.2, eviction="lru", budget=0),
+    "psr_lam0.2_n1": dict(policy="psr", lam=0.2, eviction="score", budget=1),
+    "psr_lam0.3_n1": dict(policy="psr", lam=0.3, eviction="score", budget=1),
+    "spec": dict(policy="spec"),
+}
+DEFAULT_CAPACITIES = (0.5, 0.25)
+PSR_GOAL = "psr_lam0.3_n1"
+# the issue's goals: PSR within 15% / 30% of resident at 50% / 25% residency; accelerate at least 50x slower
+RESIDENT_GOALS = {0.5: 1.15, 0.25: 1.3}
+ACCELERATE_GOAL = 50.0
+
+WARMUP_TOKENS = 4  # positions of the first window decoded untimed per row and warm-up round
+
+# per-token keys of the copy statistics (the Controller's logical totals and the offload scheduler's physical ones)
+ROUTING_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "replaced_per_token",
+                "displaced_mass")
+OFFLOAD_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "prefetch_in_time_per_token",
+                "prefetch_late_per_token", "prefetch_unused_per_token", "dropped_per_token", "bytes_per_token",
+                "wait_ms_per_token")
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the benchmark: ``kind`` is ``resident``, ``accelerate`` or ``offload`` (a routing config on the
+    shared offloaded copy); ``policy`` is the name without the capacity suffix."""
+
+    name: str
+    kind: str
+    policy: str
+    routing: RoutingConfig | None = None
+    residency: float | None = None
+
+
+def capacity_suffix(residency: float) -> str:
+    """``_res50`` for residency 0.5."""
+    return f"_res{round(residency * 100)}"
+
+
+def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate: bool = True,
+                    only: Sequence[str] | None = None) -> list[BenchConfig]:
+    """The benchmark's rows: ``resident`` (always: the reference of every ratio), ``accelerate`` (unless
+    ``accelerate`` is False) and every :data:`POLICY_CONFIGS` entry at every residency in ``capacities``.
+
+    ``only`` keeps the rows whose full name (``psr_lam0.3_n1_res50``) or policy name (``psr_lam0.3_n1``: every
+    capacity) is listed, plus ``resident``; an unknown name raises ``ValueError``."""
+    if not capacities:
+        raise ValueError("capacities is empty; give at least one residency in (0, 1], e.g. 0.5")
+    for residency in capacities:
+        if not (0.0 < float(residency) <= 1.0):
+            raise ValueError(f"capacity {residency!r} must be a residency in (0, 1] (fraction of each layer's experts)")
+    suffixes = [capacity_suffix(r) for r in capacities]
+    if len(set(suffixes)) != len(suffixes):
+        raise ValueError(f"capacities {list(capacities)} repeat a residency (in whole percent)")
+    rows = [BenchConfig(RESIDENT, "resident", RESIDENT)]
+    if accelerate:
+        rows.append(BenchConfig(ACCELERATE, "accelerate", ACCELERATE))
+    for residency in capacities:
+        for policy, fields in POLICY_CONFIGS.items():
+            rows.append(BenchConfig(policy + capacity_suffix(residency), "offload", policy,
+                                    RoutingConfig(residency=float(residency), **fields), float(residency)))
+    if only is not None:
+        wanted = {name.strip() for name in only if name.strip()}
+        known = {row.name for row in rows} | {row.policy for row in rows}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+                             + ("" if accelerate else " (accelerate is off: --no-accelerate)"))
+        rows = [row for row in rows if row.name == RESIDENT or row.name in wanted or row.policy in wanted]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- one window
+@dataclass(frozen=True)
+class WindowRun:
+    """One teacher-forced window: ms per decode position (1..T), the routing totals and the offload copy
+    statistics over those positions (None for unpatched models), the statistics of the sequence start (position 0:
+    the warm-set copies) and, if asked for, the logits of every position ``[T + 1, V]`` (position 0 included)."""
+
+    ms: list[float]
+    routing_stats: dict[str, float] | None
+    offload_stats: dict[str, float] | None
+    start_stats: dict[str, float] | None
+    logits: torch.Tensor | None = None
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    # transformers 5.23+ calls the KV cache argument ``cache`` (``past_key_values`` warns); 5.17 only knows the latter
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _offload_dict(stats: Any) -> dict[str, float] | None:
+    offload = getattr(stats, "offload", None)
+    if offload is None:
+        return None
+    values = offload.to_dict() if hasattr(offload, "to_dict") else dict(offload)
+    return {key: float(value) for key, value in values.items() if isinstance(value, (int, float))}
+
+
+@torch.no_grad()
+def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.device | str | None = None,
+                  keep_logits: bool = False) -> WindowRun:
+    """Teacher-forced batch-1 decode of ``ids`` ``[1, T + 1]``: a new ``DynamicCache``, then one forward per
+    position with ``use_cache=True``, the device synchronised after each and the wall time of every position but
+    the first taken with ``time.perf_counter``.
+
+    If ``model`` is patched by psr_hf, its statistics are reset after position 0 (which starts the sequence and
+    copies the warm set) and read after the last position, so they cover positions 1..T. ``device``: where the
+    inputs go (default: the device of the first parameter not on the meta device, else the CPU). ``keep_logits``
+    returns the logits of every position (copied to the host after the timing of that position)."""
+    from transformers import DynamicCache
+
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be [1, T + 1] with T >= 1 decode positions, got shape {tuple(ids.shape)}")
+    if device is None:  # accelerate leaves offloaded parameters on the meta device
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    device = torch.device(device)
+    sync = _sync_for(device)
+    ids = ids.to(device)
+    ctl = getattr(model, "_psr_hf_controller", None)
+    kv = DynamicCache(config=model.config)
+    kwarg = _cache_keyword(model)
+    ms: list[float] = []
+    logits: list[torch.Tensor] = []
+    start_stats = None
+    sync()
+    for i in range(ids.shape[1]):
+        begin = time.perf_counter()
+        out = model(input_ids=ids[:, i : i + 1], use_cache=True, **{kwarg: kv})
+        sync()
+        end = time.perf_counter()
+        if i == 0:
+            if ctl is not None:
+                first = controller(model).stats()
+                start_stats = dict(first.total)
+                start_offload = _offload_dict(first)
+                if start_offload is not None:
+                    start_stats["offload"] = start_offload
+                controller(model).reset_stats()  # from here on the totals count the decode positions only
+        else:
+            ms.append((end - begin) * 1e3)
+        if keep_logits:
+            logits.append(out.logits[0, -1].float().cpu())
+    routing_stats = offload_stats = None
+    if ctl is not None:
+        stats = controller(model).stats()
+        routing_stats = dict(stats.total)
+        offload_stats = _offload_dict(stats)
+        T = ids.shape[1] - 1
+        if int(routing_stats.get("tokens", T)) != T:
+            logger.warning("routing statistics count %s tokens over a window of %d decode positions",
+                           routing_stats.get("tokens"), T)
+        if offload_stats is not None and "tokens" in offload_stats and int(offload_stats["tokens"]) != T:
+            logger.warning("offload statistics count %s tokens over a window of %d decode positions",
+                           offload_stats["tokens"], T)
+    return WindowRun(ms=ms, routing_stats=routing_stats, offload_stats=offload_stats, start_stats=start_stats,
+                     logits=torch.stack(logits) if keep_logits else None)
+
+
+# ---------------------------------------------------------------------------------------------------- text windows
+def module_sources(modules: Sequence[str]) -> list[tuple[str, str]]:
+    """``(path, text)`` of each standard-library module's source file (``inspect.getsourcefile``)."""
+    out = []
+    for name in modules:
+        path = inspect.getsourcefile(importlib.import_module(name))
+        if path is None:
+            raise ValueError(f"module {name!r} has no source file to read")
+        out.append((path, Path(path).read_text(encoding="utf-8")))
+    return out
+
+
+def text_windows(texts: Sequence[str], tokenizer: Any, *, windows: int, tokens: int) -> list[torch.Tensor]:
+    """``windows`` token windows ``[1, tokens + 1]`` (position 0 starts the sequence, ``tokens`` are timed).
+
+    Window ``i`` is cut from text ``i % len(texts)`` at token offset ``(i // len(texts)) * (tokens + 1)`` (texts
+    tokenised without special tokens); a text too short for its window raises ``ValueError``."""
+    if windows < 1 or tokens < 1:
+        raise ValueError(f"windows={windows} and tokens={tokens} must be >= 1")
+    if not texts:
+        raise ValueError("no texts to cut windows from")
+    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    out = []
+    for i in range(windows):
+        source = encoded[i % len(texts)]
+        start = (i // len(texts)) * (tokens + 1)
+        window = source[start : start + tokens + 1]
+        if len(window) < tokens + 1:
+            raise ValueError(f"text {i % len(texts)} has {len(source)} tokens; window {i} needs tokens "
+                             f"[{start}, {start + tokens + 1}): give fewer --windows or --tokens, or longer --text")
+        out.append(torch.tensor([window], dtype=torch.long))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- model copies
+def experts_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the routed-experts modules (``...mlp.experts``) of ``model``."""
+    return [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+
+
+def accelerate_device_map(model: torch.nn.Module, device: torch.device | str) -> dict[str, str]:
+    """A flat ``device_map`` for ``accelerate.dispatch_model``: every ``...mlp.experts`` module on ``"cpu"``,
+    every other module (the largest subtrees without experts) and the direct parameters and buffers of modules
+    above the experts on ``device``. No key is a prefix of another, so no hook places a parent's children."""
+    target = str(torch.device(device))
+    experts = set(experts_modules(model))
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no '...mlp.experts' modules to put on the CPU")
+    device_map: dict[str, str] = {}
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for leaf, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            device_map[f"{prefix}.{leaf}" if prefix else leaf] = target
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if name in experts:
+                device_map[name] = "cpu"
+            elif any(e.startswith(name + ".") for e in experts):
+                walk(child, name)
+            else:
+                device_map[name] = target
+
+    walk(model, "")
+    return device_map
+
+
+def accelerate_copy(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """A copy of ``model`` dispatched by ``accelerate.dispatch_model`` with its experts on the CPU and everything
+    else on ``device`` (the experts' weights are moved to the CPU first, so their weights map is host memory and
+    every forward copies them to ``device``). With ``device`` cpu nothing moves: the row then measures only
+    accelerate's hooks."""
+    try:
+        from accelerate import dispatch_model
+    except ImportError as exc:
+        raise ValueError("the accelerate row needs the accelerate package (pip install accelerate, or psr-hf[eval]); "
+                         "or leave the row out (--no-accelerate)") from exc
+
+    device = torch.device(device)
+    device_map = accelerate_device_map(model, device)
+    dispatched = copy.deepcopy(model)
+    for name in experts_modules(dispatched):
+        dispatched.get_submodule(name).to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # accelerate warns that "some parameters are on the meta device because they were offloaded": that is the point
+    quiet = _QuietAccelerate()
+    big_modeling = logging.getLogger("accelerate.big_modeling")
+    big_modeling.addFilter(quiet)
+    try:
+        return dispatch_model(dispatched, device_map=device_map, main_device=device, force_hooks=True).eval()
+    finally:
+        big_modeling.removeFilter(quiet)
+
+
+class _QuietAccelerate(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "offloaded to the cpu" not in str(record.msg)
+
+
+def offload_config(device: torch.device | str, *, max_in_flight: int = 2, copy_delay_ms: float = 0.0) -> Any:
+    """A :class:`psr_hf.OffloadConfig` for ``device`` (pinned host memory only on CUDA)."""
+    import psr_hf
+
+    try:
+        cls = psr_hf.OffloadConfig
+    except (AttributeError, ImportError) as exc:
+        raise ValueError("this psr_hf has no offload support (psr_hf.OffloadConfig); the routed rows need it") from exc
+    device = torch.device(device)
+    return cls(device=str(device), max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms,
+               pin_memory=device.type == "cuda")
+
+
+class _SharedCopy:
+    """The one patched copy of the model that every routed row runs on: patched with the first configuration,
+    switched with ``Controller.reconfigure`` afterwards (offloading a 13 GB model takes seconds)."""
+
+    def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any):
+        self.source, self.device, self.calibration, self.offload = source, device, calibration, offload
+        self.model: torch.nn.Module | None = None
+        self.current: RoutingConfig | None = None
+
+    def activate(self, routing: RoutingConfig) -> torch.nn.Module:
+        if self.model is None:
+            # on a GPU the copy doubles the experts only until patch() has moved them to the host store
+            model = copy.deepcopy(self.source)
+            patch(model, routing, calibration=self.calibration, offload=self.offload)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.model = model
+        elif routing != self.current:
+            if self.offload is None:  # logical cache only: a fresh patch costs nothing
+                unpatch(self.model)
+                patch(self.model, routing, calibration=self.calibration)
+            else:
+                controller(self.model).reconfigure(routing, calibration=self.calibration)
+        self.current = routing
+        return self.model
+
+    def close(self) -> None:
+        if self.model is not None:
+            unpatch(self.model)
+            self.model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+def paired_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
+    """Ratio of per-round ``values`` to ``baseline`` (:func:`~psr_hf.hf.bench_patch.paired_ratio`: exp of the mean
+    per-round log ratio, 95% t-interval) plus ``p``: the two-sided p-value of ``scipy.stats.ttest_1samp`` of the
+    log ratios against 0 (None where it is undefined: identical log ratios)."""
+    from scipy import stats
+
+    summary = paired_ratio(values, baseline)
+    logs = np.log(np.asarray(values, dtype=np.float64) / np.asarray(baseline, dtype=np.float64))
+    p = None
+    if logs.size > 1 and np.ptp(logs) > 0:
+        p = float(stats.ttest_1samp(logs, 0.0).pvalue)
+    summary["p"] = p
+    summary["ci95"] = [float(v) for v in summary["ci95"]]
+    return summary
+
+
+def _matched_round_means(a: list[list[list[float]]], b: list[list[list[float]]]) -> tuple[list[float], list[float]]:
+    """Per-round mean ms of two rows over the tokens both decoded (``[round][window][position]``)."""
+    means_a, means_b = [], []
+    for rounds_a, rounds_b in zip(a, b):
+        xs, ys = [], []
+        for wa, wb in zip(rounds_a, rounds_b):
+            n = min(len(wa), len(wb))
+            xs.extend(wa[:n])
+            ys.extend(wb[:n])
+        means_a.append(float(np.mean(xs)))
+        means_b.append(float(np.mean(ys)))
+    return means_a, means_b
+
+
+def _weighted(dicts: list[dict[str, float] | None], weights: list[int], keys: Sequence[str]) -> dict[str, float] | None:
+    """Token-weighted mean of per-token statistics over windows."""
+    present = [(d, w) for d, w in zip(dicts, weights) if d is not None]
+    if not present:
+        return None
+    total = float(sum(w for _, w in present))
+    return {key: sum(d[key] * w for d, w in present) / total for key in keys if all(key in d for d, _ in present)}
+
+
+def _round_stats(runs: list[WindowRun]) -> dict[str, Any] | None:
+    """Copy statistics of one round of one routed row (token-weighted over its windows)."""
+    if runs[0].routing_stats is None:
+        return None
+    weights = [len(run.ms) for run in runs]
+    routing = _weighted([run.routing_stats for run in runs], weights, ROUTING_KEYS)
+    offload = _weighted([run.offload_stats for run in runs], weights, OFFLOAD_KEYS)
+    starts = [run.start_stats.get("offload", {}) for run in runs if run.start_stats is not None]
+    if offload is not None and starts and all("warm_copies" in s for s in starts):
+        offload["warm_copies_per_window"] = float(np.mean([s["warm_copies"] for s in starts]))
+    return {"tokens": int(sum(weights)), "routing": routing, "offload": offload}
+
+
+def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[str, Any]) -> dict[str, Any]:
+    """Copies per token of a row (means over rounds), in the table's categories; ``source`` says where they come
+    from: the offload scheduler, the logical cache only, or the row's construction (resident, accelerate)."""
+    if kind == "resident":
+        return {"source": "all experts resident: nothing is copied", "copies_per_token": 0.0,
+                "demand_per_token": 0.0, "prefetch_per_token": 0.0, "prefetch_in_time_per_token": 0.0,
+                "prefetch_late_per_token": 0.0, "prefetch_unused_per_token": 0.0, "bytes_per_token": 0.0,
+                "wait_ms_per_token": None}
+    if kind == "accelerate":
+        moved = model_info.get("device_type") != "cpu"
+        per_token = float(model_info["moe_layers"] * model_info["num_experts"]) if moved else 0.0
+        return {"source": "by construction: dispatch_model copies every experts module at every forward"
+                          if moved else "main device cpu: dispatch_model moves nothing",
+                "copies_per_token": per_token, "demand_per_token": per_token, "prefetch_per_token": 0.0,
+                "prefetch_in_time_per_token": 0.0, "prefetch_late_per_token": 0.0, "prefetch_unused_per_token": 0.0,
+                "bytes_per_token": float(model_info["expert_bytes"]) if moved else 0.0, "wait_ms_per_token": None}
+    out: dict[str, Any] = {}
+    routing = [r["routing"] for r in rounds if r is not None and r["routing"] is not None]
+    for key in ROUTING_KEYS:
+        if routing and all(key in r for r in routing):
+            out[key] = float(np.mean([r[key] for r in routing]))
+    offload = [r["offload"] for r in rounds if r is not None and r["offload"] is not None]
+    out["source"] = "offload scheduler" if offload else "logical cache only (no offload)"
+    if offload:
+        # the table shows physical copies (a dropped prefetch was never copied); the logical ones stay beside them
+        out["logical_copies_per_token"] = out.get("copies_per_token")
+        out["logical_demand_per_token"] = out.get("demand_per_token")
+        out["logical_prefetch_per_token"] = out.get("prefetch_per_token")
+        for key in (*OFFLOAD_KEYS, "warm_copies_per_window"):
+            if all(key in r for r in offload):
+                out[key] = float(np.mean([r[key] for r in offload]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+def bench_latency(
+    model: torch.nn.Module, windows: Sequence[torch.Tensor], *, configs: Sequence[BenchConfig] | None = None,
+    calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, accelerate_tokens: int = 8,
+    offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time teacher-forced decoding of ``windows`` under each configuration, interleaved over ``rounds``.
+
+    Args:
+        model: an unpatched transformers MoE model with every expert on its device (the ``resident`` row runs it
+            as it is); the routed rows run a patched copy of it, the ``accelerate`` row a dispatched copy.
+        windows: ``[1, T + 1]`` token ids each (:func:`text_windows`); position 0 of each is not timed.
+        configs: the rows (:func:`default_configs` by default); ``resident`` must be one of them.
+        calibration: passed to :func:`psr_hf.patch` / ``reconfigure`` for every routed row.
+        rounds: timed rounds (>= 3); each runs every row once over all windows, the order rotated by one per round.
+        warmup: untimed rounds over the first :data:`WARMUP_TOKENS` positions of the first window (compilation,
+            allocator, the first offload).
+        accelerate_tokens: decode positions of the first window that the ``accelerate`` row times per round.
+        offload: an :class:`psr_hf.OffloadConfig` for the routed rows; True builds one for the model's device
+            (``max_in_flight``, ``copy_delay_ms``); False runs them patched without offload (logical cache only: no
+            physical copies, the rows then measure the routing overhead alone).
+
+    Returns one dict per row, in ``configs`` order (see :func:`run_bench` for the record around them).
+    """
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
+                         f"t-test on log latency over rounds (the round, not the token, is the unit)")
+    if warmup < 0 or accelerate_tokens < 1:
+        raise ValueError(f"warmup={warmup} must be >= 0 and accelerate_tokens={accelerate_tokens} >= 1")
+    if not windows:
+        raise ValueError("no windows to decode")
+    configs = list(default_configs() if configs is None else configs)
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configuration names repeat: {names}")
+    if RESIDENT not in names:
+        raise ValueError(f"the '{RESIDENT}' row is required: it is the reference of every ratio")
+    if getattr(model, "_psr_hf_controller", None) is not None:
+        raise ValueError("the model is patched by psr_hf; give the unpatched model (the resident row runs it)")
+    device = next(model.parameters()).device
+    model.eval()
+    by_name = {c.name: c for c in configs}
+    routed = [c for c in configs if c.kind == "offload"]
+    if offload is True:
+        offload = offload_config(device, max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms) if routed else None
+    elif offload is False:
+        offload = None
+    quiet = _QuietUncalibrated()
+    for name in _UNCALIBRATED_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    if calibration is None and routed:
+        logger.info("bench_latency: routed rows are uncalibrated (warm set = the first C experts, no token prior)")
+    shared = _SharedCopy(model, device, calibration, offload) if routed else None
+    accelerated = None
+    results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
+    memory: dict[str, Any] = {}
+    capacity: dict[str, int] = {}
+    try:
+        if ACCELERATE in by_name:
+            if progress is not None:
+                progress("dispatching a copy of the model with accelerate (experts on the CPU)")
+            accelerated = accelerate_copy(model, device)
+
+        def run_row(config: BenchConfig, row_windows: Sequence[torch.Tensor]) -> list[WindowRun]:
+            if config.kind == "resident":
+                target = model
+            elif config.kind == "accelerate":
+                target = accelerated
+            else:
+                target = shared.activate(config.routing)
+                ctl = controller(target)
+                capacity.setdefault(config.name, int(ctl.capacity))
+                if config.name not in memory:
+                    get = getattr(ctl, "memory", None)
+                    memory[config.name] = get().to_dict() if get is not None and offload is not None else None
+            return [decode_window(target, ids, device=device) for ids in row_windows]
+
+        def windows_of(config: BenchConfig, limit: int | None = None) -> list[torch.Tensor]:
+            if config.kind == "accelerate":
+                n = min(accelerate_tokens, windows[0].shape[1] - 1)
+                return [windows[0][:, : 1 + (n if limit is None else min(n, limit))]]
+            if limit is None:
+                return list(windows)
+            return [windows[0][:, : 1 + min(limit, windows[0].shape[1] - 1)]]
+
+        for w in range(warmup):
+            for config in configs:
+                run_row(config, windows_of(config, WARMUP_TOKENS))
+            if progress is not None:
+                progress(f"warm-up {w + 1}/{warmup} done")
+        for r in range(rounds):
+            k = r % len(configs)
+            for config in configs[k:] + configs[:k]:
+                results[config.name].append(run_row(config, windows_of(config)))
+            if progress is not None:
+                line = ", ".join(f"{n} {np.mean([t for w in results[n][-1] for t in w.ms]):.2f}" for n in names)
+                progress(f"round {r + 1}/{rounds}: ms/token {line}")
+    finally:
+        for name in _UNCALIBRATED_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
+        if shared is not None:
+            shared.close()
+        accelerated = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    model_info = describe_model(model)
+    resident_ms = [[w.ms for w in run] for run in results[RESIDENT]]
+    rows = []
+    for config in configs:
+        done = results[config.name]
+        ms = [[w.ms for w in run] for run in done]  # [round][window][position]
+        round_means = [float(np.mean([t for window in run for t in window])) for run in ms]
+        every = np.asarray([t for run in ms for window in run for t in window])
+        round_stats = [_round_stats(run) for run in done]
+        ratio = None
+        if config.name != RESIDENT:
+            mine, base = _matched_round_means(ms, resident_ms)
+            ratio = paired_summary(mine, base)
+        rows.append({
+            "configuration": config.name,
+            "kind": config.kind,
+            "policy": config.policy,
+            "residency": config.residency,
+            "capacity": capacity.get(config.name),
+            "routing": None if config.routing is None else config.routing.to_dict(),
+            "tokens_per_round": int(sum(len(w) for w in ms[0])),
+            "ms_per_token": summarize(round_means),
+            "p50_ms": float(np.percentile(every, 50)),
+            "p99_ms": float(np.percentile(every, 99)),
+            "ratio_to_resident": ratio,
+            "copies": _copies(config.kind, round_stats, model_info),
+            "memory": memory.get(config.name),
+            "rounds": [{"ms_per_token": mean, "ms": run, "stats": stats}
+                       for mean, run, stats in zip(round_means, ms, round_stats)],
+        })
+    return rows
+
+
+def compare_rows(rows: Sequence[Mapping[str, Any]], numerator: str, denominator: str) -> dict[str, Any] | None:
+    """:func:`paired_summary` of row ``numerator``'s per-round ms/token over row ``denominator``'s (on the tokens
+    both decoded); None if either row is missing."""
+    by_name = {row["configuration"]: row for row in rows}
+    if numerator not in by_name or denominator not in by_name:
+        return None
+    a = [[*r["ms"]] for r in by_name[numerator]["rounds"]]
+    b = [[*r["ms"]] for r in by_name[denominator]["rounds"]]
+    mine, base = _matched_round_means(a, b)
+    return {"numerator": numerator, "denominator": denominator, **paired_summary(mine, base)}
+
+
+def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """exact_lru / psr (how much longer exact routing with LRU takes than each PSR row, at the same capacity) and
+    accelerate / psr_lam0.3_n1 per capacity: the paper's direction, > 1 means PSR is faster."""
+    out = []
+    residencies = sorted({row["residency"] for row in rows if row["residency"] is not None}, reverse=True)
+    for residency in residencies:
+        suffix = capacity_suffix(residency)
+        for policy in POLICY_CONFIGS:
+            if policy.startswith("psr"):
+                c = compare_rows(rows, "exact_lru" + suffix, policy + suffix)
+                if c is not None:
+                    out.append(c)
+        c = compare_rows(rows, ACCELERATE, PSR_GOAL + suffix)
+        if c is not None:
+            out.append(c)
+    return out
+
+
+def evaluate_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's goals, each ``met`` / ``not met`` (on the point estimate of the paired ratio; ``ci95`` and
+    ``significant`` say whether the whole interval lies on the goal's side) or ``not measured``."""
+    goals = []
+
+    def goal(text: str, numerator: str, denominator: str, bound: float, op: str) -> None:
+        c = compare_rows(rows, numerator, denominator)
+        entry: dict[str, Any] = {"goal": text, "numerator": numerator, "denominator": denominator, "bound": bound,
+                                 "op": op, "status": "not measured", "ratio": None, "ci95": None, "p": None,
+                                 "significant": None}
+        if c is not None:
+            ok = c["ratio"] <= bound if op == "<=" else c["ratio"] >= bound if op == ">=" else c["ratio"] > bound
+            lo, hi = c["ci95"]
+            sure = (hi <= bound) if op == "<=" else (lo >= bound if op == ">=" else lo > bound)
+            entry.update(status="met" if ok else "not met", ratio=c["ratio"], ci95=c["ci95"], p=c["p"],
+                         significant=bool(sure) if math.isfinite(lo) and math.isfinite(hi) else None)
+        goals.append(entry)
+
+    for residency, bound in RESIDENT_GOALS.items():
+        name = PSR_GOAL + capacity_suffix(residency)
+        goal(f"{name} <= {bound:g}x resident", name, RESIDENT, bound, "<=")
+    for residency in RESIDENT_GOALS:
+        name = PSR_GOAL + capacity_suffix(residency)
+        goal(f"accelerate >= {ACCELERATE_GOAL:g}x {name}", ACCELERATE, name, ACCELERATE_GOAL, ">=")
+    residencies = sorted({row["residency"] for row in rows if row["residency"] is not None}, reverse=True)
+    for residency in residencies or list(RESIDENT_GOALS):
+        suffix = capacity_suffix(residency)
+        for policy in ("psr_lam0.2_n1", PSR_GOAL):
+            goal(f"{policy}{suffix} faster than exact_lru{suffix} (exact_lru / psr > 1)", "exact_lru" + suffix,
+                 policy + suffix, 1.0, ">")
+    return goals
+
+
+# ---------------------------------------------------------------------------------------------------- record
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Class, dtype, device, parameter count, MoE shape and the bytes of the routed experts of ``model``."""
+    config = model.config.get_text_config()
+    experts = experts_modules(model)
+    expert_bytes = sum(p.numel() * p.element_size() for name in experts
+                       for p in model.get_submodule(name).parameters())
+    param = next(model.parameters())
+    return {
+        "class": type(model).__name__,
+        "model_type": str(getattr(config, "model_type", "")),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "device": str(param.device),
+        "device_type": param.device.type,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "moe_layers": len(experts),
+        "num_experts": int(getattr(config, "num_experts", getattr(config, "n_routed_experts", 0)) or 0),
+        "top_k": int(getattr(config, "num_experts_per_tok", 0) or 0),
+        "expert_bytes": int(expert_bytes),
+        "experts_implementation": getattr(config, "_experts_implementation", None),
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    import psr_hf
+
+    out = {"psr_hf": psr_hf.__version__}
+    for package in ("torch", "transformers", "accelerate", "numpy", "scipy", "numba"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
+    weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.hf.bench_patch.TINY_SHAPE`, float32) or a model
+    directory (``AutoModelForCausalLM``, its own tokenizer). The random models use
+    :func:`psr_hf.hf.tiny.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
+    if model in (RANDOM_OLMOE, TINY):
+        from ..hf.tiny import byte_tokenizer
+
+        tiny = model == TINY
+        dtype = torch.float32 if tiny else torch.bfloat16
+        built = build_random_model(olmoe_1b_7b_config(**(TINY_SHAPE if tiny else {})), target, dtype, seed=seed)
+        return built, byte_tokenizer(), {
+            "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
+            "tokenizer": "byte-level, 256 ids (psr_hf.hf.tiny.byte_tokenizer)"}
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r} or a model directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm")
+    return loaded.to(target).eval(), tokenizer, {"name": str(path), "weights": "pretrained",
+                                                 "tokenizer": type(tokenizer).__name__}
+
+
+def run_bench(
+    *, model: str = RANDOM_OLMOE, device: str = "cuda:0", rounds: int = MIN_ROUNDS, windows: int = 2,
+    tokens: int = 128, capacities: Sequence[float] = DEFAULT_CAPACITIES, configs: Sequence[str] | None = None,
+    max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
+    calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
+    calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Load or build the model, cut the windows, calibrate, run :func:`bench_latency`; returns the JSON-ready
+    record: settings (the arguments), model, windows, calibration, machine, versions, results (one dict per row),
+    comparisons, goals.
+
+    ``texts``: text files to cut the windows from (default: :data:`WINDOW_MODULES`' sources). ``calibration``: a
+    saved :class:`psr_hf.Calibration`; otherwise :func:`psr_hf.calibrate` on ``calibration_tokens`` tokens of
+    :data:`CALIBRATION_MODULES`' sources. ``offload`` False runs the routed rows without offload (logical cache
+    only)."""
+    if rounds < MIN_ROUNDS:  # before building anything
+        raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
+                         f"t-test on log latency over rounds (the round, not the token, is the unit)")
+    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs)
+    if texts:
+        sources = []
+        for name in texts:
+            path = Path(name)
+            if not path.is_file():
+                raise ValueError(f"--text {name}: no such file")
+            sources.append((str(path), path.read_text(encoding="utf-8", errors="replace")))
+    else:
+        sources = module_sources(WINDOW_MODULES)
+    sources = sources[:windows]  # the texts windows are cut from (window i: text i % n; fewer windows, fewer texts)
+    if progress is not None:
+        progress(f"loading {model} on {device}")
+    net, tokenizer, description = load_model(model, device, seed=seed)
+    ids = text_windows([text for _, text in sources], tokenizer, windows=windows, tokens=tokens)
+    vocab = int(net.config.get_text_config().vocab_size)
+    if max(int(w.max()) for w in ids) >= vocab:
+        raise ValueError(f"token ids exceed the model's vocabulary ({vocab}): is the tokenizer the model's?")
+    calib = None
+    calibration_info: dict[str, Any]
+    if any(row.kind == "offload" for row in rows_wanted):
+        from ..policy.calibration import Calibration
+
+        if calibration is not None:
+            calib = Calibration.load(calibration)
+            calibration_info = {"file": str(calibration)}
+        else:
+            from ..hf.calibrate import calibrate
+
+            if progress is not None:
+                progress(f"calibrating on {calibration_tokens} tokens of {', '.join(CALIBRATION_MODULES)}")
+            calib = calibrate(net, [text for _, text in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
+                              max_length=512, batch_size=4, max_tokens=calibration_tokens, progress=False)
+            calibration_info = {"modules": list(CALIBRATION_MODULES), "tokens": calibration_tokens,
+                                "how": "psr_hf.calibrate (exact routing), windows of 512 tokens"}
+    else:
+        calibration_info = {"none": "no routed rows"}
+    device_used = next(net.parameters()).device
+    results = bench_latency(
+        net, ids, configs=rows_wanted, calibration=calib, rounds=rounds, warmup=warmup,
+        accelerate_tokens=accelerate_tokens, offload=offload, max_in_flight=max_in_flight,
+        copy_delay_ms=copy_delay_ms, progress=progress)
+    return {
+        "benchmark": "latency",
+        "settings": {
+            "model": model, "device": str(device_used), "rounds": rounds, "windows": windows, "tokens": tokens,
+            "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
+            "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
+            "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
+            "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1,
+            "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "
+                        "device synchronised after each; position 0 starts the sequence and is not timed",
+            "order": "every configuration once per round over the same windows, order rotated by one per round",
+            "statistics": "copy statistics over the decode positions (reset after position 0), token-weighted "
+                          "over the windows of a round, mean over rounds; ratios: paired t on per-round log "
+                          "ms/token (95% interval, two-sided p), on the tokens both rows decoded",
+        },
+        "model": {**description, **describe_model(net)},
+        "windows": {"sources": [path for path, _ in sources], "ids": [w[0].tolist() for w in ids],
+                    "rule": "window i: text i % n at token offset (i // n) * (tokens + 1), tokens + 1 ids"},
+        "calibration": calibration_info,
+        "machine": _machine(device_used),
+        "versions": _versions(),
+        "results": results,
+        "comparisons": comparisons(results),
+        "goals": evaluate_goals(results),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- text
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _capacity_label(row: Mapping[str, Any]) -> str:
+    if row["kind"] == "resident":
+        return "all"
+    if row["kind"] == "accelerate":
+        return "0 (CPU)"
+    slots = "" if row.get("capacity") is None else f" (C={row['capacity']})"
+    return f"{row['residency']:.0%}{slots}"
+
+
+def _ratio_text(r: Mapping[str, Any] | None) -> str:
+    if r is None:
+        return "1 (reference)"
+    lo, hi = r["ci95"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{r['ratio']:.2f}"
+    return f"{r['ratio']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def format_table(record: Mapping[str, Any]) -> str:
+    """The rows of a :func:`run_bench` record as a text table."""
+    from .._text import text_table
+
+    lines = []
+    for row in record["results"]:
+        c = row["copies"]
+        physical = c["source"] == "offload scheduler"
+        mb = c.get("bytes_per_token")
+        lines.append([
+            row["configuration"], _capacity_label(row), _fmt(row["ms_per_token"]["mean"]), _fmt(row["p99_ms"]),
+            _ratio_text(row["ratio_to_resident"]), _fmt(c.get("copies_per_token")), _fmt(c.get("demand_per_token")),
+            _fmt(c.get("prefetch_late_per_token")) if physical or row["kind"] != "offload" else "?",
+            _fmt(c.get("prefetch_in_time_per_token")) if physical or row["kind"] != "offload" else "?",
+            _fmt(c.get("prefetch_unused_per_token")) if physical or row["kind"] != "offload" else "?",
+            _fmt(None if mb is None else mb / 1e6, 1), _fmt(c.get("wait_ms_per_token"), 3),
+        ])
+    header = ["config", "capacity", "ms/token", "p99", "ratio to resident [95% CI]", "copies/tok", "demand",
+              "late", "in time", "unused", "MB/tok", "wait ms/tok"]
+    return text_table(lines, header)
+
+
+def report_lines(record: Mapping[str, Any]) -> list[str]:
+    """The lines ``psr-hf bench`` prints under the table: protocol, PSR comparisons, goals, model, machine."""
+    s, model, machine = record["settings"], record["model"], record["machine"]
+    rows = {row["configuration"]: row for row in record["results"]}
+    acc = rows.get(ACCELERATE)
+    lines = ["", f"teacher-forced batch-1 decode: {s['windows']} window(s) x {s['tokens']} timed positions, "
+                 f"{s['rounds']} interleaved rounds"
+                 + (f" (accelerate: the first {acc['tokens_per_round']} positions of window 1)" if acc else "")
+                 + "; ms/token: mean over rounds, p99 over every timed token",
+             ("ratios: paired over rounds (geometric mean of per-round ratios, 95% t-interval on the logs); copies "
+              "per decoded token over all MoE layers: demand (the layer waits for the whole copy), prefetch late "
+              "(still in flight when the layer needed it), in time, unused (never executed)")]
+    if any(row["kind"] == "offload" and row["copies"]["source"] != "offload scheduler" for row in rows.values()):
+        lines.append("? = not measured: routed rows ran without offload (logical cache only)")
+    if s["copy_delay_ms"]:
+        lines.append(f"copy delay: {s['copy_delay_ms']} ms added to every copy (emulated link)")
+    if record["comparisons"]:
+        lines.append("")
+        for c in record["comparisons"]:
+            p = "-" if c["p"] is None else (f"{c['p']:.3g}" if c["p"] >= 0.001 else "<0.001")
+            lines.append(f"{c['numerator']} / {c['denominator']}: {_ratio_text(c)} (p {p})")
+    lines.append("")
+    for g in record["goals"]:
+        detail = "" if g["ratio"] is None else f" (ratio {_ratio_text(g)}" + (
+            "" if g["significant"] is None else f", 95% interval {'inside' if g['significant'] else 'not inside'} "
+                                                f"the goal") + ")"
+        lines.append(f"goal {g['goal']}: {g['status']}{detail}")
+    n = model["parameters"]
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    lines.append("")
+    lines.append(f"model: {model['name']} ({model['class']}), {size} parameters, {model['dtype']}, "
+                 f"{model['moe_layers']} MoE layers x {model['num_experts']} experts, top-{model['top_k']}, experts "
+                 f"{model['expert_bytes'] / 1e6:.1f} MB, {model['weights']}")
+    calib = record["calibration"]
+    if "file" in calib:
+        lines.append(f"calibration: {calib['file']}")
+    elif "modules" in calib:
+        lines.append(f"calibration: {calib['tokens']} tokens of {', '.join(calib['modules'])} (windows: "
+                     f"{', '.join(Path(p).name for p in record['windows']['sources'])})")
+    lines.append(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}, "
+                 f"accelerate {record['versions']['accelerate']}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------- plot
+_CATEGORIES = (("demand_per_token", "demand", "#c0392b"), ("prefetch_late_per_token", "prefetch, late", "#e67e22"),
+               ("prefetch_in_time_per_token", "prefetch, in time", "#27ae60"),
+               ("prefetch_unused_per_token", "prefetch, unused", "#95a5a6"))
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot(record: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a PNG of a :func:`run_bench` record with two panels: (a) ms/token against copies per token, one point
+    per routed row (marker per capacity, colour per policy, bars: 95% interval of the mean), the resident row (and
+    accelerate's, if measured) as horizontal lines; (b) copies per token of each routed row stacked by kind (demand,
+    late, in-time and unused prefetch), with ms/token as dots on a second axis (the paper's Figure 4)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    rows = list(record["results"])
+    routed = [row for row in rows if row["kind"] == "offload"]
+    by_kind = {row["kind"]: row for row in rows if row["kind"] != "offload"}
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    ax_a, ax_b = fig.subplots(1, 2, width_ratios=[1, 1.35])
+    policies = list(dict.fromkeys(row["policy"] for row in routed))
+    residencies = list(dict.fromkeys(row["residency"] for row in routed))
+    colours = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    markers = {r: _MARKERS[i % len(_MARKERS)] for i, r in enumerate(residencies)}
+    for row in routed:
+        ms = row["ms_per_token"]
+        lo, hi = ms["ci95"]
+        err = [[ms["mean"] - lo], [hi - ms["mean"]]] if math.isfinite(lo) and math.isfinite(hi) else None
+        ax_a.errorbar(row["copies"].get("copies_per_token", float("nan")), ms["mean"], yerr=err,
+                      marker=markers[row["residency"]], color=colours[row["policy"]], linestyle="none", capsize=3,
+                      markersize=7)
+    resident = by_kind.get("resident")
+    if resident is not None:
+        ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
+                     label=f"resident (grouped_mm) {resident['ms_per_token']['mean']:.2f} ms")
+    accelerated = by_kind.get("accelerate")
+    if accelerated is not None:
+        ax_a.axhline(accelerated["ms_per_token"]["mean"], color="black", linestyle="--", linewidth=1,
+                     label=f"accelerate dispatch_model {accelerated['ms_per_token']['mean']:.1f} ms")
+        if resident is not None and accelerated["ms_per_token"]["mean"] > 20 * resident["ms_per_token"]["mean"]:
+            ax_a.set_yscale("log")
+    for p in policies:
+        ax_a.plot([], [], marker="o", color=colours[p], linestyle="none", label=p)
+    for r in residencies:
+        ax_a.plot([], [], marker=markers[r], color="grey", linestyle="none", label=f"{r:.0%} resident")
+    if ax_a.get_yscale() == "linear":
+        ax_a.set_ylim(bottom=0)
+    ax_a.set_xlim(left=0)
+    ax_a.set_xlabel("expert copies per token")
+    ax_a.set_ylabel("ms per token")
+    ax_a.set_title("(a) latency vs copies")
+    ax_a.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below: never on a point
+    ax_a.grid(alpha=0.3)
+
+    x = np.arange(len(routed), dtype=float)
+    physical = bool(routed) and all(row["copies"]["source"] == "offload scheduler" for row in routed)
+    if physical:
+        categories = _CATEGORIES
+    else:
+        categories = (("demand_per_token", "demand", "#c0392b"),
+                      ("prefetch_per_token", "prefetch (timing not measured)", "#7f8c8d"))
+    bottom = np.zeros(len(routed))
+    for key, label, colour in categories:
+        values = np.array([float(row["copies"].get(key) or 0.0) for row in routed])
+        ax_b.bar(x, values, bottom=bottom, color=colour, label=label, width=0.75)
+        bottom += values
+    ax_b.set_ylim(0, 1.45 * max(float(bottom.max(initial=0.0)), 1e-9))  # room for the legend above the bars
+    ax_b.set_xticks(x, [row["configuration"] for row in routed], rotation=60, ha="right", fontsize=8)
+    ax_b.set_ylabel("expert copies per token")
+    ax_b.set_title("(b) copies per token by kind; dots: ms/token")
+    twin = ax_b.twinx()
+    twin.plot(x, [row["ms_per_token"]["mean"] for row in routed], "o", color="black", label="ms/token")
+    if resident is not None:
+        twin.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=0.8, linestyle=":",
+                     label="resident ms/token")
+    twin.set_ylabel("ms per token")
+    highest = max([row["ms_per_token"]["mean"] for row in routed]
+                  + ([resident["ms_per_token"]["mean"]] if resident is not None else []), default=1.0)
+    twin.set_ylim(0, 1.45 * highest)
+    handles, labels = ax_b.get_legend_handles_labels()
+    more_h, more_l = twin.get_legend_handles_labels()
+    ax_b.legend(handles + more_h, labels + more_l, fontsize=8, loc="upper left", ncol=3)
+    model = record["model"]
+    fig.suptitle(f"psr-hf bench: {model['name']}, {record['machine']['device']}, {record['settings']['rounds']} rounds")
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    return path

@@ -1,0 +1,226 @@
+"""The offload latency benchmark (psr-hf bench) on a tiny CPU model: the decode path, the statistics and the record,
+never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from psr_hf import OffloadConfig, RoutingConfig, patch, unpatch
+from psr_hf.eval.latency import (
+    CALIBRATION_MODULES,
+    POLICY_CONFIGS,
+    WINDOW_MODULES,
+    accelerate_copy,
+    accelerate_device_map,
+    bench_latency,
+    compare_rows,
+    decode_window,
+    default_configs,
+    experts_modules,
+    paired_summary,
+    text_windows,
+)
+from psr_hf.hf.bench_patch import TINY_SHAPE, build_random_model, olmoe_1b_7b_config
+from psr_hf.hf.tiny import byte_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_random_model(olmoe_1b_7b_config(**TINY_SHAPE), device="cpu", dtype=torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def window():
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    return text_windows([text], byte_tokenizer(), windows=1, tokens=12)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- decode path
+def test_teacher_forced_decode_gives_the_full_sequence_logits(tiny_model, window):
+    run = decode_window(tiny_model, window, keep_logits=True)
+    with torch.no_grad():
+        full = tiny_model(input_ids=window).logits[0]  # [T + 1, V]
+    torch.testing.assert_close(run.logits, full, rtol=1e-4, atol=1e-5)
+    assert len(run.ms) == window.shape[1] - 1  # position 0 starts the sequence and is not timed
+    assert all(t > 0 for t in run.ms)
+    assert run.routing_stats is None and run.offload_stats is None  # an unpatched model has none
+
+
+def test_offloaded_exact_routing_decodes_the_resident_logits_and_counts_decode_positions_only(
+        tiny_model, window, quiet_psr_hf):
+    import copy
+
+    resident = decode_window(tiny_model, window, keep_logits=True)
+    offloaded = copy.deepcopy(tiny_model)
+    patch(offloaded, RoutingConfig(policy="exact", eviction="lru", budget=0, residency=0.25),
+          offload=OffloadConfig(device="cpu", pin_memory=False))
+    try:
+        run = decode_window(offloaded, window, keep_logits=True)
+    finally:
+        unpatch(offloaded)
+    torch.testing.assert_close(run.logits, resident.logits, rtol=1e-4, atol=1e-5)
+    T = window.shape[1] - 1
+    assert run.routing_stats["tokens"] == T
+    assert run.offload_stats["tokens"] == T
+    # exact routing at 25% residency of 16 experts (C = K = 4) must copy on most tokens; the warm set is copied
+    # at position 0, which the statistics leave out
+    assert run.offload_stats["demand_per_token"] > 0
+    assert run.offload_stats["demand_per_token"] == pytest.approx(run.routing_stats["demand_per_token"])
+    assert run.start_stats["offload"]["warm_copies"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+def test_paired_summary_equals_a_hand_computation():
+    values, baseline = [3.0, 4.0, 5.0], [2.0, 2.0, 2.0]
+    logs = [math.log(1.5), math.log(2.0), math.log(2.5)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    se = sd / math.sqrt(3)
+    t975 = 4.302652729911275  # Student t quantile, 2 degrees of freedom
+    t = mean / se
+    p = 1 - abs(t) / math.sqrt(2 + t * t)  # two-sided p of Student t with 2 degrees of freedom, closed form
+    got = paired_summary(values, baseline)
+    assert got["ratio"] == pytest.approx(math.exp(mean), rel=1e-12)
+    assert got["ci95"] == pytest.approx([math.exp(mean - t975 * se), math.exp(mean + t975 * se)], rel=1e-9)
+    assert got["p"] == pytest.approx(p, rel=1e-9)
+    assert got["rounds"] == pytest.approx([1.5, 2.0, 2.5])
+
+
+def test_ratio_of_rows_with_fewer_tokens_pairs_the_tokens_both_decoded():
+    # accelerate decodes the first positions of window 1 only: its ratio uses those positions of the other row
+    slow = {"configuration": "accelerate", "rounds": [{"ms": [[100.0, 110.0]]}, {"ms": [[90.0, 100.0]]},
+                                                       {"ms": [[120.0, 100.0]]}]}
+    fast = {"configuration": "psr", "rounds": [{"ms": [[2.0, 3.0, 50.0], [9.0]]}, {"ms": [[2.0, 2.0, 50.0], [9.0]]},
+                                               {"ms": [[4.0, 2.0, 50.0], [9.0]]}]}
+    got = compare_rows([slow, fast], "accelerate", "psr")
+    assert got["rounds"] == pytest.approx([105.0 / 2.5, 95.0 / 2.0, 110.0 / 3.0])
+    assert compare_rows([slow, fast], "accelerate", "missing") is None
+
+
+# ---------------------------------------------------------------------------------------------------- rows, text
+def test_rows_cover_every_policy_at_every_capacity_and_the_filter_keeps_the_resident_reference():
+    rows = default_configs((0.5, 0.25))
+    names = [row.name for row in rows]
+    assert names[:2] == ["resident", "accelerate"]
+    assert len(names) == 2 + 2 * len(POLICY_CONFIGS) and "psr_lam0.3_n1_res25" in names
+    psr = next(row for row in rows if row.name == "psr_lam0.3_n1_res50").routing
+    assert (psr.policy, psr.lam, psr.budget, psr.eviction, psr.residency) == ("psr", 0.3, 1, "score", 0.5)
+    kept = [row.name for row in default_configs((0.5, 0.25), accelerate=False, only=["psr_lam0.3_n1", "spec_res25"])]
+    assert kept == ["resident", "psr_lam0.3_n1_res50", "psr_lam0.3_n1_res25", "spec_res25"]
+    with pytest.raises(ValueError, match="unknown psr_lam9"):
+        default_configs(only=["psr_lam9"])
+
+
+def test_windows_are_deterministic_and_never_share_text_with_the_calibration():
+    assert not set(WINDOW_MODULES) & set(CALIBRATION_MODULES)
+    tokenizer = byte_tokenizer()
+    a = text_windows(["abcdefgh", "ABCDEFGH"], tokenizer, windows=3, tokens=2)
+    b = text_windows(["abcdefgh", "ABCDEFGH"], tokenizer, windows=3, tokens=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert [w.shape for w in a] == [(1, 3)] * 3
+    assert tokenizer.decode(a[2][0]) == "def"  # window 2: text 0 again, after window 0's 3 ids
+    with pytest.raises(ValueError, match="give fewer --windows or --tokens"):
+        text_windows(["short"], tokenizer, windows=1, tokens=10)
+
+
+def test_accelerate_device_map_puts_exactly_the_experts_on_the_cpu(tiny_model):
+    device_map = accelerate_device_map(tiny_model, "cuda:0")  # building the map needs no GPU
+    experts = experts_modules(tiny_model)
+    assert len(experts) == TINY_SHAPE["num_hidden_layers"]
+    assert {name for name, where in device_map.items() if where == "cpu"} == set(experts)
+    assert set(device_map.values()) == {"cpu", "cuda:0"}
+    keys = list(device_map)
+    assert not any(a != b and b.startswith(a + ".") for a in keys for b in keys)  # flat: no key contains another
+    for name, _ in [*tiny_model.named_parameters(), *tiny_model.named_buffers()]:
+        assert sum(name == key or name.startswith(key + ".") for key in keys) == 1, name
+
+
+def test_accelerate_copy_on_the_cpu_runs_behind_hooks_and_computes_the_same_logits(tiny_model, window):
+    # with the main device cpu nothing crosses a link (the row only pays for accelerate's hooks); on a GPU the same
+    # code streams the experts from host memory at every forward
+    dispatched = accelerate_copy(tiny_model, "cpu")
+    assert all(hasattr(dispatched.get_submodule(name), "_hf_hook") for name in experts_modules(dispatched))
+    run = decode_window(dispatched, window, keep_logits=True)
+    with torch.no_grad():
+        full = tiny_model(input_ids=window).logits[0]
+    torch.testing.assert_close(run.logits, full, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- rounds
+def test_fewer_than_three_rounds_are_rejected_with_the_reason(tiny_model, window, capsys):
+    with pytest.raises(ValueError, match="at least 3 rounds"):
+        bench_latency(tiny_model, [window], configs=default_configs(accelerate=False, only=[]), rounds=2)
+    from psr_hf.cli import main
+
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "psr-hf bench: error: rounds=2: at least 3 rounds" in err and "paired t-test" in err
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def test_cli_bench_tiny_writes_a_record_a_table_and_a_plot(tmp_path, capsys, quiet_psr_hf):
+    from psr_hf.cli import main
+
+    record_path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    tokens, rounds = 8, 3
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", str(rounds), "--windows", "1",
+                 "--tokens", str(tokens), "--calibration-tokens", "512", "--json", str(record_path),
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for text in ("ratio to resident [95% CI]", "psr_lam0.3_n1_res25", "accelerate", "goal psr_lam0.3_n1_res50",
+                 "exact_lru_res50 / psr_lam0.3_n1_res50"):
+        assert text in out
+    record = json.loads(record_path.read_text())
+    assert record["benchmark"] == "latency" and record["settings"]["rounds"] == rounds
+    assert record["machine"]["device_type"] == "cpu" and record["versions"]["accelerate"] != "not installed"
+    assert len(record["windows"]["ids"]) == 1 and len(record["windows"]["ids"][0]) == tokens + 1
+    rows = {row["configuration"]: row for row in record["results"]}
+    assert list(rows) == [row.name for row in default_configs((0.5, 0.25))]
+    model = record["model"]
+    expert_bytes = model["expert_bytes"] / (model["moe_layers"] * model["num_experts"])
+    for name, row in rows.items():
+        assert len(row["rounds"]) == rounds
+        expected_tokens = tokens if name != "accelerate" else min(8, tokens)
+        assert row["tokens_per_round"] == expected_tokens
+        for r in row["rounds"]:
+            assert math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0
+            assert all(t > 0 for window_ms in r["ms"] for t in window_ms)
+        assert 0 < row["p50_ms"] <= row["p99_ms"] and row["ms_per_token"]["mean"] > 0
+        ratio = row["ratio_to_resident"]
+        if name == "resident":
+            assert ratio is None
+            assert row["copies"]["copies_per_token"] == 0 and row["copies"]["bytes_per_token"] == 0
+            continue
+        assert math.isfinite(ratio["ratio"]) and ratio["ratio"] > 0 and len(ratio["rounds"]) == rounds
+        assert ratio["ci95"][0] <= ratio["ratio"] <= ratio["ci95"][1]
+        if row["kind"] != "offload":
+            continue
+        c = row["copies"]
+        assert c["source"] == "offload scheduler"
+        parts = c["prefetch_in_time_per_token"] + c["prefetch_late_per_token"] + c["prefetch_unused_per_token"]
+        assert parts <= c["prefetch_per_token"] + 1e-9, name
+        assert c["copies_per_token"] == pytest.approx(
+            c["demand_per_token"] + c["prefetch_per_token"] - c["dropped_per_token"]), name
+        assert c["bytes_per_token"] == pytest.approx(c["copies_per_token"] * expert_bytes), name
+        assert c["wait_ms_per_token"] >= 0
+        assert row["capacity"] == round(row["residency"] * TINY_SHAPE["num_experts"])
+        assert row["memory"] is not None
+        for r in row["rounds"]:
+            assert r["stats"]["tokens"] == tokens  # decode positions only: position 0 left out
+    assert rows["exact_lru_res25"]["copies"]["demand_per_token"] > 0  # C = K = 4: exact routing must copy
+    assert {g["status"] for g in record["goals"]} <= {"met", "not met"}  # every row ran: every goal measured
+    names = {(c["numerator"], c["denominator"]) for c in record["comparisons"]}
+    assert ("exact_lru_res25", "psr_lam0.2_n1_res25") in names and ("accelerate", "psr_lam0.3_n1_res50") in names
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+    again = tmp_path / "again.png"
+    assert main(["bench-plot", str(record_path), "--out", str(again)]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.isclose(again.stat().st_size, png.stat().st_size, rtol=0.05)
