@@ -87,7 +87,7 @@ PSR_GOAL = "psr_lam0.3_n1"
 RESIDENT_GOALS = {0.5: 1.15, 0.25: 1.3}
 ACCELERATE_GOAL = 50.0
 
-WARMUP_TOKENS = 4  # positions of the first window decoded untimed per row and warm-up round
+WARMUP_TOKENS = 16  # positions of the first window each warm-up round decodes per configuration
 
 # per-token keys of the copy statistics (the Controller's logical totals and the offload scheduler's physical ones)
 ROUTING_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "replaced_per_token",
