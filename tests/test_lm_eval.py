@@ -351,7 +351,7 @@ def test_offloaded_experts_give_the_same_samples_and_report_their_copies(lm_eval
     offloaded = _model(lm_eval_api, tiny, 4, **ROUTING, calibration=tiny["calibration"], offload="cpu",
                        max_in_flight=1)
     assert psr_hf.controller(offloaded.model).memory().capacity == psr_hf.controller(plain.model).capacity
-    # prompts whose experts exceed the slots run in chunks of positions: equal to rounding
+    # prompts whose experts exceed the slots run in groups of experts: equal to rounding
     _assert_same_responses(evaluate(plain), evaluate(offloaded), rel=1e-5)
     stats, reference = offloaded.routing_stats(), plain.routing_stats()["stats"]
     # the same decisions (the displaced mass is computed from the scores, equal to rounding)

@@ -72,8 +72,8 @@ def test_offloaded_outputs_equal_the_patched_model(family):
     off_tokens, off_steps, _, off_stats = _run(model, config, offload, one, new=12)
     assert torch.equal(off_tokens, tokens) and torch.equal(off_steps, steps)
     assert off_stats.total == stats.total  # the same decisions, copy for logical copy
-    # a 6-token prompt's experts exceed the 8 slots of a layer: the layer runs in chunks of positions, equal to
-    # rounding (a grouped matmul over fewer rows may round differently), and the same tokens
+    # a 6-token prompt's experts exceed the 8 slots of a layer: the layer runs its experts in groups of 8 and adds
+    # the groups' outputs, equal to rounding (the sum over an expert's top-K is split), and the same tokens
     ids = _ids(2, 1, 6)
     tokens, steps, prompt, _ = _run(model, config, None, ids)
     off_tokens, off_steps, off_prompt, _ = _run(model, config, offload, ids)
@@ -103,7 +103,7 @@ def test_every_policy_executes_the_right_experts_from_its_slots(name):
 
 def test_a_block_that_fits_in_the_slots_is_bitwise_the_patched_model():
     model = tiny_model("olmoe")
-    config = RoutingConfig(policy="psr", residency=1.0)  # 16 slots of 16 experts: one chunk
+    config = RoutingConfig(policy="psr", residency=1.0)  # 16 slots of 16 experts: one group
     ids = _ids(4, 2, 9)
     ref = _run(model, config, None, ids, new=4)
     got = _run(model, config, OffloadConfig(device="cpu"), ids, new=4)
@@ -388,3 +388,22 @@ def test_reconfigure_from_a_policy_without_prefetch_to_one_with_it():
             assert off.prefetch_in_time + off.prefetch_late + off.prefetch_unused <= off.prefetch - off.dropped
     finally:
         psr_hf.unpatch(model)
+
+
+def test_a_long_prompt_copies_each_expert_at_most_once_per_layer():
+    """A block whose experts exceed the slots runs them in groups of C: no expert is copied twice for one block
+    (chunks of positions would reload the same experts again and again)."""
+    model = tiny_model("olmoe")
+    config = RoutingConfig(policy="exact", residency=0.25)  # 4 slots, top-4 of 16 experts
+    ids = _ids(12, 1, 64)
+    ref = _run(model, config, None, ids, new=1)
+    psr_hf.patch(model, config, offload=OffloadConfig(device="cpu", check_slots=True))
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+        off = psr_hf.controller(model).stats().offload
+        L, E = psr_hf.controller(model).num_layers, psr_hf.controller(model).num_experts
+    finally:
+        psr_hf.unpatch(model)
+    torch.testing.assert_close(logits, ref[2], rtol=1e-5, atol=1e-5)
+    assert off.demand <= L * E and off.demand + off.warm > L * 4  # each expert at most once, and more than the slots

@@ -61,7 +61,7 @@ def test_greedy_tokens_do_not_depend_on_copy_timing(family):
     # the delayed runs waited longer for their copies than the undelayed ones
     assert runs[4][1].offload.wait_ms > runs[0][1].offload.wait_ms
     # against the non-offloaded patched model on the GPU: decoding from a one-token prompt gives the same tokens;
-    # prompts whose experts exceed the slots run in chunks of positions, which round differently in bf16 (so only
+    # prompts whose experts exceed the slots run in groups of experts, whose sum rounds differently in bf16 (so only
     # the first step's logits are compared, to bf16 precision)
     model.cuda()
     with psr_hf.patched(model, CONFIG):

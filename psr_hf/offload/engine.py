@@ -216,8 +216,8 @@ class OffloadEngine:
 
     def route(self, layer: int, plan: Any, chosen: np.ndarray, mirror: bool, resident: np.ndarray | None) -> None:
         """A layer's selection is known: ``chosen`` [N, K] host experts per flattened position (what the layer
-        executes). ``mirror``: one row, one real position (the slots follow ``plan`` exactly); else a block, run in
-        chunks, after which the slots move toward ``resident`` ([E] bool, the row's logical cache; None with
+        executes). ``mirror``: one row, one real position (the slots follow ``plan`` exactly); else a block, run
+        in groups of at most C experts, after which the slots move toward ``resident`` ([E] bool, the row's logical cache; None with
         several rows)."""
         if mirror:
             self.scheduler.decode_select(layer, plan, chosen[0].copy(), resident)
@@ -242,38 +242,53 @@ class OffloadEngine:
             chosen, target = top_k_index.detach().to("cpu").numpy().astype(np.int64), None
         else:
             chosen, target = pending
-        parts = []
-        for start, stop in sched.chunks(chosen):
-            sched.load(layer, np.unique(chosen[start:stop]), target)
+        groups = sched.groups(layer, np.unique(chosen))
+        out = None
+        for group in groups:
+            sched.load(layer, group, target)
             sched.wait(layer)
-            parts.append(self._compute(layer, hidden[start:stop], top_k_index[start:stop],
-                                       top_k_weights[start:stop], upload_async=False))
+            if len(groups) == 1:
+                out = self._compute(layer, hidden, top_k_index, top_k_weights, upload_async=False)
+            else:  # this group's (position, k) pairs with their weights, the others with weight 0
+                part = self._compute(layer, hidden, top_k_index, top_k_weights, upload_async=False, group=group)
+                out = part if out is None else out + part
         if target is not None:
             sched.reconcile(layer, target)
         sched.pump()
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out
 
     def _compute(self, layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                 upload_async: bool) -> torch.Tensor:
-        slot_map = self.scheduler.layers[layer].expert_slot
+                 upload_async: bool, group: np.ndarray | None = None) -> torch.Tensor:
+        """The model's experts implementation on the slot buffers. ``group``: only the pairs whose expert is in it
+        count (the others run on a slot of the group with weight 0, which adds exact zeros)."""
+        st = self.scheduler.layers[layer]
+        slot_map = st.expert_slot if group is None else st.expert_slot.copy()
         if self.config.check_slots:
-            self._check(layer, index)
+            self._check(layer, index if group is None else torch.from_numpy(group))
+        if group is not None:
+            outside = np.ones(self.num_experts, dtype=bool)
+            outside[group] = False
+            slot_map[outside] = self.capacity + slot_map[group[0]]  # >= C: outside the group
         if self.device.type == "cuda":
-            device_map = self._map_device[layer]
-            if upload_async:
-                if self.scheduler.layers[layer].dirty:
+            if upload_async:  # decoding: the layer's persistent device map, uploaded when the slots changed
+                device_map = self._map_device[layer]
+                if st.dirty:
                     # two pinned buffers per layer, used in turn: one is rewritten only after the other's upload,
                     # and every decode step synchronises with the device in between
                     turn = self._map_turn[layer] = 1 - self._map_turn[layer]
                     staging = self._map_host[layer][turn]
-                    staging.numpy()[:] = self.scheduler.slot_map(layer)
+                    staging.numpy()[:] = slot_map
                     device_map.copy_(staging, non_blocking=True)
-            else:  # a chunk of a block: the map changes between chunks, so copy it synchronously
-                self.scheduler.slot_map(layer)
-                device_map = torch.from_numpy(slot_map.copy()).to(self.device)
+                    st.dirty = False
+            else:  # a block: the map changes between groups, so copy it synchronously (the persistent one stays)
+                device_map = torch.from_numpy(np.ascontiguousarray(slot_map)).to(self.device)
             slots = device_map[index]
         else:
             slots = torch.from_numpy(slot_map.copy())[index]
+        if group is not None:
+            inside = slots < self.capacity
+            weights = weights * inside.to(weights.dtype)
+            slots = torch.where(inside, slots, slots - self.capacity)
         out = self._inner[layer](self._proxies[layer], hidden, slots, weights)
         self.link.read_done(layer)
         return out

@@ -15,9 +15,9 @@ Nothing here is read by the policy: which slot an expert occupies and when its c
 
 With one batch row and one position (decoding) the slots mirror the row's logical cache exactly. Blocks of
 positions (a prompt) and batches of several rows (each row has its own logical cache, but the layer has one set of
-slots) run through :meth:`SlotScheduler.block`: the experts the block executes are loaded on demand, in chunks of
-consecutive positions whose experts fit in ``C`` slots; afterwards a single row's slots are brought back in line
-with its logical cache by prefetches.
+slots) load the experts the block executes on demand, in groups of at most ``C`` (:meth:`SlotScheduler.groups`),
+so each expert is copied at most once per block; afterwards a single row's slots are brought back in line with its
+logical cache by prefetches (:meth:`SlotScheduler.reconcile`).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class _Layer:
     expert_slot: np.ndarray  # [E] slot of each expert (-1: none)
     jobs: list  # [C] latest Copy of each slot (None: never copied)
     last_use: np.ndarray  # [C] clock of the slot's latest execution
-    dirty: bool = True  # the device copy of expert_slot is stale
+    dirty: bool = True  # the engine's device copy of expert_slot is stale
     pending: list = field(default_factory=list)  # Copies this layer must wait for before it computes
 
 
@@ -378,25 +378,17 @@ class SlotScheduler:
             for i in range(count):
                 self.insert(layer, int(experts[i]), int(evicted[i]), PREFETCH, resident)
 
-    def chunks(self, chosen: np.ndarray) -> list[tuple[int, int]]:
-        """Consecutive position ranges of ``chosen`` ([N, K]) whose experts fit in the slots, greedily."""
-        N = chosen.shape[0]
-        seen = np.zeros(self.num_experts, dtype=bool)
-        ranges, start, count = [], 0, 0
-        for p in range(N):
-            new = np.unique(chosen[p][~seen[chosen[p]]])
-            if count + new.size > self.capacity:
-                ranges.append((start, p))
-                seen[:] = False
-                start, new = p, np.unique(chosen[p])
-                count = 0
-            seen[new] = True
-            count += new.size
-        ranges.append((start, N))
-        return ranges
+    def groups(self, layer: int, experts: np.ndarray) -> list[np.ndarray]:
+        """``experts`` (distinct) in groups of at most C for one block: the ones already in a slot first (they cost
+        no copy), then the rest in ascending order. One group when they all fit."""
+        if experts.size <= self.capacity:
+            return [experts]
+        held = self.layers[layer].expert_slot[experts] >= 0
+        ordered = np.concatenate([experts[held], experts[~held]])
+        return [ordered[i : i + self.capacity] for i in range(0, ordered.size, self.capacity)]
 
     def load(self, layer: int, experts: np.ndarray, target: np.ndarray | None) -> None:
-        """Make ``experts`` (distinct, at most C) present for one chunk of a block; loads avoid the experts of
+        """Make ``experts`` (distinct, at most C) present for one group of a block; loads avoid the experts of
         ``target`` ([E] bool, the logical cache the slots should end up mirroring; None: plain LRU)."""
         protect = np.zeros(self.num_experts, dtype=bool)
         protect[experts] = True
@@ -407,12 +399,6 @@ class SlotScheduler:
         st = self.layers[layer]
         for e in np.flatnonzero(target & (st.expert_slot < 0)):
             self._assign(layer, int(e), self._victim(layer, None, target), PREFETCH)
-
-    def slot_map(self, layer: int) -> np.ndarray:
-        """[E] int64 slot of each expert of ``layer`` now (-1: none); marks it uploaded."""
-        st = self.layers[layer]
-        st.dirty = False
-        return st.expert_slot
 
     def stats(self) -> dict[str, float]:
         """Totals since :meth:`reset_counters` (waits on the copies in flight to read the wait times)."""
