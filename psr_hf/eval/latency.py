@@ -244,13 +244,14 @@ def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.de
 
 # ---------------------------------------------------------------------------------------------------- text windows
 def module_sources(modules: Sequence[str]) -> list[tuple[str, str]]:
-    """``(path, text)`` of each standard-library module's source file (``inspect.getsourcefile``)."""
+    """``(label, text)`` of each standard-library module's source file (``inspect.getsourcefile``); the label is
+    ``stdlib:<module>`` (records name the module, not a path on the machine)."""
     out = []
     for name in modules:
         path = inspect.getsourcefile(importlib.import_module(name))
         if path is None:
             raise ValueError(f"module {name!r} has no source file to read")
-        out.append((path, Path(path).read_text(encoding="utf-8")))
+        out.append((f"stdlib:{name}", Path(path).read_text(encoding="utf-8")))
     return out
 
 

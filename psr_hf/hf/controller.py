@@ -207,6 +207,7 @@ class Controller:
         self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
         self._flags = np.zeros(1, dtype=np.uint8)
         self._devices = [layer.router.weight.device for layer in layers]
+        self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
         self._mass_bias = [np.zeros(0) if b is None else b
                            for b in (family.mass_bias(layer.router) for layer in layers)]
         self._configure(config, calibration)
@@ -584,7 +585,8 @@ class Controller:
         chosen, chosen_dev_view = self._staging(N, device)
         flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
         count = _finish_layer(plan.plan.reshape(N, -1), K, plan.replaced_column, z_host.reshape(N, -1),
-                              self.family.router_mass, self._mass_bias[layer], self._displaced[layer], fwd.positions,
+                              self._all_valid if fwd.valid is None else fwd.valid.reshape(N),
+                              int(self.offload is not None), self.family.router_mass, self._mass_bias[layer], self._displaced[layer], fwd.positions,
                               chosen, flags)
         if self.offload is not None:
             mirror = self._mirrors()

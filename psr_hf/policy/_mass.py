@@ -100,11 +100,14 @@ def boundary_ties(z: np.ndarray, top_k: int, flags: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _finish_layer(plan, K, replaced_col, z, mode, bias, displaced, positions, chosen, flags):  # pragma: no cover
+def _finish_layer(plan, K, replaced_col, z, valid, pad_ties, mode, bias, displaced, positions, chosen,
+                  flags):  # pragma: no cover
     """Everything the HF controller does with one layer's plan, in one compiled call.
 
     ``plan`` [N, W] int64 (selected experts in columns 0..K-1, replaced count in ``replaced_col``), ``z`` [N, E]
-    float32 scores. Writes ``chosen`` [N, K] int64 (the
+    float32 scores, ``valid`` [N] uint8 (empty: every position real), ``pad_ties``: 1 to treat a padded position
+    whose own top-K ties at the boundary like a real one (the offload loads exactly the plan's experts), 0 to let
+    padding run the router's own outputs (torch's pick among the tied; the unpatched model's logits there). Writes ``chosen`` [N, K] int64 (the
     selected experts) and ``flags`` [N] uint8: 1 where the layer must run the selection explicitly (a replaced
     router slot, or a tie across the router's own top-K boundary); adds each replaced
     position's displaced fraction of the router's own top-K weight to ``displaced[p // positions]`` (its row).
@@ -113,14 +116,20 @@ def _finish_layer(plan, K, replaced_col, z, mode, bias, displaced, positions, ch
     for p in range(N):
         for k in range(K):
             chosen[p, k] = plan[p, k]
-        flags[p] = 1 if plan[p, replaced_col] > 0 else 0
-    # a tie across the own top-K boundary, padding included: torch's pick is arbitrary, the plan's is the spec's
-    # (ties to the lower index), and an offloaded layer has loaded exactly the plan's experts
+        if plan[p, replaced_col] > 0:
+            flags[p] = 1
+        elif valid.shape[0] and valid[p] == 0 and pad_ties == 0:
+            flags[p] = 2  # padding runs the router's own outputs
+        else:
+            flags[p] = 0
+    # a tie across the own top-K boundary: torch's pick is arbitrary, the plan's is the spec's (lower index)
     _boundary_ties(z, K, flags)
     one = np.empty(1, dtype=np.int64)
     out = np.empty(1, dtype=np.float64)
     count = 0
     for p in range(N):
+        if flags[p] == 2:
+            flags[p] = 0
         count += flags[p]
         if plan[p, replaced_col] > 0:
             one[0] = p
