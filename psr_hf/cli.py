@@ -154,6 +154,39 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- kl
+def cmd_kl(args: argparse.Namespace) -> int:
+    from .eval.divergence import divergence, format_rows, sweep_configs
+    from .eval.latency import WINDOW_MODULES, load_model, module_sources, text_windows
+    from .policy.calibration import Calibration
+
+    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [t for _, t in module_sources(WINDOW_MODULES)]
+    windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
+    residencies = [float(r) for r in args.residencies.split(",") if r.strip()]
+    lams = [float(x) for x in args.lams.split(",") if x.strip()]
+    if args.calibration:
+        calibration, calibrated_on = Calibration.load(args.calibration), args.calibration
+    else:  # never on the windows' text: other standard-library modules
+        from .hf.calibrate import calibrate
+        from .eval.latency import CALIBRATION_MODULES
+
+        calibration = calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
+                                max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=False)
+        calibrated_on = f"{args.calibration_tokens} tokens of stdlib {', '.join(CALIBRATION_MODULES)}"
+    print(f"psr-hf kl: {info['name']}, {len(windows)} window(s) x {args.tokens + 1} tokens, excess NLL over exact "
+          f"routing (nats per token; 95% interval over windows); calibration: {calibrated_on}")
+    rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget), calibration=calibration)
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": info, "windows": len(windows), "tokens": args.tokens,
+                                               "texts": args.text or [f"stdlib:{m}" for m in WINDOW_MODULES],
+                                               "calibration": calibrated_on,
+                                               "rows": [r.to_dict() for r in rows]}, indent=2))
+        print(f"JSON record: {args.json}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- compare
 def cmd_compare(args: argparse.Namespace) -> int:
     from .eval.compare import compare_runs, load_run, parse_run_argument
@@ -281,6 +314,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("record", help="JSON record written by psr-hf bench --json")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.set_defaults(func=cmd_bench_plot)
+
+    p = sub.add_parser("kl", help="excess NLL over exact routing (a KL diagnostic) and copies per token of exact+LRU, "
+                                  "cache_prior and psr over a lam grid at each residency, on text windows")
+    p.add_argument("--model", default="tiny", help="tiny (random, CPU-sized), random-olmoe-1b-7b or a model directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="text to cut windows from (repeatable; default: standard-library sources)")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per window after the first (default 256)")
+    p.add_argument("--residencies", default="0.5,0.25")
+    p.add_argument("--lams", default="0.1,0.2,0.3")
+    p.add_argument("--budget", type=int, default=1, help="psr's budget (default 1)")
+    p.add_argument("--calibration", help="a saved calibration (.safetensors) of this model (default: calibrate on "
+                                         "standard-library modules other than the default windows')")
+    p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random models' weights")
+    p.add_argument("--json", help="write the JSON record here")
+    p.set_defaults(func=cmd_kl)
 
     p = sub.add_parser("compare", help="paired comparison of lm-eval --log_samples runs with a reference: points, "
                                        "McNemar, Holm (the paper's Tables 3-4)")

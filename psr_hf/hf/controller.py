@@ -138,7 +138,7 @@ class Recorder:
             self._layers.clear()
             return
         B, S = fwd.rows, fwd.positions
-        L, E = ctl.num_layers, ctl.num_experts
+        L = ctl.num_layers
         z = np.stack([self._layers[layer][0] for layer in range(L)], axis=2)  # [B, S, L, E]
         g = np.zeros_like(z)
         for layer in range(L):

@@ -1,0 +1,145 @@
+"""How far a routing configuration moves a model from exact routing: excess NLL on text windows, with copies.
+
+For each window the model scores every next token twice: unpatched (exact routing: bitwise the model's own
+routers) and patched with the configuration, in one teacher-forced forward pass, in which every position goes
+through the logical cache in order. The **excess NLL** is the mean over the window's predicted tokens of
+``NLL(config) - NLL(exact)`` in nats. On text sampled from the exact model it estimates the KL divergence from
+exact routing (the paper's *selfgen* diagnostic, Section 6.1); on held-out text it is the same quantity under the
+text's distribution. Reported per configuration: the mean over windows with a 95% t-interval (windows are the
+unit), the excess perplexity ``exp(excess) - 1``, and the routing statistics over the same tokens (logical copies
+per token, demand and prefetch, replaced router slots, displaced router mass).
+
+The library logs; ``psr-hf kl`` prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..hf.patching import controller, patch, unpatch
+from ..policy.config import RoutingConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DivergenceRow:
+    """One configuration's distance from exact routing over the same windows."""
+
+    name: str
+    routing: dict[str, Any]
+    capacity: int
+    windows: int
+    tokens: int
+    nll: float  # mean NLL per predicted token under this configuration (nats)
+    excess_nll: float  # mean over windows of the per-token NLL difference to exact routing (nats)
+    excess_nll_ci95: tuple[float, float]
+    excess_ppl_pct: float  # 100 * (exp(excess_nll) - 1)
+    copies_per_token: float
+    demand_per_token: float
+    prefetch_per_token: float
+    replaced_per_token: float
+    displaced_mass: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
+    """``[T - 1]`` NLL (nats, float64) of tokens 1.. of ``ids`` ``[1, T]`` given the ones before."""
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].double()  # [T-1, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    return (-logp.gather(1, ids[0, 1:, None].to(logp.device))[:, 0]).cpu().numpy()
+
+
+def _ci95(values: np.ndarray) -> tuple[float, float]:
+    from scipy import stats
+
+    mean = float(values.mean())
+    if values.size < 2:
+        return (math.nan, math.nan)
+    half = float(stats.t.ppf(0.975, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
+    return (mean - half, mean + half)
+
+
+def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs: Mapping[str, RoutingConfig],
+               calibration: Any = None, offload: Any = None) -> list[DivergenceRow]:
+    """Excess NLL over exact routing and routing statistics of each configuration on ``windows``.
+
+    Args:
+        model: an unpatched transformers MoE model of a supported family.
+        windows: token ids ``[1, T]`` (or ``[T]``) each, T >= 2; one new sequence per window.
+        configs: name -> :class:`RoutingConfig`; each is patched in turn (and unpatched after).
+        calibration: passed to :func:`psr_hf.patch`.
+        offload: passed to :func:`psr_hf.patch` (outputs do not depend on it).
+    Returns one :class:`DivergenceRow` per configuration, in ``configs`` order.
+    """
+    if getattr(model, "_psr_hf_controller", None) is not None:
+        raise ValueError("divergence() needs the unpatched model (its own routers are the exact reference)")
+    if not windows:
+        raise ValueError("no windows to score")
+    device = next(model.parameters()).device
+    ids = []
+    for w in windows:
+        w = torch.as_tensor(w)
+        w = w[None] if w.ndim == 1 else w
+        if w.ndim != 2 or w.shape[0] != 1 or w.shape[1] < 2:
+            raise ValueError(f"each window must be token ids [1, T] with T >= 2, got shape {tuple(w.shape)}")
+        ids.append(w.to(device))
+    model.eval()
+    exact = [_token_nll(model, w) for w in ids]
+    rows = []
+    for name, config in configs.items():
+        patch(model, config, calibration=calibration, offload=offload)
+        try:
+            ctl = controller(model)
+            nll = [_token_nll(model, w) for w in ids]
+            stats = ctl.stats().total
+            capacity = ctl.capacity
+        finally:
+            unpatch(model)
+        excess = np.array([float((a - b).mean()) for a, b in zip(nll, exact)])
+        tokens = int(sum(a.size for a in nll))
+        mean_excess = float(excess.mean())
+        rows.append(DivergenceRow(
+            name=name, routing=config.to_dict(), capacity=capacity, windows=len(ids), tokens=tokens,
+            nll=float(np.concatenate(nll).mean()), excess_nll=mean_excess, excess_nll_ci95=_ci95(excess),
+            excess_ppl_pct=100.0 * math.expm1(mean_excess), copies_per_token=stats["copies_per_token"],
+            demand_per_token=stats["demand_per_token"], prefetch_per_token=stats["prefetch_per_token"],
+            replaced_per_token=stats["replaced_per_token"], displaced_mass=stats["displaced_mass"],
+        ))
+        logger.info("divergence %s: excess NLL %.4f nats/token, %.2f copies/token", name, mean_excess,
+                    stats["copies_per_token"])
+    return rows
+
+
+def sweep_configs(residencies: Sequence[float] = (0.5, 0.25), lams: Sequence[float] = (0.1, 0.2, 0.3),
+                  budget: int = 1) -> dict[str, RoutingConfig]:
+    """The issue's grid: exact+LRU, and cache_prior and psr (``budget``) for each lam, at each residency."""
+    out: dict[str, RoutingConfig] = {}
+    for r in residencies:
+        suffix = f"res{100 * r:g}"
+        out[f"exact_lru_{suffix}"] = RoutingConfig(policy="exact", eviction="lru", budget=0, residency=r)
+        for lam in lams:
+            out[f"cp_lam{lam:g}_{suffix}"] = RoutingConfig(policy="cache_prior", lam=lam, residency=r)
+            out[f"psr_lam{lam:g}_n{budget}_{suffix}"] = RoutingConfig(policy="psr", lam=lam, budget=budget, residency=r)
+    return out
+
+
+def format_rows(rows: Sequence[DivergenceRow]) -> str:
+    """A text table of :func:`divergence` rows."""
+    from .._text import text_table
+
+    header = ["configuration", "C", "excess NLL [95% CI]", "excess ppl %", "copies/tok", "demand", "prefetch",
+              "replaced", "displaced mass"]
+    body = [[r.name, str(r.capacity), f"{r.excess_nll:.4f} [{r.excess_nll_ci95[0]:.4f}, {r.excess_nll_ci95[1]:.4f}]",
+             f"{r.excess_ppl_pct:.2f}", f"{r.copies_per_token:.2f}", f"{r.demand_per_token:.2f}",
+             f"{r.prefetch_per_token:.2f}", f"{r.replaced_per_token:.2f}", f"{r.displaced_mass:.4f}"] for r in rows]
+    return text_table(body, header)
