@@ -407,3 +407,15 @@ def test_a_long_prompt_copies_each_expert_at_most_once_per_layer():
         psr_hf.unpatch(model)
     torch.testing.assert_close(logits, ref[2], rtol=1e-5, atol=1e-5)
     assert off.demand <= L * E and off.demand + off.warm > L * 4  # each expert at most once, and more than the slots
+
+
+def test_beam_search_and_several_return_sequences_offloaded_equal_the_patched_model():
+    """Beam search reorders the rows (one logical cache per beam, one set of slots per layer)."""
+    model = tiny_model("olmoe")
+    config = POLICIES["psr"]
+    ids = _ids(13, 1, 5)
+    kwargs = dict(num_beams=3, num_return_sequences=2, new=6)
+    ref = _run(model, config, None, ids, **kwargs)
+    got = _run(model, config, OffloadConfig(device="cpu", check_slots=True, max_in_flight=1), ids, **kwargs)
+    assert torch.equal(got[0], ref[0])
+    assert got[3].total == pytest.approx(ref[3].total, rel=1e-6)
