@@ -8,8 +8,9 @@ at a size whose bf16 checkpoint stays under 25 MB, trained with the load-balanci
 through ``output_router_logits=True``). Determinism: the weights come from ``--seed``; batch ``s`` is drawn by a
 generator seeded with ``(seed, s)``, so a resumed run sees exactly the batches an uninterrupted one would. The
 number of steps is fixed at the start (``--steps``, or from ``--minutes`` and the measured time of the first
-steps) and stored in the checkpoint, so the learning-rate schedule survives a resume. The held-out split is read
-once, at the end, for the reported loss (never for a decision); validation during training uses the calib split.
+steps) and stored in the checkpoint, so the learning-rate schedule survives a resume. Validation during training
+uses the calib split, and the weights with the lowest calib loss are the ones exported (many epochs over a small
+corpus can overfit); the held-out split is read once, at the end, for the reported loss (never for a decision).
 
 Writes ``RUN_DIR/checkpoint.pt`` (every ``--checkpoint-every`` steps and at the end), ``RUN_DIR/model`` (the bf16
 checkpoint with the tokenizer: ``AutoModelForCausalLM.from_pretrained``) and ``RUN_DIR/train_log.json``.
@@ -126,10 +127,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     log: list[dict] = []
     step, total = 0, args.steps
+    best: dict | None = None  # the weights with the lowest calib loss so far (exported at the end)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step, total, log = state["step"], state["total"], state["log"]
+        step, total, log, best = state["step"], state["total"], state["log"], state.get("best")
         print(f"resumed at step {step} of {total}")
     model.train()
     start = time.perf_counter()
@@ -137,7 +139,8 @@ def main() -> None:
 
     def save() -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "total": total,
-                    "log": log, "args": vars(args) | {"shards": str(args.shards), "out": str(args.out)}}, ckpt_path)
+                    "log": log, "best": best,
+                    "args": vars(args) | {"shards": str(args.shards), "out": str(args.out)}}, ckpt_path)
 
     first = step
     while total is None or step < total:
@@ -167,9 +170,16 @@ def main() -> None:
                      "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - start}
             if step % args.checkpoint_every == 0 or step == total:
                 entry["calib_loss"] = evaluate(model, calib_tokens, args.seq, device, args.eval_windows)
+                if best is None or entry["calib_loss"] < best["calib_loss"]:  # the calib split decides, never heldout
+                    best = {"step": step, "calib_loss": entry["calib_loss"],
+                            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
                 save()
             log.append(entry)
             print(json.dumps(entry))
+    if best is not None and best["step"] != step:
+        print(f"exporting step {best['step']} (calib loss {best['calib_loss']:.4f}, the lowest)")
+        model.load_state_dict(best["model"])
+    exported = best["step"] if best is not None else step
     heldout = evaluate(model, load_tokens(args.shards / "heldout.bin"), args.seq, device, args.eval_windows)
     export = args.out / "model"
     model.to(torch.bfloat16).save_pretrained(export)
@@ -178,7 +188,8 @@ def main() -> None:
     summary = {
         "parameters": params, "checkpoint_mb": size, "steps": step, "tokens_seen": step * args.batch * args.seq,
         "train_tokens_available": int(train_tokens.size), "final_train_loss": log[-1]["loss"] if log else None,
-        "calib_loss": log[-1].get("calib_loss") if log else None, "heldout_loss": heldout,
+        "exported_step": exported, "calib_loss": best["calib_loss"] if best is not None else None,
+        "heldout_loss": heldout,
         "args": vars(args) | {"shards": str(args.shards), "out": str(args.out)}, "log": log,
     }
     (args.out / "train_log.json").write_text(json.dumps(summary, indent=2))
