@@ -16,11 +16,13 @@ from ._text import text_table as _table
 def cmd_demo(args: argparse.Namespace) -> int:
     from .hf.demo import run_demo
 
-    result = run_demo(new_tokens=args.new_tokens)
+    result = run_demo(new_tokens=args.new_tokens, model_dir=args.model)
     print(f"psr-hf demo: {result['model']}")
-    print(f"calibrated on {result['calibration_tokens']} tokens of standard-library source; "
-          f"{len(result['prompts'])} prompts in one left-padded batch, {result['new_tokens']} greedy tokens each.")
-    print("Random weights: the continuations are noise; the routing numbers are the point.\n")
+    print(f"calibrated on {result['calibration_tokens']} tokens; {len(result['prompts'])} prompts in one "
+          f"left-padded batch, {result['new_tokens']} greedy tokens each.")
+    if args.model is None:
+        print("Random weights: the continuations are noise; the routing numbers are the point.")
+    print()
     runs = result["runs"]
     for p, prompt in enumerate(result["prompts"]):
         print(f"prompt {p + 1}: {prompt!r}")
@@ -35,13 +37,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         s = run.stats
         rows.append([run.name, f"{run.residency:.0%} (C={run.capacity})", f"{s['demand_per_token']:.2f}",
                      f"{s['prefetch_per_token']:.2f}", f"{s['copies_per_token']:.2f}", f"{s['replaced_per_token']:.2f}",
-                     f"{s['displaced_mass']:.3f}", f"{s['same_tokens_as_exact']:.0%}"])
+                     f"{s['displaced_mass']:.3f}", f"{s['excess_nll']:.4f}", f"{s['same_tokens_as_exact']:.0%}"])
     print(_table(rows, ["policy", "residency", "demand/tok", "prefetch/tok", "copies/tok", "replaced/tok",
-                        "displaced mass", "tokens = exact"]))
+                        "displaced mass", "excess NLL", "tokens = exact"]))
     print("\ncopies are logical expert loads summed over the MoE layers, per token (prompt and generated);")
     print("demand copies stall the layer, prefetch copies are issued one layer early and overlap computation;")
     print("replaced = selected experts outside the router's own top-K; displaced mass = the share of the router's")
-    print("own top-K weight that was not executed (mean over token-layers).")
+    print("own top-K weight that was not executed (mean over token-layers); excess NLL = nats per token over exact")
+    print(f"routing on {result['kl']} (an estimate of the KL divergence from exact routing).")
     return 0
 
 
@@ -245,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="generate under exact and cache-aware routing on a small model: copies per token")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    p.add_argument("--model", help="a saved MoE model directory with its tokenizer (and calibration.safetensors); "
+                                   "default: the seeded random tiny OLMoE")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("calibrate", help="calibrate a model's routing policy on held-out text")

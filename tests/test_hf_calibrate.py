@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import psr_hf
+import transformers
 from psr_hf.cli import main
 from psr_hf.hf.tiny import tiny_model
 
@@ -140,9 +141,24 @@ def test_demo_generates_and_reports_copies(capsys):
     assert len(table) == 6
     for row in table:
         if row["policy"].startswith("exact"):
-            # exact routing replaces no router slot and gives the exact tokens
+            # exact routing replaces no router slot, gives the exact tokens and has no excess NLL
             assert float(row["replaced/tok"]) == 0 and row["tokens = exact"] == "100%"
+            assert float(row["excess NLL"]) == 0
         else:
             assert float(row["replaced/tok"]) > 0
             assert float(row["demand/tok"]) < float(next(r["demand/tok"] for r in table if r["policy"].startswith(
                 "exact") and r["residency"] == row["residency"]))
+
+
+def test_demo_runs_a_saved_model_with_its_tokenizer_and_calibration(tmp_path, capsys):
+    from psr_hf.hf.tiny import save_tiny
+
+    path = save_tiny("olmoe", tmp_path / "model")
+    assert main(["demo", "--model", str(path), "--new-tokens", "4"]) == 0
+    first = capsys.readouterr().out
+    assert "model: OlmoeForCausalLM, 3 layers x 16 experts, top-4" in first and "excess NLL" in first
+    # a calibration beside the model is used as it is
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    psr_hf.calibrate(model, [list(range(3, 200))], progress=False).save(path / "calibration.safetensors")
+    assert main(["demo", "--model", str(path), "--new-tokens", "4"]) == 0
+    assert "calibrated on 197 tokens" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import inspect
 import json
 import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,35 +84,99 @@ def left_padded(prompts: tuple[str, ...] | list[str], pad: int = 0) -> tuple[tor
     return ids, mask
 
 
+HELD_OUT_TEXT = Path(__file__).resolve().parents[2] / "eval_configs" / "data" / "persuasion_vol1.txt"
+
+
+def held_out_text() -> str | None:
+    """The repository's held-out text (*Persuasion* vol. I), or None where it is not there (an installed wheel)."""
+    return HELD_OUT_TEXT.read_text(encoding="utf-8") if HELD_OUT_TEXT.is_file() else None
+
+
+def held_out_prompts(text: str, count: int = 3, words: int = 12) -> tuple[str, ...]:
+    """The first ``words`` words of the first ``count`` paragraphs of at least 40 words (after the chapter titles)."""
+    paragraphs = [p.split() for p in text.split("\n\n") if len(p.split()) >= 40]
+    return tuple(" ".join(p[:words]) for p in paragraphs[:count])
+
+
+def _kl_windows(ids: list[int], count: int, length: int) -> list[torch.Tensor]:
+    if len(ids) < count * length:
+        count = max(len(ids) // length, 1)
+    return [torch.tensor([ids[i * length : (i + 1) * length]], dtype=torch.long) for i in range(count)]
+
+
 @torch.no_grad()
 def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.25), seed: int = 0,
-             prompts: tuple[str, ...] = PROMPTS) -> dict[str, Any]:
-    """Generate from ``prompts`` (one left-padded batch) under each demo configuration and residency."""
-    model = build_demo_model(seed)
-    calibration = calibrate(model, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
-    ids, mask = left_padded(prompts)
+             prompts: tuple[str, ...] | None = None, model_dir: str | Path | None = None,
+             kl_windows: int = 4, kl_tokens: int = 128) -> dict[str, Any]:
+    """Generate from ``prompts`` (one left-padded batch) under each demo configuration and residency, and measure
+    each configuration's excess NLL over exact routing on held-out windows (:mod:`psr_hf.eval.divergence`).
+
+    ``model_dir``: a saved model with its tokenizer (and ``calibration.safetensors`` beside them, else it is
+    calibrated on standard-library source); None: the seeded random tiny OLMoE with a byte vocabulary. Prompts
+    default to the openings of held-out paragraphs (the built-in ones where the held-out text is not there)."""
+    from ..eval.divergence import divergence
+
+    text = held_out_text()
+    if prompts is None:
+        prompts = held_out_prompts(text) if text is not None else PROMPTS
+    if model_dir is None:
+        model = build_demo_model(seed)
+        tokenizer, description = None, ("tiny OLMoE, random weights (seeded), 4 MoE layers x 64 experts, top-8, byte "
+                                        "vocabulary")
+        calibration = calibrate(model, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
+        ids, mask = left_padded(prompts)
+        suppress: list[int] | None = UNPRINTABLE  # printable continuations; routing is unaffected
+        held_ids = encode(text) if text is not None else encode(calibration_text())
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ..policy.calibration import Calibration
+
+        model_dir = Path(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.padding_side = "left"
+        file = model_dir / "calibration.safetensors"
+        calibration = (Calibration.load(file) if file.is_file() else
+                       calibrate(model, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=False))
+        batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        suppress = None
+        description = f"{model_dir.name}: {type(model).__name__}, {getattr(model.config, 'num_hidden_layers', '?')} " \
+                      f"layers x {model.config.num_experts} experts, top-{model.config.num_experts_per_tok}"
+        source = text if text is not None else calibration_text()
+        held_ids = tokenizer(source, add_special_tokens=False)["input_ids"]
     runs: list[DemoRun] = []
+    configs: dict[str, RoutingConfig] = {}
     for residency in residencies:
         for name, fields in DEMO_CONFIGS:
-            config = RoutingConfig(residency=residency, **fields)
+            config = configs[f"{name}@{residency}"] = RoutingConfig(residency=residency, **fields)
             patch(model, config, calibration=calibration)
             try:
-                # printable ASCII only, so the (random) continuations can be shown; routing is unaffected
+                kwargs = {"suppress_tokens": suppress} if suppress else {}
+                pad = tokenizer.pad_token_id if tokenizer is not None else 0
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                     suppress_tokens=UNPRINTABLE)
+                                     pad_token_id=pad, **kwargs)
                 stats = controller(model).stats().total
                 capacity = controller(model).capacity
             finally:
                 unpatch(model)
             generated = out[:, ids.shape[1]:].numpy()
-            runs.append(DemoRun(name, residency, capacity, [decode(g) for g in generated], generated, stats))
+            texts = ([decode(g) for g in generated] if tokenizer is None else
+                     tokenizer.batch_decode(generated, skip_special_tokens=True))
+            runs.append(DemoRun(name, residency, capacity, texts, generated, stats))
     exact = {run.residency: run.tokens for run in runs if run.name.startswith("exact")}
     for run in runs:
         run.stats["same_tokens_as_exact"] = float(np.mean(run.tokens == exact[run.residency]))
+    windows = _kl_windows(held_ids, kl_windows, kl_tokens)
+    for run, row in zip(runs, divergence(model, windows, configs, calibration=calibration)):
+        run.stats["excess_nll"] = row.excess_nll
     return {
-        "model": "tiny OLMoE, random weights (seeded), 4 MoE layers x 64 experts, top-8, byte vocabulary",
+        "model": description,
         "prompts": list(prompts),
         "new_tokens": new_tokens,
-        "calibration_tokens": int(calibration.expert_counts[0].sum() // 8),
+        "calibration_tokens": int(calibration.expert_counts[0].sum() // model.config.num_experts_per_tok),
+        "kl": f"{len(windows)} held-out windows of {windows[0].shape[1]} tokens"
+              + ("" if text is not None else " (standard-library source: the held-out text is not installed)"),
         "runs": runs,
     }
