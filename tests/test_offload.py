@@ -243,15 +243,22 @@ def _scheduler(link, layers=1, experts=6, capacity=3, max_in_flight=1):
     return SlotScheduler(layers, experts, capacity, link, max_in_flight, 8, src, dst), slots
 
 
-def test_a_queued_prefetch_whose_slot_is_reassigned_is_dropped():
+def _two_prefetches():
+    """Warm set 0, 1, 2 in place; prefetches of 3 (over 0) and 4 (over 1) queued, then one boundary: 3 is issued,
+    4 waits behind it (max_in_flight=1)."""
     link = ManualLink()
     sched, slots = _scheduler(link)
     sched.new_sequence([np.array([0, 1, 2])])
     link.release()
     resident = np.zeros(6, dtype=bool)
-    sched.insert(0, 3, 0, PREFETCH, resident)  # prefetch 3 over 0: issued at the next boundary
-    sched.insert(0, 4, 1, PREFETCH, resident)  # queued behind it (max_in_flight=1)
+    sched.insert(0, 3, 0, PREFETCH, resident)
+    sched.insert(0, 4, 1, PREFETCH, resident)
     sched.pump()
+    return link, sched, slots, resident
+
+
+def test_a_queued_prefetch_whose_slot_is_reassigned_is_dropped():
+    link, sched, slots, resident = _two_prefetches()
     first, second = sched.layers[0].jobs[0], sched.layers[0].jobs[1]
     assert first.state == ISSUED and second.state != ISSUED
     sched.pump()  # the first is still in flight: nothing more is issued
@@ -268,14 +275,7 @@ def test_a_queued_prefetch_whose_slot_is_reassigned_is_dropped():
 
 
 def test_a_prefetch_needed_before_it_was_issued_is_issued_at_once_and_counted_late():
-    link = ManualLink()
-    sched, _ = _scheduler(link)
-    sched.new_sequence([np.array([0, 1, 2])])
-    link.release()
-    resident = np.zeros(6, dtype=bool)
-    sched.insert(0, 3, 0, PREFETCH, resident)
-    sched.insert(0, 4, 1, PREFETCH, resident)
-    sched.pump()  # 3 issued, 4 queued
+    link, sched, _, _ = _two_prefetches()  # 3 issued, 4 queued
     link.release()
     sched.load(0, np.array([3, 4]), None)  # the layer executes both: 3 arrived, 4 is issued now
     assert sched.counters[2] == 1 and sched.counters[3] == 1  # C_IN_TIME, C_LATE

@@ -50,12 +50,13 @@ from ..hf.bench_patch import (
     TINY_SHAPE,
     _machine,
     _QuietUncalibrated,
+    _sync_for,
     build_random_model,
     olmoe_1b_7b_config,
     paired_ratio,
 )
 from ..hf.patching import controller, patch, unpatch
-from ..policy.bench import summarize
+from ..policy.bench import rotated, summarize
 from ..policy.config import RoutingConfig
 
 logger = logging.getLogger(__name__)
@@ -162,12 +163,6 @@ class WindowRun:
     logits: torch.Tensor | None = None
 
 
-def _sync_for(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def _cache_keyword(model: torch.nn.Module) -> str:
     # transformers 5.23+ calls the KV cache argument ``cache`` (``past_key_values`` warns); 5.17 only knows the latter
     params = inspect.signature(type(model).forward).parameters
@@ -175,11 +170,9 @@ def _cache_keyword(model: torch.nn.Module) -> str:
 
 
 def _offload_dict(stats: Any) -> dict[str, float] | None:
-    offload = getattr(stats, "offload", None)
-    if offload is None:
+    if stats.offload is None:
         return None
-    values = offload.to_dict() if hasattr(offload, "to_dict") else dict(offload)
-    return {key: float(value) for key, value in values.items() if isinstance(value, (int, float))}
+    return {key: float(value) for key, value in stats.offload.to_dict().items()}
 
 
 @torch.no_grad()
@@ -344,14 +337,10 @@ class _QuietAccelerate(logging.Filter):
 
 def offload_config(device: torch.device | str, *, max_in_flight: int = 2, copy_delay_ms: float = 0.0) -> Any:
     """A :class:`psr_hf.OffloadConfig` for ``device`` (pinned host memory only on CUDA)."""
-    import psr_hf
+    from ..offload.config import OffloadConfig
 
-    try:
-        cls = psr_hf.OffloadConfig
-    except (AttributeError, ImportError) as exc:
-        raise ValueError("this psr_hf has no offload support (psr_hf.OffloadConfig); the routed rows need it") from exc
     device = torch.device(device)
-    return cls(device=str(device), max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms,
+    return OffloadConfig(device=str(device), max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms,
                pin_memory=device.type == "cuda")
 
 
@@ -550,8 +539,7 @@ def bench_latency(
                 ctl = controller(target)
                 capacity.setdefault(config.name, int(ctl.capacity))
                 if config.name not in memory:
-                    get = getattr(ctl, "memory", None)
-                    memory[config.name] = get().to_dict() if get is not None and offload is not None else None
+                    memory[config.name] = ctl.memory().to_dict() if offload is not None else None
             return [decode_window(target, ids, device=device) for ids in row_windows]
 
         def windows_of(config: BenchConfig, limit: int | None = None) -> list[torch.Tensor]:
@@ -568,8 +556,7 @@ def bench_latency(
             if progress is not None:
                 progress(f"warm-up {w + 1}/{warmup} done")
         for r in range(rounds):
-            k = r % len(configs)
-            for config in configs[k:] + configs[:k]:
+            for config in rotated(configs, r):
                 results[config.name].append(run_row(config, windows_of(config)))
             if progress is not None:
                 line = ", ".join(f"{n} {np.mean([t for w in results[n][-1] for t in w.ms]):.2f}" for n in names)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy.bench import summarize
+from ..policy.bench import rotated, summarize
 from ..policy.config import RoutingConfig
 from .patching import controller, patch, unpatch
 
@@ -313,8 +313,7 @@ def bench_patch(
             if progress is not None:
                 progress(f"warm-up {w + 1}/{warmup} done")
         for r in range(rounds):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+            for name in rotated(names, r):
                 runs[name].append(decode_run(model, configs[name], ids, new_tokens, calibration))
             baseline_tokens.append(runs[baseline][-1].tokens)
             if progress is not None:

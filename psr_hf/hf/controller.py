@@ -247,13 +247,12 @@ class Controller:
             self.offload.reset_stats()
 
     def reconfigure(self, config: Any, calibration: Any = None) -> None:
-        """Route with another :class:`RoutingConfig` (and calibration) from the next forward pass on, without
-        unpatching: an offloaded model keeps its host store and gets new slots if the capacity changed. Starts a
-        new sequence and zeroes every statistic."""
-        if isinstance(config, dict):
-            config = RoutingConfig.from_dict(config)
-        if not isinstance(config, RoutingConfig):
-            raise ValueError(f"config must be a psr_hf.RoutingConfig or a dict of its fields, got {type(config).__name__}")
+        """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
+        from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
+        slots if the capacity changed. Starts a new sequence and zeroes every statistic."""
+        from .patching import _routing_config  # patching imports this module
+
+        config = _routing_config(config)
         if self._fwd is not None:
             raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
         self._configure(config, calibration)

@@ -284,7 +284,7 @@ class OffloadEngine:
                 device_map = torch.from_numpy(np.ascontiguousarray(slot_map)).to(self.device)
             slots = device_map[index]
         else:
-            slots = torch.from_numpy(slot_map.copy())[index]
+            slots = torch.from_numpy(slot_map)[index]  # the gather copies: the map may change afterwards
         if group is not None:
             inside = slots < self.capacity
             weights = weights * inside.to(weights.dtype)

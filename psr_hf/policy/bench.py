@@ -23,6 +23,13 @@ from .traces import calibration_from_trace, synthetic_trace
 logger = logging.getLogger(__name__)
 
 
+def rotated(items: list, round_index: int) -> list:
+    """``items`` in the order of an interleaved round: rotated left by ``round_index`` (so drift in clocks or
+    temperature falls on every item alike over the rounds)."""
+    k = round_index % len(items)
+    return items[k:] + items[:k]
+
+
 def summarize(values: list[float]) -> dict[str, Any]:
     """Median, mean and 95% t-interval of the mean over rounds."""
     from scipy import stats
