@@ -16,12 +16,19 @@ from ._text import text_table as _table
 def cmd_demo(args: argparse.Namespace) -> int:
     from .hf.demo import run_demo
 
-    result = run_demo(new_tokens=args.new_tokens, model_dir=args.model)
+    try:
+        result = run_demo(new_tokens=args.new_tokens, model=args.model)
+    except FileNotFoundError as exc:
+        print(f"psr-hf demo: {exc}", file=sys.stderr)
+        return 2
     print(f"psr-hf demo: {result['model']}")
     print(f"calibrated on {result['calibration_tokens']} tokens; {len(result['prompts'])} prompts in one "
           f"left-padded batch, {result['new_tokens']} greedy tokens each.")
-    if args.model is None:
+    if args.model == "random":
         print("Random weights: the continuations are noise; the routing numbers are the point.")
+    elif args.model == "tiny-moe":
+        print("An 8.7 M-parameter model trained for 8 minutes: expect fluent-looking but loose English; the routing "
+              "numbers are the point.")
     print()
     runs = result["runs"]
     for p, prompt in enumerate(result["prompts"]):
@@ -160,16 +167,26 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
     from .eval.divergence import divergence, format_rows, sweep_configs
-    from .eval.latency import WINDOW_MODULES, load_model, module_sources, text_windows
+    from .eval.latency import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
+    from .hf.demo import HELD_OUT_TEXT, held_out_text
     from .policy.calibration import Calibration
 
     model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
-    texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [t for _, t in module_sources(WINDOW_MODULES)]
+    beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
+    held_out = held_out_text() if args.model == TINY_MOE and not args.text else None
+    if held_out is not None:  # the shipped model never saw it; the standard library is in its training text
+        texts, text_names = [held_out], [f"held-out: {HELD_OUT_TEXT.name}"]
+    else:
+        texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [
+            t for _, t in module_sources(WINDOW_MODULES)]
+        text_names = args.text or [f"stdlib:{m}" for m in WINDOW_MODULES]
     windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
     residencies = [float(r) for r in args.residencies.split(",") if r.strip()]
     lams = [float(x) for x in args.lams.split(",") if x.strip()]
     if args.calibration:
         calibration, calibrated_on = Calibration.load(args.calibration), args.calibration
+    elif beside is not None:  # saved beside the model
+        calibration, calibrated_on = Calibration.load(beside), info["calibration"]
     else:  # never on the windows' text: other standard-library modules
         from .hf.calibrate import calibrate
         from .eval.latency import CALIBRATION_MODULES
@@ -183,7 +200,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": info, "windows": len(windows), "tokens": args.tokens,
-                                               "texts": args.text or [f"stdlib:{m}" for m in WINDOW_MODULES],
+                                               "texts": text_names,
                                                "calibration": calibrated_on,
                                                "rows": [r.to_dict() for r in rows]}, indent=2))
         print(f"JSON record: {args.json}")
@@ -248,8 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="generate under exact and cache-aware routing on a small model: copies per token")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    p.add_argument("--model", help="a saved MoE model directory with its tokenizer (and calibration.safetensors); "
-                                   "default: the seeded random tiny OLMoE")
+    p.add_argument("--model", default="tiny-moe",
+                   help="tiny-moe (default: the shipped trained tiny OLMoE with its calibration), random (a seeded "
+                        "random tiny OLMoE, byte vocabulary) or a saved MoE model directory with its tokenizer "
+                        "(and calibration.safetensors)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("calibrate", help="calibrate a model's routing policy on held-out text")
@@ -322,16 +341,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kl", help="excess NLL over exact routing (a KL diagnostic) and copies per token of exact+LRU, "
                                   "cache_prior and psr over a lam grid at each residency, on text windows")
-    p.add_argument("--model", default="tiny", help="tiny (random, CPU-sized), random-olmoe-1b-7b or a model directory")
+    p.add_argument("--model", default="tiny-moe",
+                   help="tiny-moe (default: the shipped trained tiny OLMoE), tiny (random, CPU-sized), "
+                        "random-olmoe-1b-7b or a model directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--text", action="append", default=[], metavar="FILE",
-                   help="text to cut windows from (repeatable; default: standard-library sources)")
+                   help="text to cut windows from (repeatable; default: the held-out Persuasion text for tiny-moe, "
+                        "standard-library sources otherwise)")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=256, help="tokens per window after the first (default 256)")
     p.add_argument("--residencies", default="0.5,0.25")
     p.add_argument("--lams", default="0.1,0.2,0.3")
     p.add_argument("--budget", type=int, default=1, help="psr's budget (default 1)")
-    p.add_argument("--calibration", help="a saved calibration (.safetensors) of this model (default: calibrate on "
+    p.add_argument("--calibration", help="a saved calibration (.safetensors) of this model (default: the "
+                                         "calibration.safetensors beside the model, else calibrate on "
                                          "standard-library modules other than the default windows')")
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0, help="seed of the random models' weights")

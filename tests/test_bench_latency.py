@@ -224,3 +224,20 @@ def test_cli_bench_tiny_writes_a_record_a_table_and_a_plot(tmp_path, capsys, qui
     assert main(["bench-plot", str(record_path), "--out", str(again)]) == 0
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert np.isclose(again.stat().st_size, png.stat().st_size, rtol=0.05)
+
+
+def test_cli_bench_on_the_shipped_model_uses_its_calibration(tmp_path, capsys, quiet_psr_hf):
+    from psr_hf.cli import main
+
+    record_path = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny-moe", "--device", "cpu", "--rounds", "3", "--windows", "1",
+                 "--tokens", "4", "--warmup", "0", "--no-accelerate", "--configs", "exact_lru,psr_lam0.3_n1",
+                 "--json", str(record_path)]) == 0
+    record = json.loads(record_path.read_text())
+    assert record["model"]["name"] == "tiny-moe" and record["model"]["num_experts"] == 64
+    # the calibration shipped beside the model, named by its place in the package (no machine path)
+    assert record["calibration"] == {"file": "psr_hf/assets/tiny_moe/calibration.safetensors"}
+    assert "calibration_file" not in record["model"]
+    rows = {row["configuration"]: row for row in record["results"]}
+    assert set(rows) == {"resident", "exact_lru_res50", "exact_lru_res25", "psr_lam0.3_n1_res50",
+                         "psr_lam0.3_n1_res25"}

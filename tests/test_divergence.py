@@ -68,13 +68,22 @@ def test_bad_windows_and_a_patched_model_are_refused():
             divergence(model, _windows(1, 4), {"e": RoutingConfig(policy="exact", residency=0.5)})
 
 
-def test_psr_hf_kl_prints_the_table_and_writes_json(tmp_path):
+@pytest.mark.parametrize("model", [None, "tiny"])
+def test_psr_hf_kl_prints_the_table_and_writes_json(tmp_path, model):
     out = tmp_path / "kl.json"
     run = subprocess.run([sys.executable, "-m", "psr_hf.cli", "kl", "--windows", "2", "--tokens", "16",
                           "--residencies", "0.5", "--lams", "0.2", "--calibration-tokens", "1024",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+                          "--json", str(out)] + (["--model", model] if model else []),
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "psr_lam0.2_n1_res50" in run.stdout and "excess NLL" in run.stdout
     record = json.loads(out.read_text())
     assert [r["name"] for r in record["rows"]] == ["exact_lru_res50", "cp_lam0.2_res50", "psr_lam0.2_n1_res50"]
     assert record["rows"][0]["excess_nll"] == 0.0 and record["rows"][0]["tokens"] == 2 * 16
+    if model is None:  # the shipped trained model: its own calibration, windows of the held-out text
+        assert record["model"]["name"] == "tiny-moe"
+        assert record["calibration"].endswith("calibration.safetensors")
+        assert record["texts"] == ["held-out: persuasion_vol1.txt"]
+    else:
+        assert record["calibration"].startswith("1024 tokens of stdlib")
+        assert record["texts"][0].startswith("stdlib:")

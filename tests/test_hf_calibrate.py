@@ -129,9 +129,14 @@ def test_calibrate_command_writes_a_calibration_that_patches(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_demo_generates_and_reports_copies(capsys):
-    assert main(["demo", "--new-tokens", "6"]) == 0
+@pytest.mark.parametrize("model", [None, "random"])
+def test_demo_generates_and_reports_copies(capsys, model):
+    assert main(["demo", "--new-tokens", "6"] + (["--model", model] if model else [])) == 0
     out = capsys.readouterr().out
+    if model is None:  # the default: the shipped trained model, with its own calibration
+        assert "the shipped trained tiny MoE" in out and "calibrated on 484352 tokens" in out
+    else:
+        assert "random weights (seeded)" in out and "Random weights: the continuations are noise" in out
     for fragment in ("exact + LRU", "psr lam 0.2 n=1", "50% (C=32)", "25% (C=16)", "demand/tok", "prompt 3"):
         assert fragment in out
     header = next(line for line in out.splitlines() if line.startswith("policy"))
@@ -162,3 +167,8 @@ def test_demo_runs_a_saved_model_with_its_tokenizer_and_calibration(tmp_path, ca
     psr_hf.calibrate(model, [list(range(3, 200))], progress=False).save(path / "calibration.safetensors")
     assert main(["demo", "--model", str(path), "--new-tokens", "4"]) == 0
     assert "calibrated on 197 tokens" in capsys.readouterr().out
+
+
+def test_demo_names_a_model_it_cannot_load(tmp_path, capsys):
+    assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err

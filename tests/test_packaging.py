@@ -134,7 +134,7 @@ def test_unknown_psr_hf_attribute_raises_attribute_error():
 
 
 @pytest.mark.slow
-def test_wheel_ships_patches_inside_psr_hf_with_the_cli_entry_point(tmp_path):
+def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry_point(tmp_path):
     created = [REPO / "build", REPO / "psr_hf.egg-info"]
     existed = {path: path.exists() for path in created}
     try:
@@ -161,6 +161,10 @@ def test_wheel_ships_patches_inside_psr_hf_with_the_cli_entry_point(tmp_path):
                      "psr_hf/patches/olmoe.py", "psr_hf/patches/deepseek_v3.py", "psr_hf/patches/qwen3_5_moe.py",
                      "psr_hf/patches/qwen3_next.py", "psr_hf/hf/controller.py", "psr_hf/policy/_mass.py"):
         assert required in names, sorted(names)
+    shipped = sorted(p.name for p in (REPO / "psr_hf" / "assets" / "tiny_moe").iterdir())
+    assert {"config.json", "tokenizer.json", "calibration.safetensors", "README.md"} <= set(shipped), shipped
+    for name in shipped:  # the trained tiny model travels whole with the package
+        assert f"psr_hf/assets/tiny_moe/{name}" in names, sorted(names)
     assert re.search(r"^\[console_scripts\]$", entry_text, flags=re.M), entry_text
     assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text
     assert not any(name.startswith("patches/") for name in names), sorted(names)

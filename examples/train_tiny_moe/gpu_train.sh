@@ -8,6 +8,7 @@ SHARDS=${SHARDS:-shards_tiny_moe}
 RUN=${RUN:-/tmp/run_tiny_moe}
 MINUTES=${MINUTES:-8}
 nvidia-smi --query-gpu=name --format=csv,noheader
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # deterministic cuBLAS (torch.use_deterministic_algorithms)
 PYTHONUNBUFFERED=1 python3 examples/train_tiny_moe/train.py --shards "$SHARDS" --out "$RUN" --minutes "$MINUTES" "$@"
 mkdir -p "$OUT/model"
 cp "$RUN"/model/* "$OUT/model/"

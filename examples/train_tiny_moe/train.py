@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--aux", type=float, default=0.01, help="load-balancing loss weight")
@@ -135,7 +135,7 @@ def main() -> None:
         print(f"resumed at step {step} of {total}")
     model.train()
     start = time.perf_counter()
-    probe = 20
+    probe_from, probe, probe_start = 5, 20, 0.0
 
     def save() -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "total": total,
@@ -158,13 +158,19 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        if total is None and step == probe:
+        if total is None and step in (probe_from, probe_from + probe):
+            # the first steps are slow (allocation, kernel selection): time the steps after them, then give the
+            # rest of the budget to steps at that speed
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            per_step = (time.perf_counter() - start) / probe
-            total = max(int(args.minutes * 60 / per_step), probe + 1)
-            print(f"{per_step * 1e3:.1f} ms/step -> {total} steps in {args.minutes} min "
-                  f"({total * args.batch * args.seq / 1e6:.0f} M tokens)")
+            now = time.perf_counter()
+            if step == probe_from:
+                probe_start = now
+            else:
+                per_step = (now - probe_start) / probe
+                total = step + max(int((args.minutes * 60 - (now - start)) / per_step), 1)
+                print(f"{per_step * 1e3:.1f} ms/step -> {total} steps in {args.minutes} min "
+                      f"({total * args.batch * args.seq / 1e6:.0f} M tokens)")
         if step % 50 == 0 or step == total:
             entry = {"step": step, "loss": out.loss.item(), "aux_loss": out.aux_loss.item(),
                      "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - start}
@@ -182,7 +188,9 @@ def main() -> None:
     exported = best["step"] if best is not None else step
     heldout = evaluate(model, load_tokens(args.shards / "heldout.bin"), args.seq, device, args.eval_windows)
     export = args.out / "model"
-    model.to(torch.bfloat16).save_pretrained(export)
+    # shards of at most 10 MB: a file the GPU machine returns may have at most 16 MiB
+    model.to(torch.bfloat16).save_pretrained(export, max_shard_size="10MB")
+    tokenizer.model_max_length = args.seq  # the context it was trained on
     tokenizer.save_pretrained(export)
     size = sum(f.stat().st_size for f in export.glob("*.safetensors")) / 2**20
     summary = {

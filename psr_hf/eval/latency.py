@@ -66,6 +66,7 @@ ACCELERATE = "accelerate"
 MIN_ROUNDS = 3
 RANDOM_OLMOE = "random-olmoe-1b-7b"
 TINY = "tiny"
+TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets
 
 # Default text: sources of standard-library modules (offline, deterministic for a given Python). The windows and
 # the calibration never share a module, so the warm set and the token prior are not fitted on the timed tokens.
@@ -257,7 +258,8 @@ def text_windows(texts: Sequence[str], tokenizer: Any, *, windows: int, tokens: 
         raise ValueError(f"windows={windows} and tokens={tokens} must be >= 1")
     if not texts:
         raise ValueError("no texts to cut windows from")
-    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    # verbose=False: long texts are cut into windows here, beyond the tokenizer's model_max_length
+    encoded = [tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] for text in texts]
     out = []
     for i in range(windows):
         source = encoded[i % len(texts)]
@@ -706,7 +708,9 @@ def _versions() -> dict[str, str]:
 def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
     weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.hf.bench_patch.TINY_SHAPE`, float32) or a model
-    directory (``AutoModelForCausalLM``, its own tokenizer). The random models use
+    directory (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
+    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe`` being the trained one shipped in :mod:`psr_hf.assets`
+    (float32). The random models use
     :func:`psr_hf.hf.tiny.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
@@ -720,15 +724,28 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
         return built, byte_tokenizer(), {
             "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
             "tokenizer": "byte-level, 256 ids (psr_hf.hf.tiny.byte_tokenizer)"}
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r} or a model directory")
+    if model == TINY_MOE:
+        from ..assets import tiny_moe_dir
+
+        path = tiny_moe_dir()
+    else:
+        path = Path(model)
+        if not path.is_dir():
+            raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", experts_implementation="grouped_mm")
-    return loaded.to(target).eval(), tokenizer, {"name": str(path), "weights": "pretrained",
-                                                 "tokenizer": type(tokenizer).__name__}
+    # the shipped model is small: float32 (its bf16 weights upcast), the precision a CPU runs best
+    dtype = torch.float32 if model == TINY_MOE else "auto"
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="grouped_mm")
+    info = {"name": model if model == TINY_MOE else str(path), "weights": "pretrained",
+            "tokenizer": type(tokenizer).__name__}
+    if (path / "calibration.safetensors").is_file():  # a calibration saved beside the model is its default
+        info["calibration_file"] = str(path / "calibration.safetensors")
+        # how records name it: the shipped one by its place in the package, never by this machine's path
+        info["calibration"] = ("psr_hf/assets/tiny_moe/calibration.safetensors" if model == TINY_MOE
+                               else info["calibration_file"])
+    return loaded.to(target).eval(), tokenizer, info
 
 
 def run_bench(
@@ -764,6 +781,7 @@ def run_bench(
     if progress is not None:
         progress(f"loading {model} on {device}")
     net, tokenizer, description = load_model(model, device, seed=seed)
+    beside = description.pop("calibration_file", None)  # the record names it by description["calibration"]
     ids = text_windows([text for _, text in sources], tokenizer, windows=windows, tokens=tokens)
     vocab = int(net.config.get_text_config().vocab_size)
     if max(int(w.max()) for w in ids) >= vocab:
@@ -773,7 +791,10 @@ def run_bench(
     if any(row.kind == "offload" for row in rows_wanted):
         from ..policy.calibration import Calibration
 
-        if calibration is not None:
+        if calibration is None and beside is not None:
+            calib = Calibration.load(beside)
+            calibration_info = {"file": description["calibration"]}
+        elif calibration is not None:
             calib = Calibration.load(calibration)
             calibration_info = {"file": str(calibration)}
         else:

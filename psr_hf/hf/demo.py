@@ -1,9 +1,11 @@
 """The demo behind ``psr-hf demo`` / ``make demo``: generate under exact and cache-aware routing, count copies.
 
-The model is a seeded random tiny OLMoE with OLMoE-1B-7B's routing shape (64 experts, top-8, softmax,
-``norm_topk_prob=False``) over a byte vocabulary, built offline from a config; it is calibrated on text from the
-Python standard library. With random weights the continuations are noise; what the demo shows is the routing:
-copies per token, replaced router slots and how far the output moves from exact routing.
+The default model is the small trained OLMoE shipped with the package (:mod:`psr_hf.assets`: OLMoE-1B-7B's
+routing shape, 64 experts, top-8, softmax, ``norm_topk_prob=False``, 4 MoE layers, trained on offline English
+prose, technical text and Python) with its calibration, computed on its corpus's calibration split. Prompts are
+the openings of paragraphs of the held-out text (*Persuasion*, which the model never saw in training). ``model=
+"random"`` runs a seeded random tiny OLMoE over a byte vocabulary instead (noise continuations; routing only), and
+a path runs a saved model with its tokenizer.
 """
 
 from __future__ import annotations
@@ -104,63 +106,73 @@ def _kl_windows(ids: list[int], count: int, length: int) -> list[torch.Tensor]:
     return [torch.tensor([ids[i * length : (i + 1) * length]], dtype=torch.long) for i in range(count)]
 
 
+SHIPPED, RANDOM = "tiny-moe", "random"
+
+
 @torch.no_grad()
 def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.25), seed: int = 0,
-             prompts: tuple[str, ...] | None = None, model_dir: str | Path | None = None,
+             prompts: tuple[str, ...] | None = None, model: str | Path = SHIPPED,
              kl_windows: int = 4, kl_tokens: int = 128) -> dict[str, Any]:
     """Generate from ``prompts`` (one left-padded batch) under each demo configuration and residency, and measure
     each configuration's excess NLL over exact routing on held-out windows (:mod:`psr_hf.eval.divergence`).
 
-    ``model_dir``: a saved model with its tokenizer (and ``calibration.safetensors`` beside them, else it is
-    calibrated on standard-library source); None: the seeded random tiny OLMoE with a byte vocabulary. Prompts
-    default to the openings of held-out paragraphs (the built-in ones where the held-out text is not there)."""
+    ``model``: ``"tiny-moe"`` (the shipped trained model with its calibration), ``"random"`` (the seeded random
+    tiny OLMoE with a byte vocabulary, calibrated on standard-library source) or a saved model directory with its
+    tokenizer (and ``calibration.safetensors`` beside them, else it is calibrated on standard-library source).
+    Prompts default to the openings of held-out paragraphs (the built-in ones where the held-out text is not
+    there)."""
     from ..eval.divergence import divergence
 
     text = held_out_text()
     if prompts is None:
         prompts = held_out_prompts(text) if text is not None else PROMPTS
-    if model_dir is None:
-        model = build_demo_model(seed)
+    if model == RANDOM:
+        net = build_demo_model(seed)
         tokenizer, description = None, ("tiny OLMoE, random weights (seeded), 4 MoE layers x 64 experts, top-8, byte "
                                         "vocabulary")
-        calibration = calibrate(model, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
+        calibration = calibrate(net, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
         ids, mask = left_padded(prompts)
         suppress: list[int] | None = UNPRINTABLE  # printable continuations; routing is unaffected
         held_ids = encode(text) if text is not None else encode(calibration_text())
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ..assets import tiny_moe_dir
         from ..policy.calibration import Calibration
 
-        model_dir = Path(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_dir = tiny_moe_dir() if model == SHIPPED else Path(model)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"demo model {str(model)!r}: no config.json in {model_dir}; give "
+                                    f"{SHIPPED!r}, {RANDOM!r} or a saved transformers model directory")
+        net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tokenizer.padding_side = "left"
         file = model_dir / "calibration.safetensors"
         calibration = (Calibration.load(file) if file.is_file() else
-                       calibrate(model, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=False))
+                       calibrate(net, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=False))
         batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         suppress = None
-        description = f"{model_dir.name}: {type(model).__name__}, {getattr(model.config, 'num_hidden_layers', '?')} " \
-                      f"layers x {model.config.num_experts} experts, top-{model.config.num_experts_per_tok}"
+        name = "the shipped trained tiny MoE (psr_hf.assets)" if model == SHIPPED else model_dir.name
+        description = f"{name}: {type(net).__name__}, {getattr(net.config, 'num_hidden_layers', '?')} " \
+                      f"layers x {net.config.num_experts} experts, top-{net.config.num_experts_per_tok}"
         source = text if text is not None else calibration_text()
-        held_ids = tokenizer(source, add_special_tokens=False)["input_ids"]
+        held_ids = tokenizer(source, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows below
     runs: list[DemoRun] = []
     configs: dict[str, RoutingConfig] = {}
     for residency in residencies:
         for name, fields in DEMO_CONFIGS:
             config = configs[f"{name}@{residency}"] = RoutingConfig(residency=residency, **fields)
-            patch(model, config, calibration=calibration)
+            patch(net, config, calibration=calibration)
             try:
                 kwargs = {"suppress_tokens": suppress} if suppress else {}
                 pad = tokenizer.pad_token_id if tokenizer is not None else 0
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                out = net.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                      pad_token_id=pad, **kwargs)
-                stats = controller(model).stats().total
-                capacity = controller(model).capacity
+                stats = controller(net).stats().total
+                capacity = controller(net).capacity
             finally:
-                unpatch(model)
+                unpatch(net)
             generated = out[:, ids.shape[1]:].numpy()
             texts = ([decode(g) for g in generated] if tokenizer is None else
                      tokenizer.batch_decode(generated, skip_special_tokens=True))
@@ -169,13 +181,13 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
     for run in runs:
         run.stats["same_tokens_as_exact"] = float(np.mean(run.tokens == exact[run.residency]))
     windows = _kl_windows(held_ids, kl_windows, kl_tokens)
-    for run, row in zip(runs, divergence(model, windows, configs, calibration=calibration)):
+    for run, row in zip(runs, divergence(net, windows, configs, calibration=calibration)):
         run.stats["excess_nll"] = row.excess_nll
     return {
         "model": description,
         "prompts": list(prompts),
         "new_tokens": new_tokens,
-        "calibration_tokens": int(calibration.expert_counts[0].sum() // model.config.num_experts_per_tok),
+        "calibration_tokens": int(calibration.expert_counts[0].sum() // net.config.num_experts_per_tok),
         "kl": f"{len(windows)} held-out windows of {windows[0].shape[1]} tokens"
               + ("" if text is not None else " (standard-library source: the held-out text is not installed)"),
         "runs": runs,
