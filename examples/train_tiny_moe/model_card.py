@@ -70,6 +70,58 @@ def source_at(positions: np.ndarray, by_source: dict) -> list[str]:
     return [list(by_source)[int(i)] for i in np.searchsorted(ends, positions, side="right")]
 
 
+def plot(card: dict, train_log: dict | None, out: Path) -> None:
+    """The card's figure: training and calib loss per step (with ``train_log``), and excess NLL against demand
+    copies per token of cache_prior and psr over lam at each residency, exact+LRU at zero excess."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = card["divergence"]
+    for r in rows:
+        r.update(r["routing"])  # policy, residency, lam
+    residencies = sorted({r["residency"] for r in rows}, reverse=True)
+    panels = len(residencies) + (train_log is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.8))
+    axes = list(np.atleast_1d(axes))
+    if train_log is not None:
+        ax = axes.pop(0)
+        log = train_log["log"]
+        ax.plot([e["step"] for e in log], [e["loss"] for e in log], label="train (batch)", lw=1)
+        evals = [e for e in log if "calib_loss" in e]
+        ax.plot([e["step"] for e in evals], [e["calib_loss"] for e in evals], "o-", label="calib (train.py: first 131k tokens, bf16)")
+        ax.axhline(card["heldout_loss"]["all"]["loss"], color="k", ls=":", label="held-out, all sources (fp32)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_ylim(bottom=min(e["loss"] for e in log) - 0.2, top=6)
+        ax.set_title(f"training: {train_log['tokens_seen'] / 1e6:.0f} M tokens")
+        ax.legend(fontsize=8)
+    for ax, residency in zip(axes, residencies):
+        here = [r for r in rows if r["residency"] == residency]
+        for policy, marker in (("cache_prior", "s-"), ("psr", "o-")):
+            pts = sorted((r for r in here if r["policy"] == policy), key=lambda r: r["lam"])
+            x = [r["demand_per_token"] for r in pts]
+            ax.errorbar(x, [r["excess_nll"] for r in pts],
+                        yerr=[[r["excess_nll"] - r["excess_nll_ci95"][0] for r in pts],
+                              [r["excess_nll_ci95"][1] - r["excess_nll"] for r in pts]],
+                        fmt=marker, capsize=3, label=policy if policy == "cache_prior" else "psr (budget 1)")
+            for r in pts:
+                ax.annotate(f"{r['lam']:g}", (r["demand_per_token"], r["excess_nll"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+        exact = next(r for r in here if r["policy"] == "exact")
+        ax.plot([exact["demand_per_token"]], [0], "k^", label="exact + LRU")
+        ax.set_xscale("log")
+        ax.set_xlabel("demand copies per token (log)")
+        ax.set_ylabel("excess NLL over exact (nats/token)")
+        ax.set_title(f"{residency:.0%} residency (labels: lam)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True)
@@ -80,9 +132,15 @@ def main() -> None:
     p.add_argument("--calibration-tokens", type=int, default=500_000,
                    help="calib tokens for the calibration, in rows of 512 spread over the split (default: all)")
     p.add_argument("--calibration", type=Path, help="use this calibration instead of computing one")
+    p.add_argument("--plot-only", action="store_true", help="redraw CARD_DIR/card.png from CARD_DIR/card.json")
+    p.add_argument("--train-log", type=Path, help="train.py's train_log.json: adds the loss curve to the figure")
     args = p.parse_args()
+    if args.plot_only:
+        plot(json.loads((args.out / "card.json").read_text()),
+             json.loads(args.train_log.read_text()) if args.train_log else None, args.out / "card.png")
+        return
     import psr_hf
-    from psr_hf.eval.divergence import divergence, format_rows, sweep_configs
+    from psr_hf.eval.divergence import divergence, format_rows, paired_difference, sweep_configs
     from psr_hf.eval.router_stats import recordings, router_stats
     from transformers import AutoModelForCausalLM
 
@@ -110,8 +168,20 @@ def main() -> None:
     baseline = router_stats(recordings(untrained, windows), labels).to_dict()
     del untrained
     rows = divergence(model, windows, sweep_configs(), calibration=calibration)
-    card = {"model": str(args.model), "heldout_windows": args.windows, "tokens_per_window": args.tokens, "window_sources": labels,
-            "heldout_loss": losses, "routing": metrics, "routing_untrained": baseline, "divergence": [r.to_dict() for r in rows]}
+    # the paper's ordering, pair by pair: psr minus cache_prior at the same lam and residency, paired by window
+    ordering = []
+    for r in rows:
+        if r.routing["policy"] != "psr":
+            continue
+        cp = next(c for c in rows if c.routing["policy"] == "cache_prior" and c.capacity == r.capacity
+                  and c.routing["lam"] == r.routing["lam"])
+        diff, ci = paired_difference(r, cp)
+        ordering.append({"residency": r.routing["residency"], "lam": r.routing["lam"], "psr": r.name,
+                         "cache_prior": cp.name, "excess_nll_difference": diff, "ci95": ci,
+                         "demand_psr": r.demand_per_token, "demand_cache_prior": cp.demand_per_token})
+    card = {"model": str(args.model), "heldout_windows": args.windows, "tokens_per_window": args.tokens,
+            "window_sources": labels, "heldout_loss": losses, "routing": metrics, "routing_untrained": baseline,
+            "divergence": [r.to_dict() for r in rows], "ordering": ordering}
     (args.out / "card.json").write_text(json.dumps(card, indent=2))
     print("| held-out source | tokens | loss (nats/token) |\n|---|---|---|")
     for source, r in losses.items():
@@ -129,6 +199,14 @@ def main() -> None:
           f"{ {s: labels.count(s) for s in dict.fromkeys(labels)} })")
     print()
     print(format_rows(rows))
+    print("\n| residency | lam | excess NLL psr - cache_prior [95% CI, paired by window] | demand psr / cache_prior |")
+    print("|---|---|---|---|")
+    for o in ordering:
+        print(f"| {o['residency']:.0%} | {o['lam']} | {o['excess_nll_difference']:+.4f} [{o['ci95'][0]:+.4f}, "
+              f"{o['ci95'][1]:+.4f}] | {o['demand_psr']:.2f} / {o['demand_cache_prior']:.2f} |")
+    train_log = json.loads(args.train_log.read_text()) if args.train_log else None
+    plot(card, train_log, args.out / "card.png")
+    print(f"figure: {args.out / 'card.png'}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -46,9 +46,19 @@ class DivergenceRow:
     prefetch_per_token: float
     replaced_per_token: float
     displaced_mass: float
+    window_excess: list[float] = field(default_factory=list)  # per window, in the windows' order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def paired_difference(a: DivergenceRow, b: DivergenceRow) -> tuple[float, tuple[float, float]]:
+    """Mean over windows of ``a``'s excess NLL minus ``b``'s, with a 95% t-interval paired by window (both rows
+    from one :func:`divergence` call, so over the same windows): negative means ``a`` is closer to exact."""
+    if len(a.window_excess) != len(b.window_excess) or not a.window_excess:
+        raise ValueError(f"{a.name} and {b.name} were not scored on the same windows (one divergence() call)")
+    diff = np.asarray(a.window_excess) - np.asarray(b.window_excess)
+    return float(diff.mean()), _ci95(diff)
 
 
 def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
@@ -114,6 +124,7 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
             excess_ppl_pct=100.0 * math.expm1(mean_excess), copies_per_token=stats["copies_per_token"],
             demand_per_token=stats["demand_per_token"], prefetch_per_token=stats["prefetch_per_token"],
             replaced_per_token=stats["replaced_per_token"], displaced_mass=stats["displaced_mass"],
+            window_excess=excess.tolist(),
         ))
         logger.info("divergence %s: excess NLL %.4f nats/token, %.2f copies/token", name, mean_excess,
                     stats["copies_per_token"])
