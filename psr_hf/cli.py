@@ -168,14 +168,14 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 def cmd_kl(args: argparse.Namespace) -> int:
     from .eval.divergence import divergence, format_rows, sweep_configs
     from .eval.latency import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
-    from .hf.demo import HELD_OUT_TEXT, held_out_text
+    from .assets import HELD_OUT_TEXT
+    from .hf.demo import held_out_text
     from .policy.calibration import Calibration
 
     model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
     beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
-    held_out = held_out_text() if args.model == TINY_MOE and not args.text else None
-    if held_out is not None:  # the shipped model never saw it; the standard library is in its training text
-        texts, text_names = [held_out], [f"held-out: {HELD_OUT_TEXT.name}"]
+    if args.model == TINY_MOE and not args.text:  # it never saw this text; the standard library is in its training
+        texts, text_names = [held_out_text()], [f"held-out: {HELD_OUT_TEXT.name}"]
     else:
         texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [
             t for _, t in module_sources(WINDOW_MODULES)]

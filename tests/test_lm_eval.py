@@ -320,6 +320,22 @@ def test_a_shipped_offline_task_runs_under_psr_hf(lm_eval_api, tiny):
     assert out["config"]["psr_hf"]["stats"]["tokens"] > 0
 
 
+def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval_api):
+    from psr_hf.assets import TINY_MOE
+
+    lm_eval, TaskManager, PSRLM = lm_eval_api
+    lm = PSRLM(pretrained="tiny-moe", device="cpu", dtype="float32", batch_size=4, policy="psr", lam=0.3, budget=1,
+               residency=0.25)
+    assert lm.calibration_path == str(TINY_MOE / "calibration.safetensors")  # beside the model: used
+    assert psr_hf.controller(lm.model).capacity == 16
+    manager = TaskManager(include_path=str(REPO / "eval_configs" / "tasks"), include_defaults=False)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["psr_heldout_ppl"], limit=2, bootstrap_iters=0,
+                                  task_manager=manager)
+    # a trained model on held-out prose: far below the byte-level perplexity of a uniform guess (8192 tokens)
+    assert 1.0 < out["results"]["psr_heldout_ppl"]["byte_perplexity,none"] < 5.0
+    assert out["config"]["psr_hf"]["stats"]["replaced_per_token"] > 0  # psr steered the routing
+
+
 # ---------------------------------------------------------------------------------------------- model args
 def test_unknown_model_args_fail_with_the_allowed_names(lm_eval_api, tiny):
     from lm_eval.api.registry import get_model

@@ -165,6 +165,7 @@ def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry
     assert {"config.json", "tokenizer.json", "calibration.safetensors", "README.md"} <= set(shipped), shipped
     for name in shipped:  # the trained tiny model travels whole with the package
         assert f"psr_hf/assets/tiny_moe/{name}" in names, sorted(names)
+    assert "psr_hf/assets/persuasion_vol1.txt" in names, sorted(names)  # the demo's held-out text
     assert re.search(r"^\[console_scripts\]$", entry_text, flags=re.M), entry_text
     assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text
     assert not any(name.startswith("patches/") for name in names), sorted(names)

@@ -17,7 +17,7 @@ from psr_hf.assets import CALIBRATION, TINY_MOE, load_tiny_moe
 from psr_hf.eval.router_stats import RouterStats, recordings, router_stats
 from psr_hf.policy.replaying import Recording
 
-HELD_OUT = Path(__file__).resolve().parents[1] / "eval_configs" / "data" / "persuasion_vol1.txt"
+HELD_OUT = Path(__file__).resolve().parents[1] / "psr_hf" / "assets" / "persuasion_vol1.txt"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "persuasion_vol1.txt"
+OUT = HERE.parents[1] / "psr_hf" / "assets" / "persuasion_vol1.txt"
 LAST_CHAPTER = 12  # Volume I
 
 

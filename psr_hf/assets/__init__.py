@@ -1,4 +1,5 @@
-"""Files shipped with the package: the small trained OLMoE (``tiny_moe/``), its tokenizer, calibration and card.
+"""Files shipped with the package: the small trained OLMoE (``tiny_moe/``), its tokenizer, calibration and card,
+and the held-out text ``persuasion_vol1.txt``.
 
 ``tiny_moe/`` is a transformers model directory (``AutoModelForCausalLM.from_pretrained(TINY_MOE)`` works offline):
 OLMoE's routing shape (64 experts, top-8, softmax, ``norm_topk_prob=False``), 4 MoE layers, 8.7 M parameters,
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 TINY_MOE = Path(__file__).resolve().parent / "tiny_moe"
+# Volume I of Jane Austen's *Persuasion* (public domain): the held-out text of the demo, psr-hf kl and the
+# psr_heldout_ppl task; the tiny MoE never saw any of it (eval_configs/data/extract_persuasion.py rebuilds it)
+HELD_OUT_TEXT = Path(__file__).resolve().parent / "persuasion_vol1.txt"
 CALIBRATION = "calibration.safetensors"
 
 

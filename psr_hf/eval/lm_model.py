@@ -11,7 +11,9 @@ Model args are split three ways: the :class:`~psr_hf.RoutingConfig` fields (``po
 ``decay_slow``), psr_hf's own (``calibration``: a calibration file; ``config``: a RoutingConfig YAML file, which
 explicit fields override; ``offload``: a device such as ``cuda:0``, ``cuda`` or ``cpu`` to offload the experts to
 host memory with :class:`~psr_hf.OffloadConfig`; ``max_in_flight``) and whatever ``HFLM.__init__`` accepts. Any other name raises
-``ValueError`` with the allowed names, before the model is loaded.
+``ValueError`` with the allowed names, before the model is loaded. ``pretrained=tiny-moe`` is the trained tiny OLMoE
+shipped in :mod:`psr_hf.assets`; without ``calibration=``, a ``calibration.safetensors`` in the ``pretrained``
+directory is used (the shipped model has one).
 
 Every batch row has its own logical cache, reset at every request (each loglikelihood batch and each
 ``generate()`` call starts with an empty KV cache). Padding never touches the routing state:
@@ -50,6 +52,8 @@ from ..policy.config import RoutingConfig
 
 # a child of lm-eval's logger: lm-eval's CLI configures "lm_eval" only, and the statistics belong in its output
 logger = logging.getLogger("lm_eval.models.psr_hf")
+
+SHIPPED_MODEL = "tiny-moe"  # pretrained=tiny-moe: psr_hf.assets.TINY_MOE
 
 # RoutingConfig fields as they arrive from --model_args (strings, or what lm-eval's parser made of them)
 ROUTING_ARGS: dict[str, type] = {
@@ -137,7 +141,16 @@ def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None
     else:
         routing = RoutingConfig(**{k: v for k, v in fields.items() if v is not None})
     calibration = _existing_file("calibration", args.get("calibration"))
-    return routing, calibration, {k: v for k, v in args.items() if k in hflm}
+    hf_args = {k: v for k, v in args.items() if k in hflm}
+    if hf_args.get("pretrained") == SHIPPED_MODEL:  # the trained tiny OLMoE shipped in psr_hf.assets
+        from ..assets import tiny_moe_dir
+
+        hf_args["pretrained"] = str(tiny_moe_dir())
+    beside = Path(str(hf_args.get("pretrained", ""))) / "calibration.safetensors"
+    if calibration is None and beside.is_file():
+        calibration = str(beside)
+        logger.info("psr_hf: calibration %s (saved beside the model; calibration= overrides it)", beside)
+    return routing, calibration, hf_args
 
 
 def offload_config(args: Mapping[str, Any]) -> OffloadConfig | None:

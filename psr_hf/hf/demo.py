@@ -25,12 +25,6 @@ from .calibrate import calibrate
 from .patching import controller, patch, unpatch
 from .tiny import tiny_model
 
-PROMPTS = (
-    "The experts of a mixture-of-experts layer",
-    "It is a truth universally acknowledged, that",
-    "def fibonacci(n):\n    ",
-)
-
 DEMO_SHAPE = dict(
     vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
@@ -86,12 +80,11 @@ def left_padded(prompts: tuple[str, ...] | list[str], pad: int = 0) -> tuple[tor
     return ids, mask
 
 
-HELD_OUT_TEXT = Path(__file__).resolve().parents[2] / "eval_configs" / "data" / "persuasion_vol1.txt"
+def held_out_text() -> str:
+    """The held-out text shipped in the package (:data:`psr_hf.assets.HELD_OUT_TEXT`, *Persuasion* vol. I)."""
+    from ..assets import HELD_OUT_TEXT
 
-
-def held_out_text() -> str | None:
-    """The repository's held-out text (*Persuasion* vol. I), or None where it is not there (an installed wheel)."""
-    return HELD_OUT_TEXT.read_text(encoding="utf-8") if HELD_OUT_TEXT.is_file() else None
+    return HELD_OUT_TEXT.read_text(encoding="utf-8")
 
 
 def held_out_prompts(text: str, count: int = 3, words: int = 12) -> tuple[str, ...]:
@@ -119,13 +112,12 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
     ``model``: ``"tiny-moe"`` (the shipped trained model with its calibration), ``"random"`` (the seeded random
     tiny OLMoE with a byte vocabulary, calibrated on standard-library source) or a saved model directory with its
     tokenizer (and ``calibration.safetensors`` beside them, else it is calibrated on standard-library source).
-    Prompts default to the openings of held-out paragraphs (the built-in ones where the held-out text is not
-    there)."""
+    Prompts default to the openings of held-out paragraphs."""
     from ..eval.divergence import divergence
 
     text = held_out_text()
     if prompts is None:
-        prompts = held_out_prompts(text) if text is not None else PROMPTS
+        prompts = held_out_prompts(text)
     if model == RANDOM:
         net = build_demo_model(seed)
         tokenizer, description = None, ("tiny OLMoE, random weights (seeded), 4 MoE layers x 64 experts, top-8, byte "
@@ -133,7 +125,7 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
         calibration = calibrate(net, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
         ids, mask = left_padded(prompts)
         suppress: list[int] | None = UNPRINTABLE  # printable continuations; routing is unaffected
-        held_ids = encode(text) if text is not None else encode(calibration_text())
+        held_ids = encode(text)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,8 +148,7 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
         name = "the shipped trained tiny MoE (psr_hf.assets)" if model == SHIPPED else model_dir.name
         description = f"{name}: {type(net).__name__}, {getattr(net.config, 'num_hidden_layers', '?')} " \
                       f"layers x {net.config.num_experts} experts, top-{net.config.num_experts_per_tok}"
-        source = text if text is not None else calibration_text()
-        held_ids = tokenizer(source, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows below
+        held_ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows below
     runs: list[DemoRun] = []
     configs: dict[str, RoutingConfig] = {}
     for residency in residencies:
@@ -188,7 +179,6 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
         "prompts": list(prompts),
         "new_tokens": new_tokens,
         "calibration_tokens": int(calibration.expert_counts[0].sum() // net.config.num_experts_per_tok),
-        "kl": f"{len(windows)} held-out windows of {windows[0].shape[1]} tokens"
-              + ("" if text is not None else " (standard-library source: the held-out text is not installed)"),
+        "kl": f"{len(windows)} held-out windows of {windows[0].shape[1]} tokens",
         "runs": runs,
     }
