@@ -102,3 +102,38 @@ def test_device_memory_holds_only_the_slots_and_unpatch_restores():
         psr_hf.unpatch(model)
     for k, v in model.state_dict().items():
         assert v.device.type == "cpu" and torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_shipped_trained_model_decodes_the_same_tokens_offloaded_on_cuda(dtype):
+    """tiny-moe (trained routers, real text) offloaded to cuda:0: copy timing never changes tokens or logits
+    (bitwise across max_in_flight and copy delays). Against the same patched model resident on the GPU, decode
+    steps are the same computation but the prompt is a block whose experts run in groups of at most C, equal to
+    rounding: in float32 the greedy tokens are the same and the logits equal to 1e-4."""
+    from psr_hf.assets import load_tiny_moe
+
+    model, tokenizer, calibration = load_tiny_moe(dtype=dtype)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["Sir Walter Elliot, of Kellynch Hall,", "def main():\n    parser ="], return_tensors="pt",
+                      padding=True, add_special_tokens=False)
+    config = RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.25)
+    model.to("cuda:0")
+    with psr_hf.patched(model, config, calibration=calibration):
+        resident = _generate(model, batch["input_ids"], batch["attention_mask"])
+    model.to("cpu")
+    runs = []
+    for max_in_flight, delay in ((2, 0.0), (1, 1.0), (4, 0.0)):
+        with psr_hf.patched(model, config, calibration=calibration,
+                            offload=OffloadConfig(device="cuda:0", max_in_flight=max_in_flight, copy_delay_ms=delay)):
+            runs.append(_generate(model, batch["input_ids"], batch["attention_mask"]))
+            stats = psr_hf.controller(model).stats().offload
+        assert stats.demand + stats.prefetch > 0
+    for tokens, logits in runs[1:]:
+        assert torch.equal(tokens, runs[0][0]) and torch.equal(logits, runs[0][1])
+    tokens, logits = runs[0]
+    if dtype == torch.float32:
+        assert torch.equal(tokens, resident[0])
+        torch.testing.assert_close(logits, resident[1], rtol=1e-4, atol=1e-4)
+    # bf16: no comparison with the resident model. Measured on the H200: its logits (up to 20, where bf16's spacing
+    # is 0.125) differ by up to 1.0 at the first step even under exact routing, and psr's greedy tokens part after
+    # a few steps
