@@ -9,7 +9,7 @@ lm-eval imports this file through the ``!function utils.NAME`` tags of the YAML 
   (:func:`check_completion`), instead of lm-eval's ``humaneval``, which loads its metric from the hub.
 - ``psr_mmlu_exemplars``: the MMLU few-shot exemplars that lm-eval ships inline with its chain-of-thought MMLU
   prompts (``lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json``), parsed into questions, options and answers.
-- ``psr_heldout_ppl``: Volume I of Jane Austen's *Persuasion* (public domain), shipped in ``eval_configs/data``.
+- ``psr_heldout_ppl``: Volume I of Jane Austen's *Persuasion* (public domain), shipped in ``psr_hf/assets``.
 
 lm-eval calls ``custom_dataset`` with the task's ``metadata`` and ``dataset_kwargs`` as keyword arguments (model
 arguments included when the task manager was built by ``simple_evaluate``), so the loaders accept ``**_``.
