@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 TINY_MOE = Path(__file__).resolve().parent / "tiny_moe"
+TINY_MOE_NAME = "tiny-moe"  # its name wherever a model is named: psr-hf --model, lm-eval pretrained=
 # Volume I of Jane Austen's *Persuasion* (public domain): the held-out text of the demo, psr-hf kl and the
 # psr_heldout_ppl task; the tiny MoE never saw any of it (eval_configs/data/extract_persuasion.py rebuilds it)
 HELD_OUT_TEXT = Path(__file__).resolve().parent / "persuasion_vol1.txt"
@@ -26,6 +27,17 @@ def tiny_moe_dir() -> Path:
             f"the shipped tiny MoE is not installed at {TINY_MOE} (config.json and weights missing); reinstall "
             "psr_hf from a complete checkout or wheel (its package data includes psr_hf/assets/tiny_moe)")
     return TINY_MOE
+
+
+def model_dir(name_or_path: str | Path) -> Path:
+    """The directory of a model named on a command line: ``tiny-moe`` is the shipped one, anything else a path."""
+    return tiny_moe_dir() if str(name_or_path) == TINY_MOE_NAME else Path(name_or_path)
+
+
+def calibration_beside(directory: str | Path) -> Path | None:
+    """``DIR/calibration.safetensors`` where a model directory has one (its default calibration), else None."""
+    path = Path(directory) / CALIBRATION
+    return path if path.is_file() else None
 
 
 def load_tiny_moe(dtype: Any = None) -> tuple[Any, Any, Any]:

@@ -66,7 +66,7 @@ ACCELERATE = "accelerate"
 MIN_ROUNDS = 3
 RANDOM_OLMOE = "random-olmoe-1b-7b"
 TINY = "tiny"
-TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets
+TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf.assets.TINY_MOE_NAME)
 
 # Default text: sources of standard-library modules (offline, deterministic for a given Python). The windows and
 # the calibration never share a module, so the warm set and the token prior are not fitted on the timed tokens.
@@ -709,8 +709,8 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
     weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.hf.bench_patch.TINY_SHAPE`, float32) or a model
     directory (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
-    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe`` being the trained one shipped in :mod:`psr_hf.assets`
-    (float32). The random models use
+    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe``
+    being the trained one shipped in :mod:`psr_hf.assets` (float32). The random models use
     :func:`psr_hf.hf.tiny.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
@@ -724,14 +724,11 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
         return built, byte_tokenizer(), {
             "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
             "tokenizer": "byte-level, 256 ids (psr_hf.hf.tiny.byte_tokenizer)"}
-    if model == TINY_MOE:
-        from ..assets import tiny_moe_dir
+    from ..assets import calibration_beside, model_dir
 
-        path = tiny_moe_dir()
-    else:
-        path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
+    path = model_dir(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -740,8 +737,9 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="grouped_mm")
     info = {"name": model if model == TINY_MOE else str(path), "weights": "pretrained",
             "tokenizer": type(tokenizer).__name__}
-    if (path / "calibration.safetensors").is_file():  # a calibration saved beside the model is its default
-        info["calibration_file"] = str(path / "calibration.safetensors")
+    beside = calibration_beside(path)
+    if beside is not None:  # a calibration saved beside the model is its default
+        info["calibration_file"] = str(beside)
         # how records name it: the shipped one by its place in the package, never by this machine's path
         info["calibration"] = ("psr_hf/assets/tiny_moe/calibration.safetensors" if model == TINY_MOE
                                else info["calibration_file"])

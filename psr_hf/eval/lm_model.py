@@ -46,14 +46,13 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ..assets import TINY_MOE_NAME, calibration_beside, model_dir
 from ..hf.patching import controller, patch
 from ..offload.config import OffloadConfig
 from ..policy.config import RoutingConfig
 
 # a child of lm-eval's logger: lm-eval's CLI configures "lm_eval" only, and the statistics belong in its output
 logger = logging.getLogger("lm_eval.models.psr_hf")
-
-SHIPPED_MODEL = "tiny-moe"  # pretrained=tiny-moe: psr_hf.assets.TINY_MOE
 
 # RoutingConfig fields as they arrive from --model_args (strings, or what lm-eval's parser made of them)
 ROUTING_ARGS: dict[str, type] = {
@@ -142,12 +141,10 @@ def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None
         routing = RoutingConfig(**{k: v for k, v in fields.items() if v is not None})
     calibration = _existing_file("calibration", args.get("calibration"))
     hf_args = {k: v for k, v in args.items() if k in hflm}
-    if hf_args.get("pretrained") == SHIPPED_MODEL:  # the trained tiny OLMoE shipped in psr_hf.assets
-        from ..assets import tiny_moe_dir
-
-        hf_args["pretrained"] = str(tiny_moe_dir())
-    beside = Path(str(hf_args.get("pretrained", ""))) / "calibration.safetensors"
-    if calibration is None and beside.is_file():
+    if hf_args.get("pretrained") == TINY_MOE_NAME:  # the trained tiny OLMoE shipped in psr_hf.assets
+        hf_args["pretrained"] = str(model_dir(TINY_MOE_NAME))
+    beside = calibration_beside(str(hf_args.get("pretrained", "")))
+    if calibration is None and beside is not None:
         calibration = str(beside)
         logger.info("psr_hf: calibration %s (saved beside the model; calibration= overrides it)", beside)
     return routing, calibration, hf_args

@@ -99,12 +99,12 @@ def _kl_windows(ids: list[int], count: int, length: int) -> list[torch.Tensor]:
     return [torch.tensor([ids[i * length : (i + 1) * length]], dtype=torch.long) for i in range(count)]
 
 
-SHIPPED, RANDOM = "tiny-moe", "random"
+RANDOM = "random"
 
 
 @torch.no_grad()
 def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.25), seed: int = 0,
-             prompts: tuple[str, ...] | None = None, model: str | Path = SHIPPED,
+             prompts: tuple[str, ...] | None = None, model: str | Path = "tiny-moe",
              kl_windows: int = 4, kl_tokens: int = 128) -> dict[str, Any]:
     """Generate from ``prompts`` (one left-padded batch) under each demo configuration and residency, and measure
     each configuration's excess NLL over exact routing on held-out windows (:mod:`psr_hf.eval.divergence`).
@@ -129,23 +129,23 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..assets import tiny_moe_dir
+        from ..assets import TINY_MOE_NAME, calibration_beside, model_dir as directory_of
         from ..policy.calibration import Calibration
 
-        model_dir = tiny_moe_dir() if model == SHIPPED else Path(model)
+        model_dir = directory_of(model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"demo model {str(model)!r}: no config.json in {model_dir}; give "
-                                    f"{SHIPPED!r}, {RANDOM!r} or a saved transformers model directory")
+                                    f"{TINY_MOE_NAME!r}, {RANDOM!r} or a saved transformers model directory")
         net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tokenizer.padding_side = "left"
-        file = model_dir / "calibration.safetensors"
-        calibration = (Calibration.load(file) if file.is_file() else
+        file = calibration_beside(model_dir)
+        calibration = (Calibration.load(file) if file is not None else
                        calibrate(net, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=False))
         batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         suppress = None
-        name = "the shipped trained tiny MoE (psr_hf.assets)" if model == SHIPPED else model_dir.name
+        name = "the shipped trained tiny MoE (psr_hf.assets)" if model == TINY_MOE_NAME else model_dir.name
         description = f"{name}: {type(net).__name__}, {getattr(net.config, 'num_hidden_layers', '?')} " \
                       f"layers x {net.config.num_experts} experts, top-{net.config.num_experts_per_tok}"
         held_ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows below
