@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import psr_hf
-from psr_hf.hf.tiny import FAMILIES, tiny_model
+from psr_hf.testing import FAMILIES, tiny_model
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from ._text import text_table as _table
 
 # ---------------------------------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .hf.demo import run_demo
+    from .demo import run_demo
 
     try:
         result = run_demo(new_tokens=args.new_tokens, model=args.model)
@@ -82,7 +82,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- bench-policy
 def cmd_bench_policy(args: argparse.Namespace) -> int:
-    from .policy.bench import bench_policy
+    from .bench.policy import bench_policy
 
     print(f"psr-hf bench-policy: {args.rounds} interleaved rounds (median over rounds, 95% t-interval of the mean)")
     record = bench_policy(rounds=args.rounds, calls=args.calls, tokens=args.tokens, layers=args.layers,
@@ -105,7 +105,7 @@ def cmd_bench_policy(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- bench-patch
 def cmd_bench_patch(args: argparse.Namespace) -> int:
-    from .hf.bench_patch import format_table, report_lines, run_bench_patch
+    from .bench.patch import format_table, report_lines, run_bench_patch
 
     shape = "tiny OLMoE" if args.tiny else "OLMoE-1B-7B"
     print(f"psr-hf bench-patch: {shape}-shaped random model, batch-1 greedy decode of {args.new_tokens} tokens "
@@ -125,7 +125,7 @@ def cmd_bench_patch(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .eval.latency import format_table, plot, report_lines, run_bench
+    from .bench.offload import format_table, plot, report_lines, run_bench
 
     try:
         capacities = [float(c) for c in args.capacities.split(",") if c.strip()]
@@ -152,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:
-    from .eval.latency import plot
+    from .bench.offload import plot
 
     path = Path(args.record)
     if not path.is_file():
@@ -167,9 +167,9 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
     from .eval.divergence import divergence, format_rows, sweep_configs
-    from .eval.latency import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
+    from .bench.offload import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
     from .assets import HELD_OUT_TEXT
-    from .hf.demo import held_out_text
+    from .demo import held_out_text
     from .policy.calibration import Calibration
 
     model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
@@ -189,7 +189,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
         calibration, calibrated_on = Calibration.load(beside), info["calibration"]
     else:  # never on the windows' text: other standard-library modules
         from .hf.calibrate import calibrate
-        from .eval.latency import CALIBRATION_MODULES
+        from .bench.offload import CALIBRATION_MODULES
 
         calibration = calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
                                 max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from psr_hf import OffloadConfig, RoutingConfig, patch, unpatch
-from psr_hf.eval.latency import (
+from psr_hf.bench.offload import (
     CALIBRATION_MODULES,
     POLICY_CONFIGS,
     WINDOW_MODULES,
@@ -25,8 +25,8 @@ from psr_hf.eval.latency import (
     paired_summary,
     text_windows,
 )
-from psr_hf.hf.bench_patch import TINY_SHAPE, build_random_model, olmoe_1b_7b_config
-from psr_hf.hf.tiny import byte_tokenizer
+from psr_hf.bench.patch import TINY_SHAPE, build_random_model, olmoe_1b_7b_config
+from psr_hf.testing import byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

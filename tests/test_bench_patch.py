@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from psr_hf.hf.bench_patch import (
+from psr_hf.bench.patch import (
     DEFAULT_CONFIGS,
     TINY_SHAPE,
     bench_patch,

@@ -590,7 +590,7 @@ _TASKS = {
 
 @pytest.mark.slow
 def test_real_lm_eval_outputs_are_read_and_paired(tmp_path):
-    from psr_hf.hf.tiny import save_tiny
+    from psr_hf.testing import save_tiny
 
     data = tmp_path / "data"
     tasks = tmp_path / "tasks"

@@ -14,7 +14,7 @@ import torch
 import psr_hf
 from psr_hf import RoutingConfig
 from psr_hf.eval.divergence import divergence, format_rows, sweep_configs
-from psr_hf.hf.tiny import tiny_model
+from psr_hf.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 

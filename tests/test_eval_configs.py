@@ -202,7 +202,7 @@ _DRIVER = textwrap.dedent(
 
     tasks_dir, suite_tasks, workdir = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     os.chdir(workdir)  # nothing may depend on the repository being the current directory
-    from psr_hf.hf.tiny import save_tiny
+    from psr_hf.testing import save_tiny
     import lm_eval
     from lm_eval.tasks import TaskManager
 

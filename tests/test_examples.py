@@ -5,7 +5,7 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-from psr_hf.hf.tiny import FAMILIES
+from psr_hf.testing import FAMILIES
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

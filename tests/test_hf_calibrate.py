@@ -11,7 +11,7 @@ import torch
 import psr_hf
 import transformers
 from psr_hf.cli import main
-from psr_hf.hf.tiny import tiny_model
+from psr_hf.testing import tiny_model
 
 RNG = np.random.default_rng(7)
 DOCS = [RNG.integers(3, 256, size=n) for n in (300, 170, 90)]
@@ -156,7 +156,7 @@ def test_demo_generates_and_reports_copies(capsys, model):
 
 
 def test_demo_runs_a_saved_model_with_its_tokenizer_and_calibration(tmp_path, capsys):
-    from psr_hf.hf.tiny import save_tiny
+    from psr_hf.testing import save_tiny
 
     path = save_tiny("olmoe", tmp_path / "model")
     assert main(["demo", "--model", str(path), "--new-tokens", "4"]) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import psr_hf
-from psr_hf.hf.tiny import tiny_model
+from psr_hf.testing import tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Olmoe
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.hf.tiny import FAMILIES, tiny_config, tiny_model
+from psr_hf.testing import FAMILIES, tiny_config, tiny_model
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
 
 CONFIG = RoutingConfig(policy="psr", residency=0.5)

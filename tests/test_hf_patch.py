@@ -15,7 +15,7 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.hf.tiny import FAMILIES, tiny_model
+from psr_hf.testing import FAMILIES, tiny_model
 from psr_hf.patches import get_patch
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
 

@@ -24,7 +24,7 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.hf.tiny import byte_tokenizer, save_tiny, tiny_model
+from psr_hf.testing import byte_tokenizer, save_tiny, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

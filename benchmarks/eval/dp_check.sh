@@ -7,7 +7,7 @@ OUT=${OUT:-out/dp_check}
 MODEL=${MODEL:-$OUT/tiny_olmoe}
 LIMIT=${LIMIT:-24}
 mkdir -p "$OUT"
-[ -d "$MODEL" ] || python3 -c "from psr_hf.hf.tiny import save_tiny; save_tiny('olmoe', '$MODEL')"
+[ -d "$MODEL" ] || python3 -c "from psr_hf.testing import save_tiny; save_tiny('olmoe', '$MODEL')"
 ARGS="pretrained=$MODEL,dtype=float32,policy=psr,lam=0.3,budget=1,residency=0.5"
 COMMON=(--model psr_hf --include_path eval_configs/tasks --tasks psr_mmlu_exemplars,psr_heldout_ppl,psr_humaneval_local
         --confirm_run_unsafe_code --limit "$LIMIT" --batch_size 4 --gen_kwargs max_gen_toks=24 --log_samples)

@@ -250,9 +250,7 @@ class Controller:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
         slots if the capacity changed. Starts a new sequence and zeroes every statistic."""
-        from .patching import _routing_config  # patching imports this module
-
-        config = _routing_config(config)
+        config = RoutingConfig.coerce(config)
         if self._fwd is not None:
             raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
         self._configure(config, calibration)

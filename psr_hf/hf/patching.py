@@ -18,19 +18,6 @@ logger = logging.getLogger(__name__)
 _ATTR = "_psr_hf_controller"
 
 
-def _routing_config(config: Any) -> RoutingConfig:
-    if isinstance(config, RoutingConfig):
-        return config
-    if isinstance(config, dict):
-        return RoutingConfig.from_dict(config)
-    if isinstance(config, str) and config.endswith((".yaml", ".yml")):
-        return RoutingConfig.load_yaml(config)
-    raise ValueError(
-        "config must be a psr_hf.RoutingConfig (e.g. RoutingConfig(policy='psr', residency=0.5)), a dict of its "
-        f"fields or a path to its YAML file; got {type(config).__name__}"
-    )
-
-
 def _family(model: torch.nn.Module) -> Any:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"psr_hf.patch needs a transformers model (nn.Module with .config), got {type(model).__name__}")
@@ -82,7 +69,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             "this model is already patched by psr_hf; call psr_hf.unpatch(model) first to patch it with another "
             "configuration (psr_hf.controller(model) gives the current one)"
         )
-    routing = _routing_config(config)
+    routing = RoutingConfig.coerce(config)
     family = _family(model)
     layers = family.moe_layers()
     if not layers:

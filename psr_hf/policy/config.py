@@ -194,6 +194,20 @@ class RoutingConfig:
             )
 
     # ------------------------------------------------------------------ serialisation
+    @classmethod
+    def coerce(cls, config: Any) -> "RoutingConfig":
+        """``config`` as a RoutingConfig: a RoutingConfig as it is, a dict of its fields, or a path to its YAML."""
+        if isinstance(config, RoutingConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        if isinstance(config, (str, Path)) and str(config).endswith((".yaml", ".yml")):
+            return cls.load_yaml(config)
+        raise ValueError(
+            "config must be a psr_hf.RoutingConfig (e.g. RoutingConfig(policy='psr', residency=0.5)), a dict of its "
+            f"fields or a path to its YAML file; got {type(config).__name__}"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (every field, resolved defaults included)."""
         return dataclasses.asdict(self)

@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy.bench import rotated, summarize
+from .policy import rotated, summarize
 from ..policy.config import RoutingConfig
-from .patching import controller, patch, unpatch
+from ..hf.patching import controller, patch, unpatch
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +279,7 @@ def bench_patch(
             the running bonus scale).
 
     Returns one dict per configuration, in ``configs`` order: ``ms_per_token`` and ``prefill_ms``
-    (:func:`~psr_hf.policy.bench.summarize` over rounds), ``ratio`` (:func:`paired_ratio` to the baseline),
+    (:func:`~psr_hf.bench.policy.summarize` over rounds), ``ratio`` (:func:`paired_ratio` to the baseline),
     decode-only routing statistics (means over rounds; None when unpatched), ``tokens_identical_to_baseline``
     (every round's tokens equal the same round's baseline tokens) and the tokens of the last round.
     """
@@ -406,7 +405,7 @@ def run_bench_patch(
     configs = dict(DEFAULT_CONFIGS if configs is None else configs)
     calibration = None
     if calibrate_tokens:
-        from .calibrate import calibrate
+        from ..hf.calibrate import calibrate
 
         if progress is not None:
             progress(f"calibrating on {calibrate_tokens} random tokens")
@@ -504,14 +503,3 @@ def report_lines(record: dict[str, Any]) -> list[str]:
                  f"{model['experts_implementation']}, during decode {decode}{note}")
     lines.append(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}")
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m psr_hf.hf.bench_patch [options]`` = ``psr-hf bench-patch [options]``."""
-    from ..cli import main as cli_main
-
-    return cli_main(["bench-patch", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..hf.bench_patch import (
+from .patch import (
     _UNCALIBRATED_LOGGERS,
     TINY_SHAPE,
     _machine,
@@ -56,7 +56,7 @@ from ..hf.bench_patch import (
     paired_ratio,
 )
 from ..hf.patching import controller, patch, unpatch
-from ..policy.bench import rotated, summarize
+from .policy import rotated, summarize
 from ..policy.config import RoutingConfig
 
 logger = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ class _SharedCopy:
 
 # ---------------------------------------------------------------------------------------------------- statistics
 def paired_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
-    """Ratio of per-round ``values`` to ``baseline`` (:func:`~psr_hf.hf.bench_patch.paired_ratio`: exp of the mean
+    """Ratio of per-round ``values`` to ``baseline`` (:func:`~psr_hf.bench.patch.paired_ratio`: exp of the mean
     per-round log ratio, 95% t-interval) plus ``p``: the two-sided p-value of ``scipy.stats.ttest_1samp`` of the
     log ratios against 0 (None where it is undefined: identical log ratios)."""
     from scipy import stats
@@ -707,23 +707,23 @@ def _versions() -> dict[str, str]:
 
 def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
-    weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.hf.bench_patch.TINY_SHAPE`, float32) or a model
+    weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.bench.patch.TINY_SHAPE`, float32) or a model
     directory (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
     ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe``
     being the trained one shipped in :mod:`psr_hf.assets` (float32). The random models use
-    :func:`psr_hf.hf.tiny.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
+    :func:`psr_hf.testing.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
     if model in (RANDOM_OLMOE, TINY):
-        from ..hf.tiny import byte_tokenizer
+        from .workloads import byte_tokenizer
 
         tiny = model == TINY
         dtype = torch.float32 if tiny else torch.bfloat16
         built = build_random_model(olmoe_1b_7b_config(**(TINY_SHAPE if tiny else {})), target, dtype, seed=seed)
         return built, byte_tokenizer(), {
             "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
-            "tokenizer": "byte-level, 256 ids (psr_hf.hf.tiny.byte_tokenizer)"}
+            "tokenizer": "byte-level, 256 ids (psr_hf.testing.byte_tokenizer)"}
     from ..assets import calibration_beside, model_dir
 
     path = model_dir(model)

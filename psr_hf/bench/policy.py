@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .cache import LogicalCache
-from .config import RoutingConfig
-from .replaying import replay
-from .traces import calibration_from_trace, synthetic_trace
+from ..policy.cache import LogicalCache
+from ..policy.config import RoutingConfig
+from ..policy.replaying import replay
+from ..policy.traces import calibration_from_trace, synthetic_trace
 
 logger = logging.getLogger(__name__)
 

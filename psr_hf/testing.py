@@ -1,4 +1,4 @@
-"""Tiny random models of every supported family, built offline from configs (tests, examples, the demo).
+"""For experiments and tests: tiny random models of every supported family, built offline from configs.
 
 They keep each family's routing structure (OLMoE's plain softmax router, DeepSeek-V3's grouped sigmoid router
 with a dense first layer and shared experts, Qwen3.5-MoE's hybrid attention and gated shared expert, Qwen3-Next's
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .bench.workloads import byte_tokenizer
 
 FAMILIES = ("olmoe", "deepseek_v3", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
@@ -83,20 +85,6 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(std=0.05)
     return model.to(dtype).eval()
-
-
-def byte_tokenizer() -> Any:
-    """A byte-level ``PreTrainedTokenizerFast`` over exactly 256 ids (one per byte, no merges), so it fits the tiny
-    models' vocabulary; eos/pad/bos are the tiny configs' ids 1/0/2 (bytes that never occur in text)."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([""], vocab_size=256, show_progress=False, special_tokens=[])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
-    vocab = tokenizer.convert_ids_to_tokens([0, 1, 2])
-    tokenizer.pad_token, tokenizer.eos_token, tokenizer.bos_token = vocab[0], vocab[1], vocab[2]
-    return tokenizer
 
 
 def save_tiny(family: str, path: Any, *, seed: int = 0, **overrides: Any) -> Any:

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy.config import RoutingConfig
-from .calibrate import calibrate
-from .patching import controller, patch, unpatch
-from .tiny import tiny_model
+from .policy.config import RoutingConfig
+from .hf.calibrate import calibrate
+from .hf.patching import controller, patch, unpatch
+from .testing import tiny_model
 
 DEMO_SHAPE = dict(
     vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -82,7 +82,7 @@ def left_padded(prompts: tuple[str, ...] | list[str], pad: int = 0) -> tuple[tor
 
 def held_out_text() -> str:
     """The held-out text shipped in the package (:data:`psr_hf.assets.HELD_OUT_TEXT`, *Persuasion* vol. I)."""
-    from ..assets import HELD_OUT_TEXT
+    from .assets import HELD_OUT_TEXT
 
     return HELD_OUT_TEXT.read_text(encoding="utf-8")
 
@@ -113,7 +113,7 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
     tiny OLMoE with a byte vocabulary, calibrated on standard-library source) or a saved model directory with its
     tokenizer (and ``calibration.safetensors`` beside them, else it is calibrated on standard-library source).
     Prompts default to the openings of held-out paragraphs."""
-    from ..eval.divergence import divergence
+    from .eval.divergence import divergence
 
     text = held_out_text()
     if prompts is None:
@@ -129,8 +129,8 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..assets import TINY_MOE_NAME, calibration_beside, model_dir as directory_of
-        from ..policy.calibration import Calibration
+        from .assets import TINY_MOE_NAME, calibration_beside, model_dir as directory_of
+        from .policy.calibration import Calibration
 
         model_dir = directory_of(model)
         if not (model_dir / "config.json").is_file():
