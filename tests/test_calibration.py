@@ -576,3 +576,104 @@ def test_builder_add_rejects_wrong_shapes_and_out_of_range_ids(change, message):
     # a rejected batch leaves the builder empty
     assert builder.token_counts.sum() == 0
     assert builder.expert_counts.sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+def _tensors_and_meta(path):
+    with safe_open(str(path), framework="numpy") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}, dict(handle.metadata())
+
+
+def test_load_refuses_a_file_with_an_unknown_tensor_without_reading_it(tmp_path, small_calibration):
+    import tracemalloc
+
+    path = tmp_path / "calib.safetensors"
+    small_calibration.save(path)
+    tensors, meta = _tensors_and_meta(path)
+    tensors["padding"] = np.ones(16 * 2**20, dtype=np.float32)  # 64 MiB nobody asked for
+    save_file(tensors, str(path), metadata=meta)
+    del tensors
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=_pattern("not part of a psr_hf calibration", "['padding']",
+                                                      "none of them was read")):
+            Calibration.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak
+
+
+@pytest.mark.parametrize("name, array, message", [
+    ("prior_values", np.ones(10_000, dtype=np.float32), "expected at most V x L x E"),
+    ("delta", np.zeros(4), "tensor delta has shape (4,)"),
+    ("expert_counts", np.zeros((3, 6)), "tensor expert_counts has shape (3, 6)"),
+    ("token_counts", np.zeros(9, dtype=np.int64), "tensor token_counts has shape (9,)"),
+    ("prior_indptr", np.zeros(3, dtype=np.float32), "prior_indptr has dtype F32; expected integer"),
+])
+def test_load_checks_every_tensor_against_the_header_before_reading(tmp_path, small_calibration, name, array,
+                                                                    message):
+    path = tmp_path / "calib.safetensors"
+    small_calibration.save(path)
+    tensors, meta = _tensors_and_meta(path)
+    tensors[name] = array
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Calibration.load(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.__setitem__("token_counts", -t["token_counts"] - 1), "token_counts must be >= 0"),
+    (lambda t: t.__setitem__("token_counts", np.full_like(t["token_counts"], 2**62)), "overflow"),
+    (lambda t: t.__setitem__("prior_values", np.full_like(t["prior_values"], 1e30)), "must lie in [0, 1]"),
+    (lambda t: t.__setitem__("prior_values", -t["prior_values"] - 0.5), "must lie in [0, 1]"),
+    (lambda t: t.__setitem__("expert_counts", -t["expert_counts"] - 1), "expert_counts must be finite and >= 0"),
+    (lambda t: t.__setitem__("delta", t["delta"] * np.inf), "delta must be finite"),
+])
+def test_load_validates_every_value_like_from_arrays(tmp_path, change, message):
+    delta, counts, prior = _small_arrays()
+    calibration = Calibration.from_arrays(delta=delta, expert_counts=counts, token_prior=prior,
+                                          token_counts=np.arange(prior.shape[0]) + 1)
+    path = tmp_path / "calib.safetensors"
+    calibration.save(path)
+    tensors, meta = _tensors_and_meta(path)
+    change(tensors)
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Calibration.load(path)
+
+
+def test_from_arrays_rejects_a_prior_outside_zero_one():
+    delta, counts, prior = _small_arrays()
+    prior[0, 0, 0] = 1e30
+    with pytest.raises(ValueError, match=re.escape("token_prior values must lie in [0, 1]")):
+        Calibration.from_arrays(delta=delta, expert_counts=counts, token_prior=prior)
+
+
+def test_load_with_the_model_dimensions_refuses_another_model_before_reading(tmp_path, small_calibration):
+    path = tmp_path / "calib.safetensors"
+    small_calibration.save(path)
+    L, E = small_calibration.num_layers, small_calibration.num_experts
+    assert Calibration.load(path, num_layers=L, num_experts=E).num_layers == L
+    with pytest.raises(ValueError, match=_pattern(f"made for {L} MoE layers x {E} experts", f"{L + 1} x {E}")):
+        Calibration.load(path, num_layers=L + 1, num_experts=E)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        Calibration.load(path, vocab_size=small_calibration.vocab_size + 1)
+
+
+def test_check_rejects_a_calibration_made_at_another_top_k():
+    builder = CalibrationBuilder(2, 8, 10, 4)
+    rng = np.random.default_rng(0)
+    builder.add(np.arange(10), np.stack([rng.permutation(8)[:4] for _ in range(20)]).reshape(10, 2, 4),
+                np.ones((10, 2)))
+    calibration = builder.build()
+    assert calibration.top_k == 4
+    calibration.check(num_layers=2, num_experts=8, vocab_size=10, top_k=4)
+    with pytest.raises(ValueError, match=_pattern("made with top-k 4", "routes to 8 experts per token")):
+        calibration.check(num_layers=2, num_experts=8, vocab_size=10, top_k=8)
+
+
+def test_repr_of_a_calibration_is_one_short_line(small_calibration):
+    text = repr(small_calibration)
+    assert "\n" not in text and len(text) < 160, text
+    assert f"{small_calibration.num_layers} MoE layers x {small_calibration.num_experts} experts" in text

@@ -25,6 +25,22 @@ logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "psr_hf.calibration"
 FORMAT_VERSION = 1
+_MAX_TOTAL = float(2**53)  # counts above this lose integer precision in float64 arithmetic
+
+# the tensors a calibration file holds: name -> (numpy dtype kinds allowed on disk, in-memory dtype, shape in terms of
+# L (MoE layers), E (experts), V (vocabulary) and N (stored prior entries)); load() reads nothing else
+_TENSORS: dict[str, tuple[str, Any, tuple[str, ...]]] = {
+    "delta": ("f", np.float64, ("L",)),
+    "expert_counts": ("f", np.float64, ("L", "E")),
+    "prior_indptr": ("iu", np.int64, ("VL+1",)),
+    "prior_experts": ("iu", np.uint16, ("N",)),
+    "prior_values": ("f", np.float32, ("N",)),
+    "token_counts": ("iu", np.int64, ("V",)),
+}
+_REQUIRED = ("delta", "expert_counts", "prior_indptr", "prior_experts", "prior_values")
+# safetensors dtype names -> numpy kinds
+_ST_KINDS = {"F16": "f", "BF16": "f", "F32": "f", "F64": "f", "I8": "i", "I16": "i", "I32": "i", "I64": "i",
+             "U8": "u", "U16": "u", "U32": "u", "U64": "u", "BOOL": "b"}
 
 
 def _as_array(name: str, value: Any, dtype, ndim: int) -> np.ndarray:
@@ -78,6 +94,19 @@ class Calibration:
             raise ValueError("expert_counts must be finite and >= 0")
         if nnz and not np.all(np.isfinite(self.prior_values)):
             raise ValueError("token_prior must be finite")
+        if nnz and (self.prior_values.min() < 0 or self.prior_values.max() > 1):
+            # a fraction of a token's occurrences: anything else would outweigh every other priority term
+            raise ValueError(
+                f"token_prior values must lie in [0, 1] (fractions of a token's occurrences); got values in "
+                f"[{self.prior_values.min():.4g}, {self.prior_values.max():.4g}]"
+            )
+        if self.token_counts is not None:
+            if self.token_counts.size and self.token_counts.min() < 0:
+                raise ValueError("token_counts must be >= 0")
+            # their total divides expert_counts into the marginal prior: it must be exact in int64
+            if float(self.token_counts.sum(dtype=np.float64)) >= _MAX_TOTAL:
+                raise ValueError(f"token_counts sum to more than 2**53 occurrences (overflow); got "
+                                 f"{self.token_counts.sum(dtype=np.float64):.4g}")
 
     # ------------------------------------------------------------------ shape
     @property
@@ -224,9 +253,11 @@ class Calibration:
         num_experts: int,
         vocab_size: int | None = None,
         capacity: int | None = None,
+        top_k: int | None = None,
         source: str = "calibration",
     ) -> None:
-        """Raise ``ValueError`` if this calibration does not fit a model with these dimensions."""
+        """Raise ``ValueError`` if this calibration does not fit a model with these dimensions (``top_k`` is
+        compared with the top-k recorded when the calibration was built, where it was recorded)."""
         if (self.num_layers, self.num_experts) != (num_layers, num_experts):
             raise ValueError(
                 f"{source} was made for {self.num_layers} MoE layers x {self.num_experts} experts, but the model has "
@@ -239,6 +270,22 @@ class Calibration:
             )
         if capacity is not None and capacity > num_experts:
             raise ValueError(f"capacity {capacity} exceeds the {num_experts} experts of {source}")
+        recorded = self.top_k
+        if top_k is not None and recorded is not None and recorded != top_k:
+            raise ValueError(
+                f"{source} was made with top-k {recorded} (its warm set, token prior and delta count the router's "
+                f"own top-{recorded}), but the model routes to {top_k} experts per token; calibrate this model as "
+                "it is configured (psr-hf calibrate)"
+            )
+
+    @property
+    def top_k(self) -> int | None:
+        """The router's top-k the calibration was built with (recorded by :class:`CalibrationBuilder`), or None."""
+        value = (self.metadata or {}).get("top_k")
+        try:
+            return None if value is None else int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"calibration metadata top_k={value!r} is not an integer") from None
 
     # ------------------------------------------------------------------ storage
     def save(self, path: str | Path) -> None:
@@ -267,35 +314,110 @@ class Calibration:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
-        """Read a file written by :meth:`save`; a file of another format raises ``ValueError``."""
+    def load(cls, path: str | Path, *, num_layers: int | None = None, num_experts: int | None = None,
+             vocab_size: int | None = None) -> "Calibration":
+        """Read a file written by :meth:`save`; a file of another format raises ``ValueError``.
+
+        Only the calibration's own tensors are read, and each one only after its shape and dtype were checked
+        against the dimensions in the file's header (and against ``num_layers``, ``num_experts`` and
+        ``vocab_size`` where given, e.g. the model's): a file with any other tensor is refused unread, so a
+        hostile or mistaken file cannot make this allocate more than its calibration needs. Every value is then
+        validated as :meth:`from_arrays` validates it.
+        """
         from safetensors import safe_open
 
         path = Path(path)
         if not path.exists():
             raise ValueError(f"calibration file {path} does not exist (make one with `psr-hf calibrate`)")
         try:
-            with safe_open(str(path), framework="numpy") as handle:
-                meta = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            handle_cm = safe_open(str(path), framework="numpy")
         except Exception as exc:
             raise ValueError(f"{path} is not a safetensors calibration file: {exc}") from exc
-        if meta.get("format") != FORMAT_NAME:
-            raise ValueError(f"{path} is not a psr_hf calibration (format={meta.get('format')!r})")
-        if int(meta.get("version", -1)) > FORMAT_VERSION:
-            raise ValueError(f"{path} has calibration format version {meta['version']}; upgrade psr_hf to read it")
-        missing = {"delta", "expert_counts", "prior_indptr", "prior_experts", "prior_values"} - set(tensors)
-        if missing:
-            raise ValueError(f"{path} lacks the tensors {sorted(missing)}")
+        with handle_cm as handle:
+            meta = handle.metadata() or {}
+            if meta.get("format") != FORMAT_NAME:
+                raise ValueError(f"{path} is not a psr_hf calibration (format={meta.get('format')!r})")
+            try:
+                version = int(meta.get("version", -1))
+            except ValueError:
+                raise ValueError(f"{path}: calibration format version {meta.get('version')!r} is not an integer") from None
+            if version > FORMAT_VERSION:
+                raise ValueError(f"{path} has calibration format version {version}; upgrade psr_hf to read it")
+            dims = {}
+            for key in ("num_layers", "num_experts", "vocab_size"):
+                try:
+                    dims[key] = int(meta[key])
+                except (KeyError, ValueError):
+                    raise ValueError(f"{path}: the header's {key} is missing or not an integer") from None
+                if dims[key] < 0 or (key != "vocab_size" and dims[key] < 1):
+                    raise ValueError(f"{path}: the header's {key}={dims[key]} is out of range")
+            L, E, V = dims["num_layers"], dims["num_experts"], dims["vocab_size"]
+            expected = {"num_layers": num_layers, "num_experts": num_experts}
+            for key, value in expected.items():
+                if value is not None and dims[key] != value:
+                    raise ValueError(
+                        f"{path} was made for {L} MoE layers x {E} experts, but the model has {num_layers} x "
+                        f"{num_experts}; calibrate this model (psr-hf calibrate) or load its own calibration")
+            if vocab_size is not None and V not in (0, vocab_size):
+                raise ValueError(f"{path} has a token prior over {V} token ids, but the model's vocabulary has "
+                                 f"{vocab_size}; it was made with a different tokenizer: recalibrate this model")
+            names = set(handle.keys())
+            unknown = sorted(names - set(_TENSORS))
+            if unknown:
+                raise ValueError(f"{path} holds tensors that are not part of a psr_hf calibration: {unknown}; "
+                                 f"a calibration holds only {sorted(_TENSORS)} (none of them was read)")
+            missing = [name for name in _REQUIRED if name not in names]
+            if missing:
+                raise ValueError(f"{path} lacks the tensors {missing}")
+            shapes = {}
+            for name in names:
+                piece = handle.get_slice(name)
+                kinds, _, _ = _TENSORS[name]
+                if _ST_KINDS.get(piece.get_dtype(), "?") not in kinds:
+                    raise ValueError(f"{path}: tensor {name} has dtype {piece.get_dtype()}; expected "
+                                     f"{'floating point' if kinds == 'f' else 'integer'}")
+                shapes[name] = tuple(int(n) for n in piece.get_shape())
+            nnz = shapes["prior_values"][0] if len(shapes["prior_values"]) == 1 else -1
+            sizes = {"L": L, "E": E, "V": V, "VL+1": V * L + 1, "N": nnz}
+            if not 0 <= nnz <= V * L * E:
+                raise ValueError(f"{path}: prior_values has shape {shapes['prior_values']}; expected at most "
+                                 f"V x L x E = {V * L * E} entries")
+            for name, shape in shapes.items():
+                want = tuple(sizes[d] for d in _TENSORS[name][2])
+                if shape != want:
+                    raise ValueError(f"{path}: tensor {name} has shape {shape}; the header ({L} layers, {E} experts, "
+                                     f"vocabulary {V}) implies {want}")
+            tensors = {name: handle.get_tensor(name) for name in names}
+        try:
+            user = json.loads(meta.get("user", "{}"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: the header's user metadata is not JSON: {exc}") from exc
+        if not isinstance(user, dict):
+            raise ValueError(f"{path}: the header's user metadata must be a JSON object")
+        converted = {}
+        for name, array in tensors.items():
+            target = _TENSORS[name][1]
+            if np.issubdtype(array.dtype, np.integer) and array.size:
+                info = np.iinfo(target)
+                if array.min() < info.min or array.max() > info.max:
+                    raise ValueError(f"{path}: tensor {name} holds values outside {np.dtype(target).name}")
+            converted[name] = array.astype(target)
         return cls(
-            delta=tensors["delta"].astype(np.float64),
-            expert_counts=tensors["expert_counts"].astype(np.float64),
-            prior_indptr=tensors["prior_indptr"].astype(np.int64),
-            prior_experts=tensors["prior_experts"].astype(np.uint16),
-            prior_values=tensors["prior_values"].astype(np.float32),
-            token_counts=tensors["token_counts"].astype(np.int64) if "token_counts" in tensors else None,
-            metadata=json.loads(meta.get("user", "{}")),
+            delta=converted["delta"],
+            expert_counts=converted["expert_counts"],
+            prior_indptr=converted["prior_indptr"],
+            prior_experts=converted["prior_experts"],
+            prior_values=converted["prior_values"],
+            token_counts=converted.get("token_counts"),
+            metadata={str(k): str(v) for k, v in user.items()},
         )
+
+    def __repr__(self) -> str:
+        prior = (f"token prior over {self.vocab_size} ids ({self.prior_values.size} entries)" if self.vocab_size
+                 else "no token prior")
+        top_k = f", top_k={self.top_k}" if self.top_k is not None else ""
+        return (f"Calibration({self.num_layers} MoE layers x {self.num_experts} experts{top_k}, {prior}, "
+                f"delta mean {float(self.delta.mean()) if self.delta.size else 0.0:.3g})")
 
 
 class CalibrationBuilder:
