@@ -1,12 +1,11 @@
 """Build step that pyproject.toml cannot express: ship ``psr_hf_lm_eval.pth`` at the top of site-packages.
 
 The .pth imports ``_psr_hf_lm_eval`` (startup/_psr_hf_lm_eval.py) at interpreter start, which registers the
-``psr_hf`` lm-eval model when lm-eval loads its registry (lm-eval 0.4.13 has no entry points for models;
-psr_hf/eval/lm_eval_hook.py explains the mechanism). A
-regular wheel gets the .pth from build_lib; an editable install (PEP 660, ``pip install -e .``) gets it in the
-editable wheel, which setuptools assembles from the folder that ``install_lib`` points at, beside its own
-``__editable__`` finder (whose .pth sorts first, so ``_psr_hf_lm_eval`` is importable when ours runs).
-Everything else is in pyproject.toml.
+``psr_hf`` lm-eval model when lm-eval loads its registry (lm-eval 0.4.13 discovers no models through entry points;
+psr_hf/eval/lm_eval_hook.py explains why and how). A regular wheel gets the .pth from build_lib; an editable
+install (PEP 660, ``pip install -e .``) gets it in the editable wheel, which setuptools assembles from the folder
+that ``install_lib`` points at, beside its own ``__editable__`` finder (whose .pth sorts first, so
+``_psr_hf_lm_eval`` is importable when ours runs). Everything else is in pyproject.toml.
 """
 
 from pathlib import Path

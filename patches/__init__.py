@@ -1,32 +1,33 @@
 """Architecture patches, one module per model family (shipped in the wheel as ``psr_hf.patches``).
 
 Each module describes one family: how to find its MoE layers, the router's selection scores, the execution
-weights from unmodified scores, the pre-gate and the default pre-gate window, and registers itself with
-:func:`register_patch`. Adding an architecture is adding one file here and listing it in ``FAMILY_MODULES``.
+weights from unmodified scores, the pre-gate and the default pre-gate window, and its tiny random test config
+(:class:`~psr_hf.patches.base.ArchitecturePatch`); it declares the ``config.model_type`` values it handles with
+``@register_patch("model_type", ...)``, the only place they are named. Adding an architecture is adding one file
+here: every module of this package (``base`` and private ``_*`` modules aside) is found on :data:`__path__` and
+imported on the first lookup, which registers its patch. Importing ``psr_hf.patches`` itself imports neither the
+family modules nor torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
-# Families shipped with psr_hf (model_type -> module). Modules are imported on first lookup, so importing
-# psr_hf.patches costs nothing and never imports torch.
-FAMILY_MODULES: dict[str, str] = {
-    "olmoe": "psr_hf.patches.olmoe",
-    "deepseek_v3": "psr_hf.patches.deepseek_v3",
-    "qwen3_5_moe": "psr_hf.patches.qwen3_5_moe",
-    "qwen3_5_moe_text": "psr_hf.patches.qwen3_5_moe",
-    "qwen3_next": "psr_hf.patches.qwen3_next",
-}
+# modules of this package that are not families: the base class every family module imports
+_NOT_FAMILIES = frozenset({"base"})
 
-_REGISTRY: dict[str, object] = {}
+_REGISTRY: dict[str, type] = {}  # model_type -> patch class, filled by @register_patch as family modules import
 
 
 def register_patch(*model_types: str) -> Callable[[T], T]:
-    """Class decorator: register an architecture patch for the given ``config.model_type`` values."""
+    """Class decorator: register an architecture patch class for the given ``config.model_type`` values.
+
+    Returns the class unchanged; ``ValueError`` if no model type is given or one is registered by another class.
+    """
     if not model_types:
         raise ValueError("register_patch needs at least one model_type")
 
@@ -40,12 +41,23 @@ def register_patch(*model_types: str) -> Callable[[T], T]:
     return decorator
 
 
-def get_patch(model_type: str) -> object:
-    """The registered patch for ``model_type``; ``ValueError`` listing the supported ones otherwise."""
-    if model_type not in _REGISTRY and model_type in FAMILY_MODULES:
-        importlib.import_module(FAMILY_MODULES[model_type])
+def _discover() -> None:
+    """Import every family module on this package's path that is not imported yet (importing registers it).
+
+    The path is scanned on every call, not once: a folder added to ``__path__`` later (a plugin, a test) is seen.
+    """
+    for module in pkgutil.iter_modules(__path__):
+        if module.name in _NOT_FAMILIES or module.name.startswith("_"):
+            continue
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+def get_patch(model_type: str) -> type:
+    """The patch class registered for ``model_type``; ``ValueError`` listing the supported ones otherwise."""
     if model_type not in _REGISTRY:
-        supported = sorted(set(FAMILY_MODULES) | set(_REGISTRY)) or ["none yet"]
+        _discover()
+    if model_type not in _REGISTRY:
+        supported = sorted(_REGISTRY) or ["none yet"]
         raise ValueError(
             f"model_type {model_type!r} is not supported by psr_hf; supported: {', '.join(supported)}. "
             "A new architecture is one module in psr_hf/patches registering itself with @register_patch."
@@ -54,4 +66,6 @@ def get_patch(model_type: str) -> object:
 
 
 def supported_model_types() -> list[str]:
-    return sorted(set(FAMILY_MODULES) | set(_REGISTRY))
+    """Every ``config.model_type`` a patch module on this package's path registers, sorted."""
+    _discover()
+    return sorted(_REGISTRY)

@@ -1,13 +1,17 @@
 """What every architecture patch supplies, with the softmax-router behaviour most families share.
 
-A family module subclasses :class:`ArchitecturePatch`, sets ``model_types`` and ``default_window``, and
-overrides what its router does differently (DeepSeek-V3's grouped sigmoid scoring, for instance). The torch
-glue in :mod:`psr_hf.hf` only ever talks to a model through these methods, so a new architecture is one file.
+A family module subclasses :class:`ArchitecturePatch`, registers it with ``@register_patch("model_type", ...)``,
+sets ``default_window`` and the fields of its tiny test config (``tiny``), and overrides what its router does
+differently (DeepSeek-V3's grouped sigmoid scoring, for instance). The torch glue in :mod:`psr_hf.hf` and the
+tiny-model builders of :mod:`psr_hf.testing` only ever talk to a family through this class, so a new
+architecture is one file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -15,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from psr_hf.policy._mass import MASS_SOFTMAX
+
+# special token ids of every tiny test config: psr_hf.testing's byte tokenizer keeps bytes 0, 1, 2 (which never
+# occur in text) for pad, eos and bos
+TINY_SPECIAL_TOKENS: Mapping[str, int] = MappingProxyType(dict(pad_token_id=0, eos_token_id=1, bos_token_id=2))
 
 
 @dataclass(frozen=True)
@@ -35,14 +43,37 @@ class ArchitecturePatch:
     from one matmul), ``execution_weights`` (ALGORITHM.md step 6) and ``router_mass``/``mass_bias``.
     """
 
-    model_types: tuple[str, ...] = ()
     default_window: int = 4
     #: renormalise the gathered softmax over the selected experts (None: read ``router.norm_topk_prob``)
     normalize: bool | None = None
+    #: config fields of the family's tiny random test model (hidden size 64, 3-4 layers, 16 experts) that
+    #: :meth:`tiny_config` passes to transformers; empty: the family has no tiny model
+    tiny: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+    # ------------------------------------------------------------------ tiny test models
+    @classmethod
+    def tiny_config(cls, model_type: str, **overrides: Any) -> Any:
+        """The transformers config (a ``PretrainedConfig``) of a tiny random ``model_type`` model: the fields of
+        :attr:`tiny` with the tiny special token ids, ``overrides`` replacing fields."""
+        if not cls.tiny:
+            raise ValueError(
+                f"{cls.__name__} ({model_type!r}) has no tiny test config: set its `tiny` config fields"
+            )
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, **{**TINY_SPECIAL_TOKENS, **cls.tiny, **overrides})
+
+    @classmethod
+    def build_tiny(cls, config: Any) -> nn.Module:
+        """A model of ``config`` (from :meth:`tiny_config`) with transformers' initialisation: the causal LM
+        class of its model type (families whose tiny model is another class override this)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config)
 
     # ------------------------------------------------------------------ structure
     def decoder(self) -> nn.Module:

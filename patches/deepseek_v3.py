@@ -21,8 +21,15 @@ from .base import ArchitecturePatch
 
 @register_patch("deepseek_v3")
 class DeepseekV3Patch(ArchitecturePatch):
-    model_types = ("deepseek_v3",)
     default_window = 4  # the paper's window for Moonlight
+    # Moonlight's structure in small: grouped sigmoid routing (4 groups, 2 kept), a dense first layer, a shared
+    # expert, scaled and renormalised weights, multi-head latent attention
+    tiny = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    )
 
     def selection_scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.sigmoid() + router.e_score_correction_bias  # [N, E]

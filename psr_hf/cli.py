@@ -125,7 +125,8 @@ def cmd_bench_patch(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.offload import format_table, plot, report_lines, run_bench
+    from .bench.offload import format_table, report_lines, run_bench
+    from .bench.plot import plot
 
     try:
         capacities = [float(c) for c in args.capacities.split(",") if c.strip()]
@@ -152,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:
-    from .bench.offload import plot
+    from .bench.plot import plot
 
     path = Path(args.record)
     if not path.is_file():
@@ -166,9 +167,9 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
-    from .eval.divergence import divergence, format_rows, sweep_configs
-    from .bench.offload import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
     from .assets import HELD_OUT_TEXT
+    from .bench.workloads import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
+    from .eval.divergence import divergence, format_rows, sweep_configs
     from .demo import held_out_text
     from .policy.calibration import Calibration
 
@@ -188,8 +189,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
     elif beside is not None:  # saved beside the model
         calibration, calibrated_on = Calibration.load(beside), info["calibration"]
     else:  # never on the windows' text: other standard-library modules
+        from .bench.workloads import CALIBRATION_MODULES
         from .hf.calibrate import calibrate
-        from .bench.offload import CALIBRATION_MODULES
 
         calibration = calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
                                 max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=False)

@@ -7,13 +7,8 @@ import json
 import pytest
 import torch
 
-from psr_hf.bench.patch import (
-    DEFAULT_CONFIGS,
-    TINY_SHAPE,
-    bench_patch,
-    build_random_model,
-    olmoe_1b_7b_config,
-)
+from psr_hf.bench.patch import DEFAULT_CONFIGS, bench_patch
+from psr_hf.bench.workloads import TINY_SHAPE, build_random_model, olmoe_1b_7b_config
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,19 @@ def test_demo_runs_a_saved_model_with_its_tokenizer_and_calibration(tmp_path, ca
 def test_demo_names_a_model_it_cannot_load(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_a_calibration_made_at_another_top_k_is_refused_by_patch(tmp_path, quiet_psr_hf):
+    """The warm set, prior and delta count the router's own top-K: a top-4 calibration must not steer a top-2
+    model of the same shape (it used to load silently)."""
+    model = tiny_model("olmoe")
+    calibration = psr_hf.calibrate(model, DOCS, max_length=64)
+    assert calibration.top_k == model.config.num_experts_per_tok == 4
+    path = tmp_path / "calibration.safetensors"
+    calibration.save(path)
+    other = tiny_model("olmoe", num_experts_per_tok=2)
+    for given in (calibration, path, str(path)):
+        with pytest.raises(ValueError, match=r"made with top-k 4.*routes to 2 experts per token"):
+            psr_hf.patch(other, psr_hf.RoutingConfig(policy="psr", capacity=8), calibration=given)
+        assert not hasattr(other, "_psr_hf_controller")
+    psr_hf.unpatch(psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", capacity=8), calibration=path))

@@ -12,7 +12,7 @@ from psr_hf.testing import tiny_model
 
 @pytest.mark.parametrize("policy", ["exact", "psr"])
 def test_executed_experts_equal_the_recorded_selection_even_with_ties(policy):
-    model = tiny_model("olmoe", dtype=torch.bfloat16, seed=3)
+    model = tiny_model("olmoe", dtype=torch.bfloat16, seed=0)  # ties at the top-K boundary under both policies
     config = psr_hf.RoutingConfig(policy=policy, residency=0.5)
     with psr_hf.patched(model, config):
         ctl = psr_hf.controller(model)

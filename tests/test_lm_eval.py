@@ -349,9 +349,9 @@ def test_unknown_model_args_fail_with_the_allowed_names(lm_eval_api, tiny):
 
 @pytest.mark.parametrize("arg, message", [
     ("policy=fast", r"policy='fast' is not supported; allowed: exact, cache_prior, psr, spec"),
-    ("budget=abc", r"budget='abc' must be an integer"),
-    ("residency=2", r"residency=2.0 must be a number in \(0, 1\]"),
-    ("lam=true", r"lam=True must be a number, not a boolean"),
+    ("budget=abc", r"budget='abc' must be an int >= 0"),
+    ("residency=2", r"residency=2 must be a number in \(0, 1\]"),
+    ("lam=true", r"lam=True must be a finite number >= 0"),
     ("eviction=fifo", r"eviction='fifo' is not supported; allowed: score, lru"),
     ("calibration=/no/such.safetensors", r"calibration='/no/such.safetensors': no such file"),
 ])
@@ -392,20 +392,25 @@ def test_invalid_offload_args_fail_naming_the_field(lm_eval_api, tiny, args, mes
 def test_model_args_become_a_routing_config(lm_eval_api, tiny):
     import dataclasses
 
-    from psr_hf.eval.lm_model import ROUTING_ARGS, split_model_args
+    from lm_eval.utils import simple_parse_args_string
+
+    from psr_hf.eval.lm_model import ROUTING_ARGS, model_and_calibration, routing_config
 
     assert set(ROUTING_ARGS) == {f.name for f in dataclasses.fields(RoutingConfig)}  # every field, no other
 
-    routing, calibration, hf = split_model_args({
-        "pretrained": "m", "batch_size": 2, "policy": "psr", "lam": "0.25", "budget": "2", "residency": 0.5,
-        "window": "None", "top_j": 1.0, "calibration": tiny["calibration"]})
-    assert routing == RoutingConfig(policy="psr", lam=0.25, budget=2, residency=0.5, top_j=1)
-    assert calibration == tiny["calibration"] and hf == {"pretrained": "m", "batch_size": 2}
+    # typed as lm-eval's parser types --model_args; None leaves a field at its default
+    args = simple_parse_args_string("policy=psr,lam=0.25,budget=2,residency=0.5,window=None,top_j=1")
+    assert routing_config(args) == RoutingConfig(policy="psr", lam=0.25, budget=2, residency=0.5, top_j=1)
     # a config file, explicit fields over it: capacity replaces the file's residency, a new policy its defaults
-    routing, _, _ = split_model_args({"pretrained": "m", "config": tiny["config"], "capacity": 6})
-    assert routing == RoutingConfig(policy="psr", capacity=6, lam=0.3)
-    routing, _, _ = split_model_args({"pretrained": "m", "config": tiny["config"], "policy": "exact"})
-    assert routing == RoutingConfig(policy="exact", residency=0.25)
+    assert routing_config({"capacity": 6}, tiny["config"]) == RoutingConfig(policy="psr", capacity=6, lam=0.3)
+    assert routing_config({"policy": "exact"}, tiny["config"]) == RoutingConfig(policy="exact", residency=0.25)
+    with pytest.raises(ValueError, match="config='/no/such.yaml': no such file"):
+        routing_config({}, "/no/such.yaml")
+    # the calibration given, else the one saved beside the model; tiny-moe is the shipped model's directory
+    assert model_and_calibration(tiny["model"], tiny["calibration"]) == (tiny["model"], tiny["calibration"])
+    assert model_and_calibration(tiny["model"], None) == (tiny["model"], None)
+    path, calibration = model_and_calibration("tiny-moe", None)
+    assert calibration == str(Path(path) / "calibration.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- the controller API

@@ -264,7 +264,7 @@ def test_a_queued_prefetch_whose_slot_is_reassigned_is_dropped():
     sched.pump()  # the first is still in flight: nothing more is issued
     assert second.state != ISSUED
     sched.insert(0, 5, 4, PREFETCH, resident)  # 4 evicted again before its copy was issued: 5 takes slot 1
-    assert second.state == DROPPED and sched.counters[5] == 1  # C_DROPPED
+    assert second.state == DROPPED and sched.counters.dropped == 1
     link.release()
     sched.pump()
     sched.pump()
@@ -278,7 +278,7 @@ def test_a_prefetch_needed_before_it_was_issued_is_issued_at_once_and_counted_la
     link, sched, _, _ = _two_prefetches()  # 3 issued, 4 queued
     link.release()
     sched.load(0, np.array([3, 4]), None)  # the layer executes both: 3 arrived, 4 is issued now
-    assert sched.counters[2] == 1 and sched.counters[3] == 1  # C_IN_TIME, C_LATE
+    assert sched.counters.prefetch_in_time == 1 and sched.counters.prefetch_late == 1
     assert sched.layers[0].jobs[1].state == ISSUED
     sched.wait(0)
     assert link.completed == len(link.issued)
@@ -297,13 +297,13 @@ def test_decoding_slots_mirror_the_logical_cache_on_random_traces(policy):
     dst = [[[slots[layer][s]] for s in range(cache.capacity)] for layer in range(L)]
     sched = SlotScheduler(L, E, cache.capacity, link, 2, 4, src, dst)
     sched.new_sequence([cache.resident(layer) for layer in range(L)])
-    inserts = config.inserts or config.policy == "spec"
+    inserts = config.needs_pregate
     try:
         for t in range(T):
             z, g, tok = trace.scores[t][:, None, None, :], trace.pregate[t][:, None, None, :], trace.tokens[t : t + 1, None]
             for layer in range(L):
                 if inserts and layer:
-                    pg = g[layer] if config.policy == "spec" else None
+                    pg = g[layer] if config.executes_pregate else None
                     plan = cache.select(layer, z[layer], tok, pregate=pg)
                 else:
                     plan = cache.step(layer, z[layer], g[layer] if layer else None, tok)
@@ -322,8 +322,8 @@ def test_decoding_slots_mirror_the_logical_cache_on_random_traces(policy):
                     assert set(sched.layers[layer + 1].slot_expert.tolist()) == set(cache.resident(layer + 1).tolist())
         stats = sched.stats()
         logical = cache.stats()
-        assert stats["demand"] == logical.demand.sum()
-        assert stats["prefetch"] == logical.prefetch.sum()
+        assert stats.demand == logical.demand.sum()
+        assert stats.prefetch == logical.prefetch.sum()
     finally:
         link.close()
 

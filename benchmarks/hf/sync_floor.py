@@ -16,7 +16,9 @@ import json
 import numpy as np
 import torch
 
-from psr_hf.bench.patch import build_random_model, decode_run, olmoe_1b_7b_config, paired_ratio, prompt_ids
+from psr_hf.bench.common import paired_ratio
+from psr_hf.bench.patch import decode_run
+from psr_hf.bench.workloads import build_random_model, olmoe_1b_7b_config, prompt_ids
 
 
 def _to_host(module: torch.nn.Module, args: tuple, output: tuple) -> None:

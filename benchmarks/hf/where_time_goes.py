@@ -16,7 +16,7 @@ import psr_hf
 import importlib
 
 controller_module = importlib.import_module("psr_hf.hf.controller")
-from psr_hf.bench.patch import build_random_model, olmoe_1b_7b_config, prompt_ids
+from psr_hf.bench.workloads import build_random_model, olmoe_1b_7b_config, prompt_ids
 
 TOTALS: dict[str, list[float]] = collections.defaultdict(list)
 

@@ -26,13 +26,13 @@ token. Ratios between rows pair rounds: the exponentiated mean per-round log rat
 the p-value of a one-sample t-test on the log ratios (the repetition, not the token, is the unit; Kalibera and
 Jones 2013). Where two rows decode different tokens (``accelerate``), the ratio uses the tokens both decoded.
 
-The library logs; ``psr-hf bench`` (:mod:`psr_hf.cli`) prints.
+The models and windows come from :mod:`psr_hf.bench.workloads`, the round summaries from :mod:`psr_hf.bench.common`,
+the figure from :mod:`psr_hf.bench.plot`. The library logs; ``psr-hf bench`` (:mod:`psr_hf.cli`) prints.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import logging
 import math
@@ -45,33 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .patch import (
-    _UNCALIBRATED_LOGGERS,
-    TINY_SHAPE,
-    _machine,
-    _QuietUncalibrated,
-    _sync_for,
-    build_random_model,
-    olmoe_1b_7b_config,
-    paired_ratio,
-)
 from ..hf.patching import controller, patch, unpatch
-from .policy import rotated, summarize
 from ..policy.config import RoutingConfig
+from .common import device_sync, machine, paired_summary, quiet_uncalibrated, rotated, summarize, versions
+from .workloads import CALIBRATION_MODULES, RANDOM_OLMOE, WINDOW_MODULES, load_model, module_sources, text_windows
 
 logger = logging.getLogger(__name__)
 
 RESIDENT = "resident"
 ACCELERATE = "accelerate"
 MIN_ROUNDS = 3
-RANDOM_OLMOE = "random-olmoe-1b-7b"
-TINY = "tiny"
-TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf.assets.TINY_MOE_NAME)
-
-# Default text: sources of standard-library modules (offline, deterministic for a given Python). The windows and
-# the calibration never share a module, so the warm set and the token prior are not fitted on the timed tokens.
-WINDOW_MODULES = ("textwrap", "argparse", "json.decoder", "collections")
-CALIBRATION_MODULES = ("functools", "heapq", "string", "contextlib", "dataclasses", "enum")
+# the default calibration: this many tokens of workloads.CALIBRATION_MODULES (never the windows' text)
 CALIBRATION_TOKENS = 8192
 
 # name -> RoutingConfig fields (the residency is added per capacity); the paper's Section 6.1 baselines
@@ -194,7 +178,7 @@ def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.de
     if device is None:  # accelerate leaves offloaded parameters on the meta device
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     device = torch.device(device)
-    sync = _sync_for(device)
+    sync = device_sync(device)
     ids = ids.to(device)
     ctl = getattr(model, "_psr_hf_controller", None)
     kv = DynamicCache(config=model.config)
@@ -234,42 +218,6 @@ def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.de
                            offload_stats["tokens"], T)
     return WindowRun(ms=ms, routing_stats=routing_stats, offload_stats=offload_stats, start_stats=start_stats,
                      logits=torch.stack(logits) if keep_logits else None)
-
-
-# ---------------------------------------------------------------------------------------------------- text windows
-def module_sources(modules: Sequence[str]) -> list[tuple[str, str]]:
-    """``(label, text)`` of each standard-library module's source file (``inspect.getsourcefile``); the label is
-    ``stdlib:<module>`` (records name the module, not a path on the machine)."""
-    out = []
-    for name in modules:
-        path = inspect.getsourcefile(importlib.import_module(name))
-        if path is None:
-            raise ValueError(f"module {name!r} has no source file to read")
-        out.append((f"stdlib:{name}", Path(path).read_text(encoding="utf-8")))
-    return out
-
-
-def text_windows(texts: Sequence[str], tokenizer: Any, *, windows: int, tokens: int) -> list[torch.Tensor]:
-    """``windows`` token windows ``[1, tokens + 1]`` (position 0 starts the sequence, ``tokens`` are timed).
-
-    Window ``i`` is cut from text ``i % len(texts)`` at token offset ``(i // len(texts)) * (tokens + 1)`` (texts
-    tokenised without special tokens); a text too short for its window raises ``ValueError``."""
-    if windows < 1 or tokens < 1:
-        raise ValueError(f"windows={windows} and tokens={tokens} must be >= 1")
-    if not texts:
-        raise ValueError("no texts to cut windows from")
-    # verbose=False: long texts are cut into windows here, beyond the tokenizer's model_max_length
-    encoded = [tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] for text in texts]
-    out = []
-    for i in range(windows):
-        source = encoded[i % len(texts)]
-        start = (i // len(texts)) * (tokens + 1)
-        window = source[start : start + tokens + 1]
-        if len(window) < tokens + 1:
-            raise ValueError(f"text {i % len(texts)} has {len(source)} tokens; window {i} needs tokens "
-                             f"[{start}, {start + tokens + 1}): give fewer --windows or --tokens, or longer --text")
-        out.append(torch.tensor([window], dtype=torch.long))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- model copies
@@ -381,22 +329,6 @@ class _SharedCopy:
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
-def paired_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
-    """Ratio of per-round ``values`` to ``baseline`` (:func:`~psr_hf.bench.patch.paired_ratio`: exp of the mean
-    per-round log ratio, 95% t-interval) plus ``p``: the two-sided p-value of ``scipy.stats.ttest_1samp`` of the
-    log ratios against 0 (None where it is undefined: identical log ratios)."""
-    from scipy import stats
-
-    summary = paired_ratio(values, baseline)
-    logs = np.log(np.asarray(values, dtype=np.float64) / np.asarray(baseline, dtype=np.float64))
-    p = None
-    if logs.size > 1 and np.ptp(logs) > 0:
-        p = float(stats.ttest_1samp(logs, 0.0).pvalue)
-    summary["p"] = p
-    summary["ci95"] = [float(v) for v in summary["ci95"]]
-    return summary
-
-
 def _matched_round_means(a: list[list[list[float]]], b: list[list[list[float]]]) -> tuple[list[float], list[float]]:
     """Per-round mean ms of two rows over the tokens both decoded (``[round][window][position]``)."""
     means_a, means_b = [], []
@@ -515,9 +447,6 @@ def bench_latency(
         offload = offload_config(device, max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms) if routed else None
     elif offload is False:
         offload = None
-    quiet = _QuietUncalibrated()
-    for name in _UNCALIBRATED_LOGGERS:
-        logging.getLogger(name).addFilter(quiet)
     if calibration is None and routed:
         logger.info("bench_latency: routed rows are uncalibrated (warm set = the first C experts, no token prior)")
     shared = _SharedCopy(model, device, calibration, offload) if routed else None
@@ -525,52 +454,51 @@ def bench_latency(
     results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
     memory: dict[str, Any] = {}
     capacity: dict[str, int] = {}
-    try:
-        if ACCELERATE in by_name:
-            if progress is not None:
-                progress("dispatching a copy of the model with accelerate (experts on the CPU)")
-            accelerated = accelerate_copy(model, device)
+    with quiet_uncalibrated():
+        try:
+            if ACCELERATE in by_name:
+                if progress is not None:
+                    progress("dispatching a copy of the model with accelerate (experts on the CPU)")
+                accelerated = accelerate_copy(model, device)
 
-        def run_row(config: BenchConfig, row_windows: Sequence[torch.Tensor]) -> list[WindowRun]:
-            if config.kind == "resident":
-                target = model
-            elif config.kind == "accelerate":
-                target = accelerated
-            else:
-                target = shared.activate(config.routing)
-                ctl = controller(target)
-                capacity.setdefault(config.name, int(ctl.capacity))
-                if config.name not in memory:
-                    memory[config.name] = ctl.memory().to_dict() if offload is not None else None
-            return [decode_window(target, ids, device=device) for ids in row_windows]
+            def run_row(config: BenchConfig, row_windows: Sequence[torch.Tensor]) -> list[WindowRun]:
+                if config.kind == "resident":
+                    target = model
+                elif config.kind == "accelerate":
+                    target = accelerated
+                else:
+                    target = shared.activate(config.routing)
+                    ctl = controller(target)
+                    capacity.setdefault(config.name, int(ctl.capacity))
+                    if config.name not in memory:
+                        memory[config.name] = ctl.memory().to_dict() if offload is not None else None
+                return [decode_window(target, ids, device=device) for ids in row_windows]
 
-        def windows_of(config: BenchConfig, limit: int | None = None) -> list[torch.Tensor]:
-            if config.kind == "accelerate":
-                n = min(accelerate_tokens, windows[0].shape[1] - 1)
-                return [windows[0][:, : 1 + (n if limit is None else min(n, limit))]]
-            if limit is None:
-                return list(windows)
-            return [windows[0][:, : 1 + min(limit, windows[0].shape[1] - 1)]]
+            def windows_of(config: BenchConfig, limit: int | None = None) -> list[torch.Tensor]:
+                if config.kind == "accelerate":
+                    n = min(accelerate_tokens, windows[0].shape[1] - 1)
+                    return [windows[0][:, : 1 + (n if limit is None else min(n, limit))]]
+                if limit is None:
+                    return list(windows)
+                return [windows[0][:, : 1 + min(limit, windows[0].shape[1] - 1)]]
 
-        for w in range(warmup):
-            for config in configs:
-                run_row(config, windows_of(config, WARMUP_TOKENS))
-            if progress is not None:
-                progress(f"warm-up {w + 1}/{warmup} done")
-        for r in range(rounds):
-            for config in rotated(configs, r):
-                results[config.name].append(run_row(config, windows_of(config)))
-            if progress is not None:
-                line = ", ".join(f"{n} {np.mean([t for w in results[n][-1] for t in w.ms]):.2f}" for n in names)
-                progress(f"round {r + 1}/{rounds}: ms/token {line}")
-    finally:
-        for name in _UNCALIBRATED_LOGGERS:
-            logging.getLogger(name).removeFilter(quiet)
-        if shared is not None:
-            shared.close()
-        accelerated = None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            for w in range(warmup):
+                for config in configs:
+                    run_row(config, windows_of(config, WARMUP_TOKENS))
+                if progress is not None:
+                    progress(f"warm-up {w + 1}/{warmup} done")
+            for r in range(rounds):
+                for config in rotated(configs, r):
+                    results[config.name].append(run_row(config, windows_of(config)))
+                if progress is not None:
+                    means = {n: np.mean([t for w in results[n][-1] for t in w.ms]) for n in names}
+                    progress(f"round {r + 1}/{rounds}: ms/token " + ", ".join(f"{n} {m:.2f}" for n, m in means.items()))
+        finally:
+            if shared is not None:
+                shared.close()
+            accelerated = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     model_info = describe_model(model)
     resident_ms = [[w.ms for w in run] for run in results[RESIDENT]]
@@ -606,8 +534,8 @@ def bench_latency(
 
 
 def compare_rows(rows: Sequence[Mapping[str, Any]], numerator: str, denominator: str) -> dict[str, Any] | None:
-    """:func:`paired_summary` of row ``numerator``'s per-round ms/token over row ``denominator``'s (on the tokens
-    both decoded); None if either row is missing."""
+    """:func:`~psr_hf.bench.common.paired_summary` of row ``numerator``'s per-round ms/token over row
+    ``denominator``'s (on the tokens both decoded); None if either row is missing."""
     by_name = {row["configuration"]: row for row in rows}
     if numerator not in by_name or denominator not in by_name:
         return None
@@ -636,21 +564,29 @@ def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def evaluate_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's goals, each ``met`` / ``not met`` (on the point estimate of the paired ratio; ``ci95`` and
-    ``significant`` say whether the whole interval lies on the goal's side) or ``not measured``."""
+    """The issue's goals, each ``met`` (the whole 95% interval of the paired ratio lies on the goal's side),
+    ``not met`` (the whole interval lies on the other side), ``not shown`` (the interval crosses the bound, or there
+    is none: too few rounds) or ``not measured``; ``point`` says on which side the point estimate lies."""
     goals = []
+
+    def side(value: float, bound: float, op: str) -> bool:
+        return value <= bound if op == "<=" else value >= bound if op == ">=" else value > bound
 
     def goal(text: str, numerator: str, denominator: str, bound: float, op: str) -> None:
         c = compare_rows(rows, numerator, denominator)
         entry: dict[str, Any] = {"goal": text, "numerator": numerator, "denominator": denominator, "bound": bound,
                                  "op": op, "status": "not measured", "ratio": None, "ci95": None, "p": None,
-                                 "significant": None}
+                                 "significant": None, "point": None}
         if c is not None:
-            ok = c["ratio"] <= bound if op == "<=" else c["ratio"] >= bound if op == ">=" else c["ratio"] > bound
             lo, hi = c["ci95"]
-            sure = (hi <= bound) if op == "<=" else (lo >= bound if op == ">=" else lo > bound)
-            entry.update(status="met" if ok else "not met", ratio=c["ratio"], ci95=c["ci95"], p=c["p"],
-                         significant=bool(sure) if math.isfinite(lo) and math.isfinite(hi) else None)
+            defined = math.isfinite(lo) and math.isfinite(hi)
+            # the whole interval on the goal's side: for "<=" its upper end, for ">=" / ">" its lower end
+            inside = defined and side(hi if op == "<=" else lo, bound, op)
+            outside = defined and not side(lo if op == "<=" else hi, bound, op)
+            status = "met" if inside else "not met" if outside else "not shown"
+            entry.update(status=status, ratio=c["ratio"], ci95=c["ci95"], p=c["p"],
+                         significant=bool(inside) if defined else None,
+                         point="met" if side(c["ratio"], bound, op) else "not met")
         goals.append(entry)
 
     for residency, bound in RESIDENT_GOALS.items():
@@ -689,61 +625,6 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "expert_bytes": int(expert_bytes),
         "experts_implementation": getattr(config, "_experts_implementation", None),
     }
-
-
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    import psr_hf
-
-    out = {"psr_hf": psr_hf.__version__}
-    for package in ("torch", "transformers", "accelerate", "numpy", "scipy", "numba"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = "not installed"
-    return out
-
-
-def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
-    weights, bf16, built on ``device``), ``tiny`` (:data:`~psr_hf.bench.patch.TINY_SHAPE`, float32) or a model
-    directory (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
-    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe``
-    being the trained one shipped in :mod:`psr_hf.assets` (float32). The random models use
-    :func:`psr_hf.testing.byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
-    target = torch.device(device)
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
-    if model in (RANDOM_OLMOE, TINY):
-        from .workloads import byte_tokenizer
-
-        tiny = model == TINY
-        dtype = torch.float32 if tiny else torch.bfloat16
-        built = build_random_model(olmoe_1b_7b_config(**(TINY_SHAPE if tiny else {})), target, dtype, seed=seed)
-        return built, byte_tokenizer(), {
-            "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
-            "tokenizer": "byte-level, 256 ids (psr_hf.testing.byte_tokenizer)"}
-    from ..assets import calibration_beside, model_dir
-
-    path = model_dir(model)
-    if not path.is_dir():
-        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    # the shipped model is small: float32 (its bf16 weights upcast), the precision a CPU runs best
-    dtype = torch.float32 if model == TINY_MOE else "auto"
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="grouped_mm")
-    info = {"name": model if model == TINY_MOE else str(path), "weights": "pretrained",
-            "tokenizer": type(tokenizer).__name__}
-    beside = calibration_beside(path)
-    if beside is not None:  # a calibration saved beside the model is its default
-        info["calibration_file"] = str(beside)
-        # how records name it: the shipped one by its place in the package, never by this machine's path
-        info["calibration"] = ("psr_hf/assets/tiny_moe/calibration.safetensors" if model == TINY_MOE
-                               else info["calibration_file"])
-    return loaded.to(target).eval(), tokenizer, info
 
 
 def run_bench(
@@ -830,8 +711,8 @@ def run_bench(
         "windows": {"sources": [path for path, _ in sources], "ids": [w[0].tolist() for w in ids],
                     "rule": "window i: text i % n at token offset (i // n) * (tokens + 1), tokens + 1 ids"},
         "calibration": calibration_info,
-        "machine": _machine(device_used),
-        "versions": _versions(),
+        "machine": machine(device_used),
+        "versions": versions(),
         "results": results,
         "comparisons": comparisons(results),
         "goals": evaluate_goals(results),
@@ -909,8 +790,8 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
     lines.append("")
     for g in record["goals"]:
         detail = "" if g["ratio"] is None else f" (ratio {_ratio_text(g)}" + (
-            "" if g["significant"] is None else f", 95% interval {'inside' if g['significant'] else 'not inside'} "
-                                                f"the goal") + ")"
+            "" if g["status"] != "not shown" else f", point estimate on the {'goal' if g['point'] == 'met' else 'other'}"
+                                                 f" side, 95% interval across the bound") + ")"
         lines.append(f"goal {g['goal']}: {g['status']}{detail}")
     n = model["parameters"]
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
@@ -927,91 +808,3 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
     lines.append(f"machine: {machine['device']}, torch {machine['torch']}, transformers {machine['transformers']}, "
                  f"accelerate {record['versions']['accelerate']}")
     return lines
-
-
-# ---------------------------------------------------------------------------------------------------- plot
-_CATEGORIES = (("demand_per_token", "demand", "#c0392b"), ("prefetch_late_per_token", "prefetch, late", "#e67e22"),
-               ("prefetch_in_time_per_token", "prefetch, in time", "#27ae60"),
-               ("prefetch_unused_per_token", "prefetch, unused", "#95a5a6"))
-_MARKERS = ("o", "s", "^", "D", "v", "P")
-
-
-def plot(record: Mapping[str, Any], path: str | Path) -> Path:
-    """Write a PNG of a :func:`run_bench` record with two panels: (a) ms/token against copies per token, one point
-    per routed row (marker per capacity, colour per policy, bars: 95% interval of the mean), the resident row (and
-    accelerate's, if measured) as horizontal lines; (b) copies per token of each routed row stacked by kind (demand,
-    late, in-time and unused prefetch), with ms/token as dots on a second axis (the paper's Figure 4)."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-
-    rows = list(record["results"])
-    routed = [row for row in rows if row["kind"] == "offload"]
-    by_kind = {row["kind"]: row for row in rows if row["kind"] != "offload"}
-    fig = Figure(figsize=(13, 5.2), layout="constrained")
-    ax_a, ax_b = fig.subplots(1, 2, width_ratios=[1, 1.35])
-    policies = list(dict.fromkeys(row["policy"] for row in routed))
-    residencies = list(dict.fromkeys(row["residency"] for row in routed))
-    colours = {p: f"C{i % 10}" for i, p in enumerate(policies)}
-    markers = {r: _MARKERS[i % len(_MARKERS)] for i, r in enumerate(residencies)}
-    for row in routed:
-        ms = row["ms_per_token"]
-        lo, hi = ms["ci95"]
-        err = [[ms["mean"] - lo], [hi - ms["mean"]]] if math.isfinite(lo) and math.isfinite(hi) else None
-        ax_a.errorbar(row["copies"].get("copies_per_token", float("nan")), ms["mean"], yerr=err,
-                      marker=markers[row["residency"]], color=colours[row["policy"]], linestyle="none", capsize=3,
-                      markersize=7)
-    resident = by_kind.get("resident")
-    if resident is not None:
-        ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
-                     label=f"resident (grouped_mm) {resident['ms_per_token']['mean']:.2f} ms")
-    accelerated = by_kind.get("accelerate")
-    if accelerated is not None:
-        ax_a.axhline(accelerated["ms_per_token"]["mean"], color="black", linestyle="--", linewidth=1,
-                     label=f"accelerate dispatch_model {accelerated['ms_per_token']['mean']:.1f} ms")
-        if resident is not None and accelerated["ms_per_token"]["mean"] > 20 * resident["ms_per_token"]["mean"]:
-            ax_a.set_yscale("log")
-    for p in policies:
-        ax_a.plot([], [], marker="o", color=colours[p], linestyle="none", label=p)
-    for r in residencies:
-        ax_a.plot([], [], marker=markers[r], color="grey", linestyle="none", label=f"{r:.0%} resident")
-    if ax_a.get_yscale() == "linear":
-        ax_a.set_ylim(bottom=0)
-    ax_a.set_xlim(left=0)
-    ax_a.set_xlabel("expert copies per token")
-    ax_a.set_ylabel("ms per token")
-    ax_a.set_title("(a) latency vs copies")
-    ax_a.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below: never on a point
-    ax_a.grid(alpha=0.3)
-
-    x = np.arange(len(routed), dtype=float)
-    physical = bool(routed) and all(row["copies"]["source"] == "offload scheduler" for row in routed)
-    if physical:
-        categories = _CATEGORIES
-    else:
-        categories = (("demand_per_token", "demand", "#c0392b"),
-                      ("prefetch_per_token", "prefetch (timing not measured)", "#7f8c8d"))
-    bottom = np.zeros(len(routed))
-    for key, label, colour in categories:
-        values = np.array([float(row["copies"].get(key) or 0.0) for row in routed])
-        ax_b.bar(x, values, bottom=bottom, color=colour, label=label, width=0.75)
-        bottom += values
-    ax_b.set_ylim(0, 1.45 * max(float(bottom.max(initial=0.0)), 1e-9))  # room for the legend above the bars
-    ax_b.set_xticks(x, [row["configuration"] for row in routed], rotation=60, ha="right", fontsize=8)
-    ax_b.set_ylabel("expert copies per token")
-    ax_b.set_title("(b) copies per token by kind; dots: ms/token")
-    twin = ax_b.twinx()
-    twin.plot(x, [row["ms_per_token"]["mean"] for row in routed], "o", color="black", label="ms/token")
-    if resident is not None:
-        twin.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=0.8, linestyle=":",
-                     label="resident ms/token")
-    twin.set_ylabel("ms per token")
-    highest = max([row["ms_per_token"]["mean"] for row in routed]
-                  + ([resident["ms_per_token"]["mean"]] if resident is not None else []), default=1.0)
-    twin.set_ylim(0, 1.45 * highest)
-    handles, labels = ax_b.get_legend_handles_labels()
-    more_h, more_l = twin.get_legend_handles_labels()
-    ax_b.legend(handles + more_h, labels + more_l, fontsize=8, loc="upper left", ncol=3)
-    model = record["model"]
-    fig.suptitle(f"psr-hf bench: {model['name']}, {record['machine']['device']}, {record['settings']['rounds']} rounds")
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    return path

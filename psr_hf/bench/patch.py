@@ -19,41 +19,28 @@ steps: the controller's totals are reset at the first token (:meth:`Controller.r
 Summary per configuration: mean and median over rounds with a 95% t-interval of the mean, and the ratio to the
 baseline (unpatched) from the paired per-round ratios: the mean of the per-round log ratios with its 95%
 t-interval, exponentiated. The exact configuration's tokens are compared with the same round's unpatched tokens
-(bitwise identity is a correctness claim the table shows). The library logs; :func:`run_cli` prints.
+(bitwise identity is a correctness claim the table shows). The library logs; ``psr-hf bench-patch``
+(:mod:`psr_hf.cli`) prints.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .policy import rotated, summarize
-from ..policy.config import RoutingConfig
 from ..hf.patching import controller, patch, unpatch
+from ..policy.config import RoutingConfig
+from .common import device_sync, machine, paired_ratio, quiet_uncalibrated, rotated, summarize
+from .workloads import TINY_SHAPE, build_random_model, olmoe_1b_7b_config, prompt_ids, router_weight_std
 
 logger = logging.getLogger(__name__)
-
-# allenai/OLMoE-1B-7B-0924's shape; no end-of-sequence or pad token, so generation never stops early
-OLMOE_1B_7B: dict[str, Any] = dict(
-    vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-    num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
-    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-)
-# a shape that decodes in milliseconds per token on a CPU (tests, --tiny)
-TINY_SHAPE: dict[str, Any] = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=4, num_experts=16, num_experts_per_tok=4,
-)
 
 BASELINE = "unpatched"
 # the issue's three rows: unpatched, exact routing with LRU and no prefetch, PSR at the paper's operating point
@@ -65,58 +52,6 @@ DEFAULT_CONFIGS: dict[str, RoutingConfig | None] = {
 GOAL_RATIO = 1.10  # the issue's goal: patching costs at most 10%
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def olmoe_1b_7b_config(**overrides: Any) -> Any:
-    """An ``OlmoeConfig`` with OLMoE-1B-7B's shape (see :data:`OLMOE_1B_7B`); ``overrides`` replace fields.
-
-    ``rope_theta=`` is accepted as an override and stored in ``rope_parameters`` (transformers 5 keeps it there).
-    """
-    from transformers import OlmoeConfig
-
-    fields = {**OLMOE_1B_7B, **overrides}
-    if "rope_theta" in fields:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
-    return OlmoeConfig(**fields)
-
-
-def router_weight_std(hidden_size: int) -> float:
-    """Std of the random router weights: the logit scale that std 0.5 gives at hidden size 64 (tiny.py).
-
-    Logits are sums over ``hidden_size`` unit-RMS inputs, so the std scales as ``1/sqrt(hidden_size)``; the
-    default init (0.02) would make routing nearly uniform, unlike trained routers.
-    """
-    return 0.5 * math.sqrt(64.0 / hidden_size)
-
-
-def build_random_model(config: Any, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                       seed: int = 0, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
-    """A seeded random ``AutoModelForCausalLM`` of ``config``, built directly on ``device`` in ``dtype``, eval mode.
-
-    The router weights get :func:`router_weight_std` so routing is peaked; everything else keeps transformers'
-    init. ``experts_implementation`` (``grouped_mm``, ``batched_mm`` or ``eager``) is passed to ``from_config``;
-    note that ``generate()`` on a GPU switches ``grouped_mm`` to ``batched_mm`` for its decode steps.
-    """
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' (with the tiny shape)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    rng_devices = [device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices):
-        torch.manual_seed(seed)
-        with device:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                     experts_implementation=experts_implementation)
-        std = router_weight_std(int(config.hidden_size))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight") and param.ndim == 2:
-                    param.normal_(mean=0.0, std=std)
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -155,12 +90,6 @@ class DecodeRun:
     effective: dict[str, Any] | None  # what the logical cache runs: capacity, window, budget, delta_mode
 
 
-def _sync_for(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def _experts_implementation(model: torch.nn.Module) -> str | None:
     getter = getattr(model, "get_experts_implementation", None)
     if getter is not None:
@@ -176,7 +105,7 @@ def decode_run(model: torch.nn.Module, config: RoutingConfig | None, input_ids: 
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (decode-only time needs a step after the first token)")
     device = input_ids.device
-    sync = _sync_for(device)
+    sync = device_sync(device)
     if config is not None:
         patch(model, config, calibration=calibration)
     try:
@@ -226,39 +155,6 @@ def decode_run(model: torch.nn.Module, config: RoutingConfig | None, input_ids: 
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
-def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
-    """Ratio of ``values`` to ``baseline`` paired by round: exp of the mean per-round log ratio, with the
-    exponentiated 95% t-interval of that mean (nan with one round)."""
-    from scipy import stats
-
-    logs = np.log(np.asarray(values, dtype=np.float64) / np.asarray(baseline, dtype=np.float64))
-    mean = float(logs.mean())
-    if logs.size > 1:
-        half = float(stats.t.ppf(0.975, logs.size - 1) * logs.std(ddof=1) / np.sqrt(logs.size))
-    else:
-        half = float("nan")
-    return {"ratio": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
-            "rounds": np.exp(logs).tolist()}
-
-
-_UNCALIBRATED = ("psr_hf.patch without a calibration", "no calibration given")
-_UNCALIBRATED_LOGGERS = ("psr_hf.hf.patching", "psr_hf.policy.cache")
-
-
-class _QuietUncalibrated(logging.Filter):
-    # patch() warns on every uncalibrated install; a benchmark patches once per run and says so once instead
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_UNCALIBRATED)
-
-
-def prompt_ids(vocab_size: int, prompt_tokens: int, seed: int) -> torch.Tensor:
-    """``[1, prompt_tokens]`` token ids drawn uniformly from ``[0, vocab_size)`` by a CPU generator seeded ``seed``."""
-    if prompt_tokens < 1:
-        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, prompt_tokens), generator=generator)
-
-
 def bench_patch(
     model: torch.nn.Module, *, configs: Mapping[str, RoutingConfig | None] | None = None, prompt_tokens: int = 32,
     new_tokens: int = 256, rounds: int = 5, warmup: int = 1, seed: int = 0, baseline: str | None = None,
@@ -279,9 +175,10 @@ def bench_patch(
             the running bonus scale).
 
     Returns one dict per configuration, in ``configs`` order: ``ms_per_token`` and ``prefill_ms``
-    (:func:`~psr_hf.bench.policy.summarize` over rounds), ``ratio`` (:func:`paired_ratio` to the baseline),
-    decode-only routing statistics (means over rounds; None when unpatched), ``tokens_identical_to_baseline``
-    (every round's tokens equal the same round's baseline tokens) and the tokens of the last round.
+    (:func:`~psr_hf.bench.common.summarize` over rounds), ``ratio`` (:func:`~psr_hf.bench.common.paired_ratio`
+    to the baseline), decode-only routing statistics (means over rounds; None when unpatched),
+    ``tokens_identical_to_baseline`` (every round's tokens equal the same round's baseline tokens) and the tokens
+    of the last round.
     """
     configs = dict(DEFAULT_CONFIGS if configs is None else configs)
     if not configs:
@@ -297,13 +194,10 @@ def bench_patch(
     names = list(configs)
     runs: dict[str, list[DecodeRun]] = {name: [] for name in names}
     baseline_tokens: list[list[int]] = []  # every baseline run, warm-up included: is the baseline repeatable?
-    quiet = _QuietUncalibrated()
-    for name in _UNCALIBRATED_LOGGERS:
-        logging.getLogger(name).addFilter(quiet)
     if calibration is None and any(config is not None for config in configs.values()):
         logger.info("bench_patch: patched runs are uncalibrated (warm set = the first C experts, no token prior, "
                     "running bonus scale)")
-    try:
+    with quiet_uncalibrated():
         for w in range(warmup):
             for name in names:
                 run = decode_run(model, configs[name], ids, new_tokens, calibration)
@@ -318,9 +212,6 @@ def bench_patch(
             if progress is not None:
                 line = ", ".join(f"{name} {runs[name][-1].ms_per_token:.2f}" for name in names)
                 progress(f"round {r + 1}/{rounds}: ms/token {line}")
-    finally:
-        for name in _UNCALIBRATED_LOGGERS:
-            logging.getLogger(name).removeFilter(quiet)
     repeatable = all(tokens == baseline_tokens[0] for tokens in baseline_tokens)
     base_ms = [run.ms_per_token for run in runs[baseline]]
     rows = []
@@ -357,27 +248,6 @@ def bench_patch(
 
 
 # ---------------------------------------------------------------------------------------------------- record
-def _machine(device: torch.device) -> dict[str, Any]:
-    import transformers
-
-    machine: dict[str, Any] = {
-        "device_type": device.type,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if device.type == "cuda":
-        machine["device"] = torch.cuda.get_device_name(device)
-        machine["cuda"] = torch.version.cuda
-        machine["capability"] = list(torch.cuda.get_device_capability(device))
-    else:
-        machine["device"] = platform.processor() or platform.machine()
-    return machine
-
-
 def run_bench_patch(
     *, device: str = "cuda", dtype: str = "bf16", tiny: bool = False, rounds: int = 5, new_tokens: int = 256,
     prompt_tokens: int = 32, warmup: int = 1, seed: int = 0, experts_implementation: str = "grouped_mm",
@@ -446,7 +316,7 @@ def run_bench_patch(
             "router_weight_std": router_weight_std(config.hidden_size),
             "weights": f"random, torch.manual_seed({seed}) on {target.type}; routers at router_weight_std",
         },
-        "machine": _machine(target),
+        "machine": machine(target),
         "results": rows,
     }
     return record

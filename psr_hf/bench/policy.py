@@ -1,15 +1,13 @@
 """Benchmarks of the policy kernels: the per-call cost at batch 1 and the replay throughput.
 
 Interleaved rounds (every configuration once per round, in the same order), summarised per configuration by
-the median over rounds and a 95% t-interval of the mean of the round means. Returned as plain dicts so the CLI
-can print a table and write a JSON record; the library only logs.
+the median over rounds and a 95% t-interval of the mean of the round means (:func:`~psr_hf.bench.common.summarize`).
+Returned as plain dicts so the CLI can print a table and write a JSON record; the library only logs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import time
 from typing import Any, Callable
 
@@ -19,41 +17,9 @@ from ..policy.cache import LogicalCache
 from ..policy.config import RoutingConfig
 from ..policy.replaying import replay
 from ..policy.traces import calibration_from_trace, synthetic_trace
+from .common import machine, summarize
 
 logger = logging.getLogger(__name__)
-
-
-def rotated(items: list, round_index: int) -> list:
-    """``items`` in the order of an interleaved round: rotated left by ``round_index`` (so drift in clocks or
-    temperature falls on every item alike over the rounds)."""
-    k = round_index % len(items)
-    return items[k:] + items[:k]
-
-
-def summarize(values: list[float]) -> dict[str, Any]:
-    """Median, mean and 95% t-interval of the mean over rounds."""
-    from scipy import stats
-
-    a = np.asarray(values, dtype=np.float64)
-    mean = float(a.mean())
-    if a.size > 1:
-        half = float(stats.t.ppf(0.975, a.size - 1) * a.std(ddof=1) / np.sqrt(a.size))
-    else:
-        half = float("nan")
-    return {"median": float(np.median(a)), "mean": mean, "ci95": [mean - half, mean + half], "rounds": a.tolist()}
-
-
-def _machine() -> dict[str, Any]:
-    import numba
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-    }
 
 
 def _call_case(E: int, K: int, how: str, calls: int, seed: int) -> Callable[[], float]:
@@ -150,6 +116,6 @@ def bench_policy(
         "settings": {"rounds": rounds, "calls": calls, "replay_tokens": tokens, "replay_layers": layers,
                      "config": "psr lam 0.2 budget 1 window 8 score eviction, residency 0.5 (exact: LRU)",
                      "seed": seed},
-        "machine": _machine(),
+        "machine": machine(),
         "results": rows,
     }

@@ -1,10 +1,48 @@
-"""Workloads of the benchmarks: the models they build and the text they decode."""
+"""Workloads of the benchmarks: the models they build or load and the text they decode.
+
+- models: :func:`olmoe_1b_7b_config` and :func:`build_random_model` (seeded random OLMoE-1B-7B-shaped or
+  :data:`TINY_SHAPE` models with peaked routers), :func:`load_model` (what ``--model`` names: those, the shipped
+  ``tiny-moe`` or a model directory);
+- tokens: :func:`byte_tokenizer` (for the random models), :func:`prompt_ids` (seeded random prompts);
+- text: :func:`module_sources` (standard-library sources, offline and deterministic) and :func:`text_windows`
+  (fixed token windows cut from texts); :data:`WINDOW_MODULES` and :data:`CALIBRATION_MODULES` never overlap.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 
+RANDOM_OLMOE = "random-olmoe-1b-7b"
+TINY = "tiny"
+TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf.assets.TINY_MOE_NAME)
+
+# allenai/OLMoE-1B-7B-0924's shape; no end-of-sequence or pad token, so generation never stops early
+OLMOE_1B_7B: dict[str, Any] = dict(
+    vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+)
+# a shape that decodes in milliseconds per token on a CPU (tests, --tiny, --model tiny)
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, num_experts=16, num_experts_per_tok=4,
+)
+
+# Default text: sources of standard-library modules (offline, deterministic for a given Python). The windows and
+# the calibration never share a module, so the warm set and the token prior are not fitted on the timed tokens.
+WINDOW_MODULES = ("textwrap", "argparse", "json.decoder", "collections")
+CALIBRATION_MODULES = ("functools", "heapq", "string", "contextlib", "dataclasses", "enum")
+
+
+# ---------------------------------------------------------------------------------------------------- tokens
 def byte_tokenizer() -> Any:
     """A byte-level ``PreTrainedTokenizerFast`` over exactly 256 ids (one per byte, no merges), so it fits the tiny
     models' vocabulary; eos/pad/bos are the tiny configs' ids 1/0/2 (bytes that never occur in text)."""
@@ -17,3 +55,140 @@ def byte_tokenizer() -> Any:
     vocab = tokenizer.convert_ids_to_tokens([0, 1, 2])
     tokenizer.pad_token, tokenizer.eos_token, tokenizer.bos_token = vocab[0], vocab[1], vocab[2]
     return tokenizer
+
+
+def prompt_ids(vocab_size: int, prompt_tokens: int, seed: int) -> torch.Tensor:
+    """``[1, prompt_tokens]`` token ids drawn uniformly from ``[0, vocab_size)`` by a CPU generator seeded ``seed``."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, prompt_tokens), generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def olmoe_1b_7b_config(**overrides: Any) -> Any:
+    """An ``OlmoeConfig`` with OLMoE-1B-7B's shape (see :data:`OLMOE_1B_7B`); ``overrides`` replace fields.
+
+    ``rope_theta=`` is accepted as an override and stored in ``rope_parameters`` (transformers 5 keeps it there).
+    """
+    from transformers import OlmoeConfig
+
+    fields = {**OLMOE_1B_7B, **overrides}
+    if "rope_theta" in fields:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
+    return OlmoeConfig(**fields)
+
+
+def router_weight_std(hidden_size: int) -> float:
+    """Std of the random router weights: the logit scale that std 0.5 gives at hidden size 64 (tiny.py).
+
+    Logits are sums over ``hidden_size`` unit-RMS inputs, so the std scales as ``1/sqrt(hidden_size)``; the
+    default init (0.02) would make routing nearly uniform, unlike trained routers.
+    """
+    return 0.5 * math.sqrt(64.0 / hidden_size)
+
+
+def build_random_model(config: Any, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0, experts_implementation: str = "grouped_mm") -> torch.nn.Module:
+    """A seeded random ``AutoModelForCausalLM`` of ``config``, built directly on ``device`` in ``dtype``, eval mode.
+
+    The router weights get :func:`router_weight_std` so routing is peaked; everything else keeps transformers'
+    init. ``experts_implementation`` (``grouped_mm``, ``batched_mm`` or ``eager``) is passed to ``from_config``;
+    note that ``generate()`` on a GPU switches ``grouped_mm`` to ``batched_mm`` for its decode steps.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' (with the tiny shape)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    rng_devices = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     experts_implementation=experts_implementation)
+        std = router_weight_std(int(config.hidden_size))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight") and param.ndim == 2:
+                    param.normal_(mean=0.0, std=std)
+    return model.eval()
+
+
+def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
+    weights, bf16, built on ``device``), ``tiny`` (:data:`TINY_SHAPE`, float32) or a model directory
+    (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
+    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe``
+    being the trained one shipped in :mod:`psr_hf.assets` (float32). The random models use
+    :func:`byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
+    if model in (RANDOM_OLMOE, TINY):
+        tiny = model == TINY
+        dtype = torch.float32 if tiny else torch.bfloat16
+        built = build_random_model(olmoe_1b_7b_config(**(TINY_SHAPE if tiny else {})), target, dtype, seed=seed)
+        # the record's text names the tokenizer where users meet it (psr_hf.testing re-exports it)
+        return built, byte_tokenizer(), {
+            "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
+            "tokenizer": "byte-level, 256 ids (psr_hf.testing.byte_tokenizer)"}
+    from ..assets import calibration_beside, model_dir
+
+    path = model_dir(model)
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # the shipped model is small: float32 (its bf16 weights upcast), the precision a CPU runs best
+    dtype = torch.float32 if model == TINY_MOE else "auto"
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="grouped_mm")
+    info = {"name": model if model == TINY_MOE else str(path), "weights": "pretrained",
+            "tokenizer": type(tokenizer).__name__}
+    beside = calibration_beside(path)
+    if beside is not None:  # a calibration saved beside the model is its default
+        info["calibration_file"] = str(beside)
+        # how records name it: the shipped one by its place in the package, never by this machine's path
+        info["calibration"] = ("psr_hf/assets/tiny_moe/calibration.safetensors" if model == TINY_MOE
+                               else info["calibration_file"])
+    return loaded.to(target).eval(), tokenizer, info
+
+
+# ---------------------------------------------------------------------------------------------------- text
+def module_sources(modules: Sequence[str]) -> list[tuple[str, str]]:
+    """``(label, text)`` of each standard-library module's source file (``inspect.getsourcefile``); the label is
+    ``stdlib:<module>`` (records name the module, not a path on the machine)."""
+    out = []
+    for name in modules:
+        path = inspect.getsourcefile(importlib.import_module(name))
+        if path is None:
+            raise ValueError(f"module {name!r} has no source file to read")
+        out.append((f"stdlib:{name}", Path(path).read_text(encoding="utf-8")))
+    return out
+
+
+def text_windows(texts: Sequence[str], tokenizer: Any, *, windows: int, tokens: int) -> list[torch.Tensor]:
+    """``windows`` token windows ``[1, tokens + 1]`` (position 0 starts the sequence, ``tokens`` are timed).
+
+    Window ``i`` is cut from text ``i % len(texts)`` at token offset ``(i // len(texts)) * (tokens + 1)`` (texts
+    tokenised without special tokens); a text too short for its window raises ``ValueError``."""
+    if windows < 1 or tokens < 1:
+        raise ValueError(f"windows={windows} and tokens={tokens} must be >= 1")
+    if not texts:
+        raise ValueError("no texts to cut windows from")
+    # verbose=False: long texts are cut into windows here, beyond the tokenizer's model_max_length
+    encoded = [tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] for text in texts]
+    out = []
+    for i in range(windows):
+        source = encoded[i % len(texts)]
+        start = (i // len(texts)) * (tokens + 1)
+        window = source[start : start + tokens + 1]
+        if len(window) < tokens + 1:
+            raise ValueError(f"text {i % len(texts)} has {len(source)} tokens; window {i} needs tokens "
+                             f"[{start}, {start + tokens + 1}): give fewer --windows or --tokens, or longer --text")
+        out.append(torch.tensor([window], dtype=torch.long))
+    return out

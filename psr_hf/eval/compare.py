@@ -76,6 +76,8 @@ from typing import Any
 
 import numpy as np
 
+from .stats import Interval, normal_interval, standard_error
+
 logger = logging.getLogger(__name__)
 
 # lm-eval: datetime.now().isoformat().replace(":", "-"), e.g. 2026-11-30T13-41-23.117940
@@ -307,9 +309,8 @@ def paired_binary(a: Sequence[float], b: Sequence[float]) -> PairedStatistic:
     run_only = int(np.sum(b & ~a))
     table = [[int(np.sum(a & b)), reference_only], [run_only, int(np.sum(~a & ~b))]]
     result = mcnemar(table, exact=True)
-    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return PairedStatistic(float(d.mean()) if n else math.nan, se, float(result.pvalue), "mcnemar-exact",
-                           float(result.statistic),
+    return PairedStatistic(float(d.mean()) if n else math.nan, standard_error(d), float(result.pvalue),
+                           "mcnemar-exact", float(result.statistic),
                            {"reference_only": reference_only, "run_only": run_only, "both": table[0][0],
                             "neither": table[1][1]})
 
@@ -407,8 +408,7 @@ def paired_continuous(a: Sequence[float], b: Sequence[float]) -> PairedStatistic
     b = np.asarray(b, dtype=np.float64)
     d = b - a
     t, p, df = _t_test(d)
-    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else math.nan
-    return PairedStatistic(float(d.mean()), se, p, "paired-t", t,
+    return PairedStatistic(float(d.mean()), standard_error(d), p, "paired-t", t,
                            {"run_better": int(np.sum(d > 0)), "reference_better": int(np.sum(d < 0))},
                            {"df": df})
 
@@ -434,31 +434,15 @@ def holm(pvalues: Sequence[float], alpha: float = 0.05) -> Holm:
     return Holm(adjusted, reject)
 
 
-@dataclass(frozen=True)
-class Interval:
-    """A mean with its standard error and the interval [low, high] at ``level``."""
-
-    mean: float
-    se: float
-    low: float
-    high: float
-    level: float
-
-
 def mean_over_tasks(differences: Sequence[float], ses: Sequence[float], level: float = 0.95) -> Interval:
     """Mean of per-task differences with a normal interval that treats tasks as independent:
-    se = sqrt(sum se_t^2) / k, mean +- z_(1+level)/2 * se."""
-    from scipy.stats import norm
-
+    se = sqrt(sum se_t^2) / k, mean +- z_(1+level)/2 * se (:func:`~psr_hf.eval.stats.normal_interval`)."""
     d = np.asarray(differences, dtype=np.float64)
     s = np.asarray(ses, dtype=np.float64)
     k = d.size
     if k == 0:
         return Interval(math.nan, math.nan, math.nan, math.nan, level)
-    mean = float(d.mean())
-    se = float(math.sqrt(float(np.sum(s * s))) / k)
-    half = float(norm.ppf(0.5 + level / 2)) * se
-    return Interval(mean, se, mean - half, mean + half, level)
+    return normal_interval(float(d.mean()), float(math.sqrt(float(np.sum(s * s))) / k), level)
 
 
 # ---------------------------------------------------------------------------------------------------- columns

@@ -24,6 +24,7 @@ import torch
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
+from .stats import mean_interval
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +71,9 @@ def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
 
 
 def _ci95(values: np.ndarray) -> tuple[float, float]:
-    from scipy import stats
-
-    mean = float(values.mean())
-    if values.size < 2:
-        return (math.nan, math.nan)
-    half = float(stats.t.ppf(0.975, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
-    return (mean - half, mean + half)
+    """The 95% t-interval of the mean over windows (:func:`~psr_hf.eval.stats.mean_interval`) as a pair."""
+    interval = mean_interval(values)
+    return (interval.low, interval.high)
 
 
 def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs: Mapping[str, RoutingConfig],

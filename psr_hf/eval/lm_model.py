@@ -5,15 +5,24 @@
     lm-eval --model psr_hf --tasks ... \\
         --model_args pretrained=PATH,policy=psr,lam=0.2,budget=1,residency=0.5,calibration=calib.safetensors
 
-:class:`PSRLM` is lm-eval's ``HFLM`` with the model patched (:func:`psr_hf.patch`) right after it is loaded.
-Model args are split three ways: the :class:`~psr_hf.RoutingConfig` fields (``policy``, ``capacity``,
-``residency``, ``lam``, ``budget``, ``window``, ``eviction``, ``top_j``, ``delta_mode``, ``decay_fast``,
-``decay_slow``), psr_hf's own (``calibration``: a calibration file; ``config``: a RoutingConfig YAML file, which
-explicit fields override; ``offload``: a device such as ``cuda:0``, ``cuda`` or ``cpu`` to offload the experts to
-host memory with :class:`~psr_hf.OffloadConfig`; ``max_in_flight``) and whatever ``HFLM.__init__`` accepts. Any other name raises
-``ValueError`` with the allowed names, before the model is loaded. ``pretrained=tiny-moe`` is the trained tiny OLMoE
-shipped in :mod:`psr_hf.assets`; without ``calibration=``, a ``calibration.safetensors`` in the ``pretrained``
-directory is used (the shipped model has one).
+:class:`PSRLM` is lm-eval's ``HFLM`` with the model patched (:func:`psr_hf.patch`) right after it is loaded. It
+has the shape of lm-eval's own ``steered`` model (``lm_eval/models/hf_steered.py``): ``__init__`` names the
+arguments it takes and passes the rest to ``HFLM.__init__``, and the values arrive already typed by lm-eval's
+parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int, ``true`` True, ``None``
+None). The model args are
+
+- the :class:`~psr_hf.RoutingConfig` fields (``policy``, ``capacity``, ``residency``, ``lam``, ``budget``,
+  ``window``, ``eviction``, ``top_j``, ``delta_mode``, ``decay_fast``, ``decay_slow``), which RoutingConfig
+  checks;
+- psr_hf's own: ``calibration`` (a calibration file), ``config`` (a RoutingConfig YAML file, which explicit
+  fields override), ``offload`` (a device such as ``cuda:0``, ``cuda`` or ``cpu``, to offload the experts to
+  host memory with :class:`~psr_hf.OffloadConfig`; ``true`` means ``cuda``) and ``max_in_flight``;
+- whatever ``HFLM.__init__`` names.
+
+Any other name raises ``ValueError`` with the allowed names before the model is loaded (``HFLM`` would pass it on
+to ``from_pretrained``). ``pretrained=tiny-moe`` is the trained tiny OLMoE shipped in :mod:`psr_hf.assets`;
+without ``calibration=``, a ``calibration.safetensors`` in the ``pretrained`` directory is used (the shipped model
+has one).
 
 Every batch row has its own logical cache, reset at every request (each loglikelihood batch and each
 ``generate()`` call starts with an empty KV cache). Padding never touches the routing state:
@@ -28,8 +37,8 @@ So a request gets the same routing decisions at every batch size. The routing co
 (through :meth:`PSRLM.get_model_info`) and into the log.
 
 Registration: ``@register_model("psr_hf")`` below, and a lazy placeholder that the start-up hook registers when
-lm-eval loads its registry (:mod:`psr_hf.eval.lm_eval_hook`), so ``lm-eval --model psr_hf`` finds this class
-without an entry point, and processes that never use lm-eval import nothing of psr_hf.
+lm-eval loads its registry (:mod:`psr_hf.eval.lm_eval_hook` says why a hook is needed), so ``lm-eval --model
+psr_hf`` finds this class, and processes that never use lm-eval import nothing of psr_hf.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,11 +62,7 @@ from ..policy.config import RoutingConfig
 # a child of lm-eval's logger: lm-eval's CLI configures "lm_eval" only, and the statistics belong in its output
 logger = logging.getLogger("lm_eval.models.psr_hf")
 
-# RoutingConfig fields as they arrive from --model_args (strings, or what lm-eval's parser made of them)
-ROUTING_ARGS: dict[str, type] = {
-    "policy": str, "capacity": int, "residency": float, "lam": float, "budget": int, "window": int,
-    "eviction": str, "top_j": int, "delta_mode": str, "decay_fast": float, "decay_slow": float,
-}
+ROUTING_ARGS = tuple(field.name for field in dataclasses.fields(RoutingConfig))
 PSR_ARGS = ("calibration", "config", "offload", "max_in_flight")
 
 
@@ -74,100 +78,61 @@ def allowed_args() -> str:
             f"lm-eval's HF model: {', '.join(_hflm_args())}")
 
 
-def _is_none(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", ""))
-
-
-def _convert(name: str, value: Any, kind: type) -> Any:
-    """A model arg value as the RoutingConfig field's type (RoutingConfig then checks its range)."""
-    if _is_none(value):
-        return None
-    if kind is str:
-        if not isinstance(value, str):
-            raise ValueError(f"psr_hf model arg {name}={value!r} must be a name (a string)")
-        return value.strip()
-    if isinstance(value, bool):
-        raise ValueError(f"psr_hf model arg {name}={value!r} must be a number, not a boolean")
-    if kind is int:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ValueError(f"psr_hf model arg {name}={value!r} must be an integer")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            pass
-        else:
-            if math.isfinite(number):
-                return number
-    raise ValueError(f"psr_hf model arg {name}={value!r} must be a finite number")
+def check_args(names: Any) -> None:
+    """Raise ``ValueError`` naming the allowed args if a name in ``names`` is neither a routing field, one of
+    psr_hf's own nor a named parameter of ``HFLM.__init__`` (which would pass it on to ``from_pretrained``)."""
+    unknown = sorted(set(names) - set(ROUTING_ARGS) - set(PSR_ARGS) - set(_hflm_args()))
+    if unknown:
+        raise ValueError(f"unknown psr_hf model arg(s) {', '.join(unknown)}; allowed: {allowed_args()}")
 
 
 def _existing_file(name: str, value: Any) -> str | None:
-    if _is_none(value):
+    if value is None:
         return None
     if not isinstance(value, (str, Path)) or not Path(value).is_file():
         raise ValueError(f"psr_hf model arg {name}={value!r}: no such file")
     return str(value)
 
 
-def split_model_args(args: Mapping[str, Any]) -> tuple[RoutingConfig, str | None, dict[str, Any]]:
-    """Split lm-eval model args into the routing config, the calibration path and ``HFLM``'s own args.
-
-    ``config=FILE.yaml`` loads a :class:`RoutingConfig`; routing fields given explicitly override it. Raises
-    ``ValueError`` naming the allowed args for an unknown name, and RoutingConfig's errors for invalid values
-    (``offload`` is read by :func:`offload_config`).
-    """
-    hflm = set(_hflm_args())
-    unknown = sorted(set(args) - set(ROUTING_ARGS) - set(PSR_ARGS) - hflm)
-    if unknown:
-        raise ValueError(f"unknown psr_hf model arg(s) {', '.join(unknown)}; allowed: {allowed_args()}")
-    fields = {name: _convert(name, args[name], kind) for name, kind in ROUTING_ARGS.items() if name in args}
-    config_path = _existing_file("config", args.get("config"))
+def routing_config(fields: Mapping[str, Any], config: str | None = None) -> RoutingConfig:
+    """The :class:`RoutingConfig` of the routing model args ``fields`` (field name -> value as lm-eval parsed it;
+    None leaves a field at its default) over the YAML file ``config`` if given. Raises RoutingConfig's
+    ``ValueError`` (naming the field) for an invalid value, and ``ValueError`` for a missing file."""
+    config_path = _existing_file("config", config)
     if config_path is not None:
         routing = RoutingConfig.load_yaml(config_path)
-        if fields:
-            routing = routing.replace(**fields)
-    else:
-        routing = RoutingConfig(**{k: v for k, v in fields.items() if v is not None})
-    calibration = _existing_file("calibration", args.get("calibration"))
-    hf_args = {k: v for k, v in args.items() if k in hflm}
-    if hf_args.get("pretrained") == TINY_MOE_NAME:  # the trained tiny OLMoE shipped in psr_hf.assets
-        hf_args["pretrained"] = str(model_dir(TINY_MOE_NAME))
-    beside = calibration_beside(str(hf_args.get("pretrained", "")))
-    if calibration is None and beside is not None:
-        calibration = str(beside)
-        logger.info("psr_hf: calibration %s (saved beside the model; calibration= overrides it)", beside)
-    return routing, calibration, hf_args
+        return routing.replace(**fields) if fields else routing
+    return RoutingConfig(**{name: value for name, value in fields.items() if value is not None})
 
 
-def offload_config(args: Mapping[str, Any]) -> OffloadConfig | None:
-    """The :class:`~psr_hf.OffloadConfig` of the model args ``offload=DEVICE`` (``cuda``, ``cuda:N``, ``cpu``; ``true``
-    means ``cuda``) and ``max_in_flight=N``; None without ``offload``. Raises ``ValueError`` naming the field."""
-    value = args.get("offload")
-    if isinstance(value, str) and value.strip().lower() in ("false", "no", "0"):
-        value = None
-    max_in_flight = _convert("max_in_flight", args.get("max_in_flight"), int)
-    if _is_none(value) or value is False:
+def offload_config(offload: Any = None, max_in_flight: int | None = None) -> OffloadConfig | None:
+    """The :class:`~psr_hf.OffloadConfig` of the model args ``offload=DEVICE`` (``cuda``, ``cuda:N``, ``cpu``;
+    True means ``cuda``) and ``max_in_flight=N``; None without ``offload`` (None or False). Raises ``ValueError``
+    naming the field."""
+    if offload is None or offload is False:
         if max_in_flight is not None:
             raise ValueError("psr_hf model arg max_in_flight is used only with offload= (e.g. offload=cuda:0)")
         return None
-    device = "cuda" if value is True or (isinstance(value, str) and value.strip().lower() == "true") else value
+    device = "cuda" if offload is True else offload
     if not isinstance(device, str):
-        raise ValueError(f"psr_hf model arg offload={value!r} must be a device: cuda, cuda:N or cpu")
-    fields: dict[str, Any] = {"device": device.strip()}
-    if max_in_flight is not None:
-        fields["max_in_flight"] = max_in_flight
-    return OffloadConfig(**fields)
+        raise ValueError(f"psr_hf model arg offload={offload!r} must be a device: cuda, cuda:N or cpu")
+    return OffloadConfig(device=device.strip(),
+                         **({} if max_in_flight is None else {"max_in_flight": max_in_flight}))
+
+
+def model_and_calibration(pretrained: Any, calibration: str | None) -> tuple[Any, str | None]:
+    """``pretrained`` with ``tiny-moe`` replaced by the shipped model's directory, and the calibration file:
+    ``calibration`` if given (it must exist), else a ``calibration.safetensors`` saved beside the model, else
+    None."""
+    calibration = _existing_file("calibration", calibration)
+    if pretrained == TINY_MOE_NAME:  # the trained tiny OLMoE shipped in psr_hf.assets
+        pretrained = str(model_dir(TINY_MOE_NAME))
+    if calibration is None and isinstance(pretrained, (str, Path)):
+        beside = calibration_beside(str(pretrained))
+        if beside is not None:
+            calibration = str(beside)
+            logger.info("psr_hf: calibration %s (saved beside the model; calibration= overrides it)", beside)
+    return pretrained, calibration
 
 
 def _key(tokens: list[int]) -> tuple[int, int]:
@@ -187,18 +152,22 @@ class PSRLM(HFLM):
     statistics so far.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        routing, calibration, hf_args = split_model_args(kwargs)
-        offload = offload_config(kwargs)
-        if "pretrained" not in hf_args:
-            raise ValueError(f"psr_hf needs pretrained= (a model path or hub name); allowed: {allowed_args()}")
+    def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
+                 offload: str | bool | None = None, max_in_flight: int | None = None, **kwargs: Any) -> None:
+        """``pretrained`` and psr_hf's own args (see the module doc); ``kwargs``: the routing fields, and the rest
+        goes to ``HFLM.__init__``."""
+        check_args(kwargs)  # before anything loads
+        fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
+        routing = routing_config(fields, config)
+        pretrained, calibration = model_and_calibration(pretrained, calibration)
+        offload = offload_config(offload, max_in_flight)
         self._psr_offload = offload
         if offload is not None:
-            if hf_args.get("parallelize") not in (None, False, "False", "false"):
+            if kwargs.get("parallelize"):
                 raise ValueError("psr_hf model args offload= and parallelize=True exclude each other: the offload "
                                  "puts every non-expert weight on one device and the experts in host memory")
-            hf_args["device"] = "cpu"  # load on the host; the offload moves everything but the experts
-        super().__init__(**hf_args)
+            kwargs["device"] = "cpu"  # load on the host; the offload moves everything but the experts
+        super().__init__(pretrained=pretrained, **kwargs)
         self.routing = routing
         self.calibration_path = calibration
         # real input lengths of the current loglikelihood requests, by their tokens without trailing zeros

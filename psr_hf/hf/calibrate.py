@@ -69,7 +69,8 @@ def calibrate(
     Returns a :class:`Calibration` with ``delta`` (mean score range per layer), ``expert_counts`` (warm set) and
     the token prior, ready for :func:`psr_hf.patch` or ``.save(path)``.
     """
-    from .patching import _ATTR, _family
+    from .controller import _ATTR
+    from .patching import _family
 
     if max_length < 1 or batch_size < 1:
         raise ValueError(f"max_length={max_length} and batch_size={batch_size} must be >= 1")

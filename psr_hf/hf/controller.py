@@ -11,14 +11,16 @@ It is the torch side of the one decision path (DESIGN.md, "One decode step throu
 3. where the selection equals the router's own top-K the router's own outputs are returned untouched (so exact
    routing is bitwise the unpatched model); elsewhere the selected experts with weights from the unmodified scores.
 
-Policy rules live only in the kernels; nothing here decides which expert runs.
+Policy rules live only in the kernels; nothing here decides which expert runs. The controller is also the one
+owner of what is installed on the model (:meth:`Controller.install`, :meth:`Controller.uninstall`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -33,6 +35,7 @@ from ..policy.replaying import Recording
 logger = logging.getLogger(__name__)
 
 _CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.23+ names of the KV cache argument
+_ATTR = "_psr_hf_controller"  # the model's instance attribute that holds its Controller while it is patched
 
 
 @dataclass(frozen=True)
@@ -65,22 +68,81 @@ class RoutingStats:
         return out
 
 
-# totals: tokens, token-layers, prefetch, demand, replaced, displaced-mass sum, sequences
-_T_TOKENS, _T_STEPS, _T_PREFETCH, _T_DEMAND, _T_REPLACED, _T_DISPLACED, _T_SEQUENCES = range(7)
+@dataclass
+class RoutingCounters:
+    """Routing counts summed over rows and MoE layers, from which :attr:`RoutingStats.total` is made. Mutable:
+    the controller adds up the counts of finished sequences (``+``) and takes differences (``-``) to start a new
+    statistics interval. Floats, as the logical cache's counters they sum."""
+
+    tokens: float = 0.0  # real (unpadded) tokens: per row, the most steps any layer took
+    steps: float = 0.0  # token-layers
+    prefetch: float = 0.0  # logical prefetch insertions
+    demand: float = 0.0  # logical demand insertions
+    replaced: float = 0.0  # selected experts outside the router's own top-K
+    displaced: float = 0.0  # displaced router mass, summed over token-layers
+    sequences: float = 0.0  # rows that saw tokens
+
+    def __add__(self, other: "RoutingCounters") -> "RoutingCounters":
+        return RoutingCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "RoutingCounters") -> "RoutingCounters":
+        return RoutingCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def to_total(self) -> dict[str, float]:
+        """The per-token totals of :attr:`RoutingStats.total` (the keys lm-eval records and the CLI prints)."""
+        tokens = max(self.tokens, 1.0)
+        prefetch, demand = self.prefetch / tokens, self.demand / tokens
+        return {
+            "sequences": int(self.sequences),
+            "tokens": int(self.tokens),
+            "prefetch_per_token": float(prefetch),
+            "demand_per_token": float(demand),
+            "copies_per_token": float(prefetch + demand),
+            "replaced_per_token": float(self.replaced / tokens),
+            "displaced_mass": float(self.displaced / max(self.steps, 1.0)),
+        }
 
 
-def _totals_dict(t: np.ndarray) -> dict[str, float]:
-    tokens = max(t[_T_TOKENS], 1.0)
-    prefetch, demand = t[_T_PREFETCH] / tokens, t[_T_DEMAND] / tokens
-    return {
-        "sequences": int(t[_T_SEQUENCES]),
-        "tokens": int(t[_T_TOKENS]),
-        "prefetch_per_token": float(prefetch),
-        "demand_per_token": float(demand),
-        "copies_per_token": float(prefetch + demand),
-        "replaced_per_token": float(t[_T_REPLACED] / tokens),
-        "displaced_mass": float(t[_T_DISPLACED] / max(t[_T_STEPS], 1.0)),
-    }
+class Installation:
+    """What a :class:`Controller` installed on a model, as the steps that undo it: :meth:`undo` runs them in
+    reverse order, so each original is restored over what was installed after it."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._undo)
+
+    def add(self, undo: Callable[[], None]) -> None:
+        """Remember ``undo`` (no arguments), which removes one thing that was just installed."""
+        self._undo.append(undo)
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name`` to ``value`` as an instance attribute (bypassing ``nn.Module.__setattr__``), remembering
+        how to restore what the instance had: its own previous attribute, or none (the class's shows again)."""
+        had = name in vars(obj)
+        previous = vars(obj).get(name)
+        object.__setattr__(obj, name, value)
+
+        def undo() -> None:
+            if had:
+                object.__setattr__(obj, name, previous)
+            elif name in vars(obj):
+                object.__delattr__(obj, name)
+
+        self._undo.append(undo)
+
+    def undo(self) -> None:
+        """Undo every step, the latest first. A step that fails does not stop the others; the first error is
+        raised after all of them ran."""
+        error: BaseException | None = None
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except BaseException as exc:  # keep restoring: a half-removed patch is worse than one error
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 class _Forward:
@@ -201,7 +263,7 @@ class Controller:
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
         self._right_padded: np.ndarray | None = None  # [R] real lengths of mask-less right-padded rows
-        self._undo: list[Callable[[], None]] = []
+        self._installation = Installation()  # what install() put on the model; uninstall() removes it
         self._stacked: dict[int, tuple[tuple, torch.Tensor]] = {}  # layer -> (weights' identity, [2E, H])
         self._pinned: dict[torch.device, torch.Tensor] = {}  # host staging buffers for selections, per device
         self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
@@ -223,12 +285,12 @@ class Controller:
         self.cache = cache
         self.capacity = cache.capacity
         self.calibration = cache.calibration
-        self._needs_pregate = config.inserts or config.policy == "spec"
-        self._spec = config.policy == "spec"
+        self._needs_pregate = config.needs_pregate
+        self._spec = config.executes_pregate
         self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
         self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
-        self._totals = np.zeros(7)
+        self._totals = RoutingCounters()  # finished sequences since the last reset_stats()
 
     # ------------------------------------------------------------------ public
     @property
@@ -242,7 +304,7 @@ class Controller:
     def reset_stats(self) -> None:
         """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept), and the
         offload's copy counters."""
-        self._totals[:] = -self._current_totals()
+        self._totals = RoutingCounters() - self._current_totals()
         if self.offload is not None:
             self.offload.reset_stats()
 
@@ -282,8 +344,8 @@ class Controller:
             copies_per_token=prefetch + demand,
             replaced_per_token=s.replaced.sum(axis=0) / per,
             displaced_mass=self._displaced.sum(axis=0) / steps,
-            total=_totals_dict(total),
-            offload=None if self.offload is None else self.offload.stats(int(total[_T_TOKENS])),
+            total=total.to_total(),
+            offload=None if self.offload is None else self.offload.stats(int(total.tokens)),
         )
 
     def record(self) -> Recorder:
@@ -315,22 +377,95 @@ class Controller:
         finally:
             self._bypass -= 1
 
+    # ------------------------------------------------------------------ installation
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` put this controller on its model (and :meth:`uninstall` has not removed it)."""
+        return bool(self._installation)
+
+    def install(self, offload: Any = None) -> None:
+        """Put cache-aware routing on the model, in this order: each MoE router's forward replaced, the forward
+        hooks on the model and on its text decoder, ``generate()`` and ``_reorder_cache()`` wrapped, the experts
+        offloaded when ``offload`` (an :class:`~psr_hf.offload.OffloadConfig`, or None) is given, and last the
+        model's attribute that :func:`psr_hf.controller` reads. All or nothing: if a step fails, what the earlier
+        ones installed is removed and the error is raised. Returns None; :meth:`uninstall` undoes it."""
+        if self.installed:
+            raise RuntimeError("psr_hf: this controller is already installed; uninstall() it first")
+        try:
+            self._install_routers()
+            self._install_hooks()
+            self._install_generate()
+            if offload is not None:
+                self._install_offload(offload)
+            self._installation.set_attr(self.model, _ATTR, self)
+        except BaseException:
+            try:
+                self.uninstall()
+            except Exception:  # the install step's error is the one to report; this one is logged
+                logger.exception("psr_hf: removing what a failed install had put on the model failed as well")
+            raise
+
+    def uninstall(self) -> None:
+        """Remove everything :meth:`install` put on the model, the latest first (the offload first: the weights
+        go back to their devices and the model's own experts implementation is restored), so that the model
+        computes exactly as before. Idempotent."""
+        self._installation.undo()
+
+    def _install_routers(self) -> None:
+        for layer in self.layers:
+            router = layer.router
+            self._installation.set_attr(router, "forward", self._router_forward(layer, router.forward))
+
+    def _install_hooks(self) -> None:
+        # the model itself, and its decoder for direct calls (the composite model's language model); each hook's
+        # removal joins the installation as soon as it exists, so a failure at the next one still removes it
+        for module in dict.fromkeys((self.model, self.family.decoder())):
+            self._installation.add(module.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
+            self._installation.add(
+                module.register_forward_hook(self._on_forward_end, with_kwargs=True, always_call=True).remove)
+
+    def _install_generate(self) -> None:
+        model = self.model
+        self._installation.set_attr(model, "_reorder_cache",
+                                    self._reorder_cache_wrapper(getattr(model, "_reorder_cache", None)))
+        if hasattr(model, "generate"):
+            self._installation.set_attr(model, "generate", self._generate_wrapper(model.generate))
+
+    def _install_offload(self, config: Any) -> None:
+        """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadEngine`)."""
+        from ..offload.engine import OffloadEngine
+
+        engine = OffloadEngine(self.model, self.layers, self.num_experts, self.capacity, config)
+
+        def detach() -> None:
+            self.offload = None
+            try:
+                engine.close()
+            finally:
+                self._devices = [layer.router.weight.device for layer in self.layers]
+
+        self._installation.add(detach)
+        self.offload = engine
+        # the routers may have moved to the offload device: the selections are staged for that device
+        self._devices = [layer.router.weight.device for layer in self.layers]
+
     # ------------------------------------------------------------------ sequence and rows
-    def _current_totals(self) -> np.ndarray:
+    def _current_totals(self) -> RoutingCounters:
+        """The counts of the current sequence (every row)."""
         s = self.cache.stats()
-        t = np.zeros(7)
-        t[_T_TOKENS] = s.steps.max(axis=0).sum()
-        t[_T_STEPS] = s.steps.sum()
-        t[_T_PREFETCH] = s.prefetch.sum()
-        t[_T_DEMAND] = s.demand.sum()
-        t[_T_REPLACED] = s.replaced.sum()
-        t[_T_DISPLACED] = self._displaced.sum()
-        t[_T_SEQUENCES] = int((s.steps.max(axis=0) > 0).sum())  # rows that saw tokens
-        return t
+        tokens = s.steps.max(axis=0)  # [R]
+        return RoutingCounters(
+            tokens=float(tokens.sum()),
+            steps=float(s.steps.sum()),
+            prefetch=float(s.prefetch.sum()),
+            demand=float(s.demand.sum()),
+            replaced=float(s.replaced.sum()),
+            displaced=float(self._displaced.sum()),
+            sequences=float((tokens > 0).sum()),  # rows that saw tokens
+        )
 
     def _new_sequence(self, rows: int) -> None:
-        current = self._current_totals()
-        self._totals += current
+        self._totals = self._totals + self._current_totals()
         if self._recorder is not None:
             self._recorder._close_sequence()
         self._stacked.clear()  # the model may have moved between sequences
@@ -456,6 +591,32 @@ class Controller:
         keep = ~done if valid is None else (valid != 0) & ~done
         return None if keep.all() else keep.astype(np.uint8)
 
+    def _reorder_cache_wrapper(self, original: Callable | None) -> Callable:
+        """The model's ``_reorder_cache`` (None: it has none, and the KV cache reorders itself) that also reorders
+        the per-row state like the KV cache (beam search)."""
+        if original is None:
+            def _reorder_cache(past_key_values: Any, beam_idx: torch.Tensor) -> Any:
+                """Reorder the KV cache ``past_key_values`` and psr_hf's per-row state by ``beam_idx``; returns the
+                reordered cache."""
+                return self._reorder_cache(None, past_key_values, beam_idx)
+
+            return _reorder_cache
+
+        @functools.wraps(original)
+        def reorder_cache(past_key_values: Any, beam_idx: torch.Tensor) -> Any:
+            return self._reorder_cache(original, past_key_values, beam_idx)
+
+        return reorder_cache
+
+    def _generate_wrapper(self, original: Callable) -> Callable:
+        """The model's ``generate`` that also tells the controller the stop tokens and the prompt length."""
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            return self._generate(original, *args, **kwargs)
+
+        return generate
+
     def _reorder_cache(self, original: Callable | None, past: Any, beam_idx: torch.Tensor) -> Any:
         self.reorder(beam_idx.detach().to("cpu").numpy())
         if original is not None:
@@ -488,10 +649,13 @@ class Controller:
 
     # ------------------------------------------------------------------ routing
     def _router_forward(self, layer: Any, original: Callable) -> Callable:
+        """The forward that replaces ``layer``'s router forward ``original`` (bound): the same name, docstring and
+        signature (``functools.wraps``; ``__wrapped__`` is ``original``), the routing of this module's docstring."""
         index = layer.index
         router = layer.router
         following = self.layers[index + 1].router if index + 1 < self.num_layers else None
 
+        @functools.wraps(original)
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self._bypass:
                 return original(hidden_states, *args, **kwargs)

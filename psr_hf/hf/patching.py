@@ -1,9 +1,12 @@
-"""patch() / unpatch() / patched() / controller(): install and remove cache-aware routing on a transformers model."""
+"""patch() / unpatch() / patched() / controller(): install and remove cache-aware routing on a transformers model.
+
+What is installed, and how it is removed, is the :class:`Controller`'s business (:meth:`Controller.install`,
+:meth:`Controller.uninstall`); these functions find the family, build the controller and hand over.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Iterator
 
@@ -11,11 +14,9 @@ import torch
 
 from ..patches import get_patch, supported_model_types
 from ..policy.config import RoutingConfig
-from .controller import Controller
+from .controller import _ATTR, Controller
 
 logger = logging.getLogger(__name__)
-
-_ATTR = "_psr_hf_controller"
 
 
 def _family(model: torch.nn.Module) -> Any:
@@ -34,12 +35,14 @@ def _family(model: torch.nn.Module) -> Any:
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
     if text is not None and getattr(text, "model_type", None) not in candidates:
         candidates.append(text.model_type)
+    supported = supported_model_types()
     for candidate in candidates:
-        if candidate in supported_model_types():
+        if candidate in supported:
             return get_patch(candidate)(model)
     raise ValueError(
         f"model_type {model_type!r} ({type(model).__name__}) is not supported by psr_hf; supported: "
-        f"{', '.join(supported_model_types())}. A new architecture is one module in psr_hf/patches"
+        f"{', '.join(supported)}. A new architecture is one module in psr_hf/patches registering itself with "
+        "@register_patch"
     )
 
 
@@ -80,56 +83,10 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             "psr_hf.patch without a calibration: warm set = the first %d experts of each layer and no token prior; "
             "calibrate the model (psr_hf.calibrate or psr-hf calibrate) for the paper's warm set and prior",
             ctl.capacity)
-    try:
-        _install(model, family, ctl)
-        if offload_config is not None:
-            from ..offload.engine import OffloadEngine
-
-            ctl.offload = OffloadEngine(model, layers, ctl.num_experts, ctl.capacity, offload_config)
-            ctl._undo.append(ctl.offload.close)
-            ctl._devices = [layer.router.weight.device for layer in layers]
-    except BaseException:
-        _uninstall(ctl)
-        raise
-    setattr(model, _ATTR, ctl)
+    ctl.install(offload=offload_config)  # all or nothing: a failure leaves the model as it was
     logger.info("psr_hf: patched %d MoE layers of %s (%s), capacity %d of %d experts", ctl.num_layers,
                 type(model).__name__, routing.policy, ctl.capacity, ctl.num_experts)
     return model
-
-
-def _set_instance_attr(ctl: Controller, obj: Any, name: str, value: Any) -> None:
-    """Set ``obj.name`` as an instance attribute, remembering how to restore what was there."""
-    had = name in vars(obj)
-    previous = vars(obj).get(name)
-    object.__setattr__(obj, name, value)
-
-    def undo() -> None:
-        if had:
-            object.__setattr__(obj, name, previous)
-        elif name in vars(obj):
-            object.__delattr__(obj, name)
-
-    ctl._undo.append(undo)
-
-
-def _install(model: torch.nn.Module, family: Any, ctl: Controller) -> None:
-    for layer in ctl.layers:
-        router = layer.router
-        _set_instance_attr(ctl, router, "forward", ctl._router_forward(layer, router.forward))
-    decoder = family.decoder()
-    for module in dict.fromkeys((model, decoder)):  # the model itself, and its decoder for direct calls
-        # each handle joins the undo list as soon as it exists, so a failure at the next one still removes it
-        ctl._undo.append(module.register_forward_pre_hook(ctl._on_forward, with_kwargs=True).remove)
-        ctl._undo.append(module.register_forward_hook(ctl._on_forward_end, with_kwargs=True, always_call=True).remove)
-    original_reorder = getattr(model, "_reorder_cache", None)
-    _set_instance_attr(ctl, model, "_reorder_cache", functools.partial(ctl._reorder_cache, original_reorder))
-    if hasattr(model, "generate"):
-        _set_instance_attr(ctl, model, "generate", functools.partial(ctl._generate, model.generate))
-
-
-def _uninstall(ctl: Controller) -> None:
-    while ctl._undo:
-        ctl._undo.pop()()
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -137,9 +94,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     ctl = getattr(model, _ATTR, None)
     if ctl is None:
         raise ValueError("this model is not patched by psr_hf (nothing to unpatch); psr_hf.patch(model, config) patches it")
-    _uninstall(ctl)
-    if _ATTR in vars(model):
-        object.__delattr__(model, _ATTR)
+    ctl.uninstall()
     return model
 
 

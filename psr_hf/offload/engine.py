@@ -307,12 +307,12 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ statistics
     def stats(self, tokens: int) -> OffloadStats:
-        s = self.scheduler.stats()
+        """The physical copies since :meth:`reset_stats`, over ``tokens`` real tokens (for the per-token figures)."""
+        c = self.scheduler.stats()
         return OffloadStats(
-            tokens=int(tokens), demand=int(s["demand"]), prefetch=int(s["prefetch"]),
-            prefetch_in_time=int(s["prefetch_in_time"]), prefetch_late=int(s["prefetch_late"]),
-            prefetch_unused=int(s["prefetch_unused"]), dropped=int(s["dropped"]), warm=int(s["warm"]),
-            bytes=int(s["bytes"]), wait_ms=s["wait_s"] * 1e3,
+            tokens=int(tokens), demand=c.demand, prefetch=c.prefetch, prefetch_in_time=c.prefetch_in_time,
+            prefetch_late=c.prefetch_late, prefetch_unused=c.prefetch_unused, dropped=c.dropped, warm=c.warm,
+            bytes=c.bytes, wait_ms=c.wait_s * 1e3,
         )
 
     def reset_stats(self) -> None:

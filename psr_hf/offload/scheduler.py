@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,8 +38,21 @@ logger = logging.getLogger(__name__)
 WARM, DEMAND, PREFETCH = 0, 1, 2
 QUEUED, ISSUED, DROPPED = 0, 1, 2
 
-# counters (totals since the last reset)
-C_DEMAND, C_PREFETCH, C_IN_TIME, C_LATE, C_UNUSED, C_DROPPED, C_WARM, C_BYTES, C_SIZE = range(9)
+
+@dataclass
+class CopyCounters:
+    """The scheduler's copy counts since its last :meth:`SlotScheduler.reset_counters` (``OffloadStats`` reports
+    them per token). Mutable: the scheduler counts into one as copies are assigned, issued and used."""
+
+    demand: int = 0  # demand copies (the layer waits for all of it)
+    prefetch: int = 0  # prefetch insertions (queued copies)
+    prefetch_in_time: int = 0  # prefetches that had arrived when their expert first executed
+    prefetch_late: int = 0  # prefetches still in flight or queued then
+    prefetch_unused: int = 0  # prefetches copied but evicted (or the sequence ended) before any use
+    dropped: int = 0  # prefetches reassigned before they were issued (no copy)
+    warm: int = 0  # warm-set copies at sequence starts
+    bytes: int = 0  # bytes copied
+    wait_s: float = 0.0  # time the computation waited for copies (the link's, filled in by stats())
 
 
 class Copy:
@@ -215,7 +228,7 @@ class SlotScheduler:
         self.layers = [self._empty_layer() for _ in range(num_layers)]
         self.queue: collections.deque[Copy] = collections.deque()
         self.in_flight: collections.deque[Copy] = collections.deque()  # issued prefetch copies, oldest first
-        self.counters = np.zeros(C_SIZE)
+        self.counters = CopyCounters()
         self._clock = 0
         self._issued = 0
 
@@ -230,7 +243,7 @@ class SlotScheduler:
         job.state = ISSUED
         job.seq = self._issued
         self._issued += 1
-        self.counters[C_BYTES] += self.bytes_per_expert
+        self.counters.bytes += self.bytes_per_expert
         if job.kind == PREFETCH:
             self.in_flight.append(job)
 
@@ -242,9 +255,9 @@ class SlotScheduler:
         if previous is not None and previous.kind == PREFETCH and not previous.used:
             if previous.state == QUEUED:
                 previous.state = DROPPED  # never issued: skipped when the queue reaches it
-                self.counters[C_DROPPED] += 1
+                self.counters.dropped += 1
             else:
-                self.counters[C_UNUSED] += 1
+                self.counters.prefetch_unused += 1
         old = st.slot_expert[slot]
         if old >= 0:
             st.expert_slot[old] = -1
@@ -253,10 +266,13 @@ class SlotScheduler:
         st.dirty = True
         job = st.jobs[slot] = Copy(layer, slot, expert, kind)
         if kind == PREFETCH:
-            self.counters[C_PREFETCH] += 1
+            self.counters.prefetch += 1
             self.queue.append(job)
         else:
-            self.counters[C_WARM if kind == WARM else C_DEMAND] += 1
+            if kind == WARM:
+                self.counters.warm += 1
+            else:
+                self.counters.demand += 1
             self._issue(job)
             st.pending.append(job)
         return job
@@ -318,12 +334,12 @@ class SlotScheduler:
                 continue
             if job.state == QUEUED:  # needed before the queue reached it: issue now, the layer waits for all of it
                 self._issue(job)
-                self.counters[C_LATE] += 1
+                self.counters.prefetch_late += 1
                 st.pending.append(job)
             elif self.link.done(job):
-                self.counters[C_IN_TIME] += 1
+                self.counters.prefetch_in_time += 1
             else:
-                self.counters[C_LATE] += 1
+                self.counters.prefetch_late += 1
                 st.pending.append(job)
 
     def wait(self, layer: int) -> None:
@@ -343,12 +359,12 @@ class SlotScheduler:
             job = self.queue.popleft()
             if job.state == QUEUED and not job.used:
                 job.state = DROPPED
-                self.counters[C_DROPPED] += 1
+                self.counters.dropped += 1
         for st in self.layers:  # prefetches of the sequence that ended and were never used
             for job in st.jobs:
                 if job is not None and job.kind == PREFETCH and not job.used:
                     job.used = True
-                    self.counters[C_UNUSED] += 1
+                    self.counters.prefetch_unused += 1
         E = self.num_experts
         for layer, experts in enumerate(warm):
             st = self.layers[layer]
@@ -400,25 +416,21 @@ class SlotScheduler:
         for e in np.flatnonzero(target & (st.expert_slot < 0)):
             self._assign(layer, int(e), self._victim(layer, None, target), PREFETCH)
 
-    def stats(self) -> dict[str, float]:
-        """Totals since :meth:`reset_counters` (waits on the copies in flight to read the wait times)."""
+    def stats(self) -> CopyCounters:
+        """A copy of the counts since :meth:`reset_counters` with the link's wait time (waits on the copies in
+        flight to read it)."""
         self.link.synchronize()
-        c = self.counters
-        return {
-            "demand": float(c[C_DEMAND]), "prefetch": float(c[C_PREFETCH]), "prefetch_in_time": float(c[C_IN_TIME]),
-            "prefetch_late": float(c[C_LATE]), "prefetch_unused": float(c[C_UNUSED]), "dropped": float(c[C_DROPPED]),
-            "warm": float(c[C_WARM]), "bytes": float(c[C_BYTES]), "wait_s": float(self.link.wait_s),
-        }
+        return replace(self.counters, wait_s=float(self.link.wait_s))
 
     def reset_counters(self) -> None:
         """Start a new statistics interval. A prefetch belongs to the interval in which it was issued: copies
         issued before and not used yet are closed (their later use is not counted), queued ones count in the
         new interval, where they are issued or dropped."""
         self.link.synchronize()
-        self.counters[:] = 0
+        self.counters = CopyCounters()
         self.link.wait_s = 0.0
         for st in self.layers:
             for job in st.jobs:
                 if job is not None and job.kind == PREFETCH and not job.used and job.state == ISSUED:
                     job.used = True
-        self.counters[C_PREFETCH] = sum(1 for job in self.queue if job.state == QUEUED)
+        self.counters.prefetch = sum(1 for job in self.queue if job.state == QUEUED)

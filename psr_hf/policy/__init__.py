@@ -1,5 +1,6 @@
 """The routing policy: numpy + numba only (never torch).
 
+- :data:`POLICY_TABLE`: what each policy is (one :class:`Policy` entry per policy; :mod:`.policies`).
 - :class:`RoutingConfig`: which policy, cache size and parameters.
 - :class:`Calibration`: bonus scale, warm set and token prior from held-out text.
 - :class:`LogicalCache`: per-(row, layer) state and the compiled step (ALGORITHM.md parts 1 and 2).
@@ -16,19 +17,22 @@ import importlib
 from typing import Any
 
 from .config import DEFAULT_WINDOW, DELTA_MODES, EVICTIONS, POLICIES, RoutingConfig
+from .policies import POLICY_TABLE, Policy
 
 _LAZY = {
     "Calibration": ".calibration",
     "CalibrationBuilder": ".calibration",
     "CacheStats": ".cache",
     "LogicalCache": ".cache",
+    "PlanLayout": ".cache",
     "StepPlan": ".cache",
     "ReplayResult": ".replaying",
     "replay": ".replaying",
     "Recording": ".replaying",
 }
 
-__all__ = ["RoutingConfig", "POLICIES", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW", *_LAZY]
+__all__ = ["RoutingConfig", "POLICIES", "POLICY_TABLE", "Policy", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW",
+           *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

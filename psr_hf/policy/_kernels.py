@@ -6,44 +6,56 @@ touching any state, so a bad block leaves the state as it was.
 
 Arrays (few of them, because numba's per-call cost grows with the number of arguments):
 
-- ``st   float64 [L, R, 6, E]``: per layer and row the planes ``S_FAST``, ``S_SLOW``, ``LAST_USE``, ``RESIDENT``
-  (0/1), ``PROTECTED`` (in B, 0/1), ``INSERTED`` (prefetch-inserted this step, 0/1). float64 holds the integer
-  planes exactly.
-- ``rs   float64 [L, R, 8]``: running range sum and count, step counter, part-1-pending flag, and the counters
-  steps / prefetch insertions / demand insertions / replaced router slots.
-- ``mi   int64   [MI_SIZE + V]``: config integers, then the token-seen flags of the prior.
-- ``mf   float64 [MF_SIZE + L + L * E]``: config floats, then ``delta [L]``, then the fallback prior ``[L, E]``.
-- ``indptr int64 [V * L + 1]``, ``pexp uint16 [nnz]``, ``pval float32 [nnz]``: the token prior (CSR).
+- ``state          float64 [L, R, 6, E]``: per layer and row the planes ``S_FAST``, ``S_SLOW``, ``LAST_USE``,
+  ``RESIDENT`` (0/1), ``PROTECTED`` (in B, 0/1), ``INSERTED`` (prefetch-inserted this step, 0/1). float64 holds
+  the integer planes exactly.
+- ``counters       float64 [L, R, 8]``: running range sum and count, step counter, part-1-pending flag, and the
+  counters steps / prefetch insertions / demand insertions / replaced router slots (``R_*``).
+- ``config_ints    int64   [MI_SIZE + V]``: config integers (``MI_*``), then the token-seen flags of the prior.
+- ``config_floats  float64 [MF_SIZE + L + L * E]``: config floats (``MF_*``), then ``delta [L]``, then the
+  fallback prior ``[L, E]``.
+- ``prior_indptr int64 [V * L + 1]``, ``prior_experts uint16 [nnz]``, ``prior_values float32 [nnz]``: the token
+  prior (CSR, row ``token * L + layer``).
+- ``plan           int64   [B, S, W]``: the copy plan of every position, columns in :func:`plan_layout`.
 
-Per-step work is a handful of passes over the E experts: the router's top-K, the pre-gate ranking, the biased
-top-K (bonus computed on the fly), the moving averages, and one priority pass per eviction; the priority is
-computed lazily at the first eviction, which gives the same values as computing it first (nothing it reads
-changes before step 7).
+The policy reaches the kernels as behaviour flags (``MI_INSERTS``, ``MI_BIASED``, ``MI_EXECUTES_PREGATE``, from
+:mod:`.policies`), never as a name: the kernels branch on what a policy does. ``MI_POLICY`` holds the policy's
+code from the same table, so a config array names its policy.
+
+One step of one position (:func:`_step_layer_checked`) is the helpers below, in ALGORITHM.md's order:
+:func:`_insert_predicted` (part 1), the selection (:func:`_top_k_of` for the router's own or the pre-gate's top-K,
+:func:`_bonus_scale` and :func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and
+:func:`_update_statistics`. Per-step work is a handful of passes over the E experts: the router's top-K, the
+pre-gate ranking, the biased top-K (bonus computed on the fly), the moving averages, and one priority pass per
+eviction; the priority is computed lazily at the first eviction, which gives the same values as computing it first
+(nothing it reads changes before step 7).
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import njit, prange
 
-# policies, evictions
-EXACT, CACHE_PRIOR, PSR, SPEC = 0, 1, 2, 3
+# evictions
 EVICT_SCORE, EVICT_LRU = 0, 1
 
-# mi fields (token-seen flags follow)
-MI_POLICY, MI_EVICTION, MI_K, MI_C, MI_BUDGET, MI_WINDOW, MI_TOP_J, MI_RUNNING, MI_INSERTS, MI_VOCAB = range(10)
-MI_SIZE = 10
-# mf fields (delta [L] and the fallback prior [L, E] follow)
+# config_ints fields (token-seen flags follow)
+(MI_POLICY, MI_EVICTION, MI_K, MI_C, MI_BUDGET, MI_WINDOW, MI_TOP_J, MI_RUNNING, MI_INSERTS, MI_BIASED,
+ MI_EXECUTES_PREGATE, MI_VOCAB) = range(12)
+MI_SIZE = 12
+# config_floats fields (delta [L] and the fallback prior [L, E] follow)
 MF_LAM, MF_DECAY_FAST, MF_DECAY_SLOW = range(3)
 MF_SIZE = 3
 
-# st planes, rs fields
+# state planes, counters fields
 S_FAST, S_SLOW, LAST_USE, RESIDENT, PROTECTED, INSERTED = range(6)
 N_PLANES = 6
 R_RANGE_SUM, R_RANGE_COUNT, R_STEP, R_PENDING, R_STEPS, R_PREFETCH, R_DEMAND, R_REPLACED = range(8)
 R_SIZE = 8
 
-# s_fast below s_slow * FLUSH_RATIO is flushed to zero (see step 7); 2**-60 < half an ulp (2**-53)
+# s_fast below s_slow * FLUSH_RATIO is flushed to zero (see _update_statistics); 2**-60 < half an ulp (2**-53)
 FLUSH_RATIO = 2.0**-60
 
 # modes
@@ -53,23 +65,48 @@ MODE_BOTH, MODE_INSERT, MODE_SELECT = 0, 1, 2
 OK, ERR_SCORES, ERR_PREGATE, ERR_TOKEN, ERR_FEW_FINITE, ERR_NO_PART1, ERR_PART1_TWICE, ERR_SHAPE = range(8)
 
 
-def scratch_sizes(E: int, K: int, window: int, top_j: int, P: int) -> tuple[int, int]:
-    """Sizes of the float64 and int64 scratch buffers of :func:`_step_layer` (allocate with zeros)."""
-    nk = max(window, K, top_j)
-    return 6 * E + nk, 2 * E + 4 * nk + P
+# ---------------------------------------------------------------------------------------------------- layouts
+PlanColumns = namedtuple(
+    "PlanColumns",
+    "selected n_prefetch prefetch prefetch_evicted n_demand demand demand_evicted n_replaced width",
+)
+PlanColumns.__doc__ = "First column of each field of the copy plan, then the plan's width (see :func:`plan_layout`)."
 
 
 @njit(cache=True, nogil=True)
-def plan_width_of(K, P):
-    return 3 * K + 2 * P + 3
+def plan_layout(K, P):
+    """The copy plan's columns for top-``K`` routing and at most ``P`` prefetch insertions: the one definition of
+    the layout, read by the kernels and (through ``plan_layout.py_func``) by :class:`~psr_hf.policy.StepPlan`.
+
+    ``selected [K] | n_prefetch | prefetch [P] | prefetch_evicted [P] | n_demand | demand [K] |
+    demand_evicted [K] | n_replaced``: the experts to execute, the prefetch insertions (count, experts, the
+    expert each evicted or -1), the demand insertions (likewise) and the number of router slots replaced.
+
+    Returns a :class:`PlanColumns`: the first column of each field, then the width (columns in all).
+    """
+    selected = 0
+    n_prefetch = selected + K
+    prefetch = n_prefetch + 1
+    prefetch_evicted = prefetch + P
+    n_demand = prefetch_evicted + P
+    demand = n_demand + 1
+    demand_evicted = demand + K
+    n_replaced = demand_evicted + K
+    width = n_replaced + 1
+    return PlanColumns(selected, n_prefetch, prefetch, prefetch_evicted, n_demand, demand, demand_evicted,
+                       n_replaced, width)
 
 
-def plan_width(K: int, P: int) -> int:
-    """Columns of the plan: selected K | n_prefetch | prefetch P | prefetch victims P | n_demand | demand K |
-    demand victims K | n_replaced."""
-    return 3 * K + 2 * P + 3
+@njit(cache=True, nogil=True)
+def scratch_sizes(E, K, window, top_j, P):
+    """Sizes of the float64 and int64 scratch buffers of :func:`_step_layer_checked` for ``E`` experts, top-``K``
+    routing, a pre-gate ``window`` (at most E), ``top_j`` and at most ``P`` prefetch insertions (allocate with
+    zeros). The buffers are cut in :func:`_step_layer_checked`, next to which this layout is described."""
+    ranked = max(window, K, top_j)
+    return 6 * E + ranked, 2 * E + 4 * ranked + P
 
 
+# ---------------------------------------------------------------------------------------------------- pieces
 @njit(cache=True, nogil=True)
 def _select_top(x, y, k, out, buf, cand, lo):
     """The ``k`` largest of ``x [E]`` (float64), ties toward the larger ``y``, then the lower index; indices in
@@ -134,35 +171,65 @@ def _select_top(x, y, k, out, buf, cand, lo):
 
 
 @njit(cache=True, nogil=True)
-def _priority(eviction, layer, token, E, L, row, mi, mf, indptr, pexp, pval, p):
-    """Eviction priority of every expert (ALGORITHM.md step 1) into ``p``."""
-    if eviction == EVICT_LRU:
-        for e in range(E):
-            p[e] = row[LAST_USE, e]
-        return
-    for e in range(E):
-        p[e] = row[S_FAST, e] + row[S_SLOW, e]
-    if mi[MI_VOCAB] > 0:
-        if mi[MI_SIZE + token] != 0:
-            r = token * L + layer
-            for j in range(indptr[r], indptr[r + 1]):
-                e = pexp[j]
-                p[e] = p[e] + np.float64(pval[j])
-        else:
-            base = MF_SIZE + L + layer * E
-            for e in range(E):
-                p[e] = p[e] + mf[base + e]
+def _top_k_of(values, k, as_f64, out, select_buf, select_idx):
+    """``topk(values, k)`` (ALGORITHM.md: ties to the lower index) of one position's float32 ``values [E]`` into
+    ``out[:k]``, in rank order; ``as_f64 [E]`` receives the values as float64 (read again by the caller).
+    ``select_buf``, ``select_idx``: scratch of :func:`_select_top`."""
+    for e in range(values.shape[0]):
+        as_f64[e] = values[e]
+    _select_top(as_f64, as_f64, k, out, select_buf, select_idx, -np.inf)
+
+
+# What an eviction reads besides the row's state, fixed for one kernel call (one layer): built once per call.
+Eviction = namedtuple(
+    "Eviction", "rule layer num_layers config_ints config_floats prior_indptr prior_experts prior_values")
+Eviction.__doc__ = """The eviction rule (EVICT_SCORE or EVICT_LRU), the MoE layer and layer count, and the arrays
+the score priority reads (config arrays and token prior CSR, see the module docstring)."""
 
 
 @njit(cache=True, nogil=True)
-def _evict(row, excl, p, use_prot):
-    """argmin ``p`` over resident experts with ``excl[e] == 0`` (and, if ``use_prot``, not in B), ties to the
-    lower index; -1 if there is none. Priorities are finite, so +inf marks the ineligible."""
+def _priority(eviction, token, row, priority):
+    """Eviction priority of every expert (ALGORITHM.md step 1) into ``priority [E]``.
+
+    ``eviction``: an :data:`Eviction`. LRU: ``last_use``. Score: ``s_fast + s_slow`` plus the token prior of
+    ``token`` at the layer (the layer's fallback prior for a token never seen in calibration). ``row``: the
+    state ``[6, E]`` of this layer and row.
+    """
+    E = priority.shape[0]
+    if eviction.rule == EVICT_LRU:
+        for e in range(E):
+            priority[e] = row[LAST_USE, e]
+        return
+    for e in range(E):
+        priority[e] = row[S_FAST, e] + row[S_SLOW, e]
+    config_ints = eviction.config_ints
+    if config_ints[MI_VOCAB] > 0:
+        layer = eviction.layer
+        L = eviction.num_layers
+        if config_ints[MI_SIZE + token] != 0:
+            r = token * L + layer
+            indptr = eviction.prior_indptr
+            experts = eviction.prior_experts
+            values = eviction.prior_values
+            for j in range(indptr[r], indptr[r + 1]):
+                e = experts[j]
+                priority[e] = priority[e] + np.float64(values[j])
+        else:
+            config_floats = eviction.config_floats
+            base = MF_SIZE + L + layer * E
+            for e in range(E):
+                priority[e] = priority[e] + config_floats[base + e]
+
+
+@njit(cache=True, nogil=True)
+def _evict(row, excluded, priority, use_protected):
+    """argmin ``priority`` over resident experts with ``excluded[e] == 0`` (and, if ``use_protected``, not in B),
+    ties to the lower index; -1 if there is none. Priorities are finite, so +inf marks the ineligible."""
     best = -1
     bp = np.inf
-    for e in range(p.shape[0]):
-        ok = row[RESIDENT, e] != 0.0 and excl[e] == 0.0 and (not use_prot or row[PROTECTED, e] == 0.0)
-        q = p[e] if ok else np.inf
+    for e in range(priority.shape[0]):
+        ok = row[RESIDENT, e] != 0.0 and excluded[e] == 0.0 and (not use_protected or row[PROTECTED, e] == 0.0)
+        q = priority[e] if ok else np.inf
         if q < bp:
             best = e
             bp = q
@@ -170,31 +237,246 @@ def _evict(row, excl, p, use_prot):
 
 
 @njit(cache=True, nogil=True)
-def _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E):
-    """Shapes and values of one block (``valid`` of shape (0, 0) means every position is real)."""
+def _victim(row, excluded, use_protected, eviction, token, priority, have_priority):
+    """The expert to evict (:func:`_evict`), computing ``priority`` first if ``have_priority`` is False (the
+    lazy priority of the module docstring). Returns ``(victim or -1, True)``: the new ``have_priority``."""
+    if not have_priority:
+        _priority(eviction, token, row, priority)
+    return _evict(row, excluded, priority, use_protected), True
+
+
+@njit(cache=True, nogil=True)
+def _insert_predicted(pregate_row, window, budget, capacity, n_resident, row, token, eviction, priority,
+                      have_priority, plan_row, columns, inserted, pregate_f64, candidates, select_buf, select_idx):
+    """Part 1 (ALGORITHM.md step 2) for one position: scan the pre-gate's top-``window`` in rank order, add the
+    resident candidates to B, insert non-resident ones while fewer than ``budget`` are inserted.
+
+    Args:
+        pregate_row: float32 ``[E]`` pre-gate scores of this position.
+        window, budget, capacity: W (at most E), the prefetch budget n, the capacity C.
+        n_resident: experts resident in ``row`` now.
+        row: float64 ``[6, E]`` state of this layer and row; RESIDENT, PROTECTED (B) and INSERTED change.
+        token, eviction: the position's token and the layer's :data:`Eviction` (for the priority).
+        priority, have_priority: the eviction priority ``[E]`` and whether it is computed yet for this position.
+        plan_row: int64 ``[W]`` plan of this position; insertion ``i`` and its victim (-1: a free slot) go to
+            columns ``columns.prefetch + i`` and ``columns.prefetch_evicted + i``.
+        columns: the plan's :class:`PlanColumns`.
+        inserted: int64 ``[>= budget]`` receives the inserted experts, in insertion order.
+        pregate_f64, candidates, select_buf, select_idx: scratch (``[E]`` float64, ``[>= window]`` int64, and
+            :func:`_select_top`'s).
+
+    Returns ``(insertions, n_resident, have_priority)`` after the scan.
+    """
+    n_inserted = 0
+    _top_k_of(pregate_row, window, pregate_f64, candidates, select_buf, select_idx)
+    for i in range(window):
+        e = candidates[i]
+        if row[RESIDENT, e] != 0.0:
+            row[PROTECTED, e] = 1.0
+        elif n_inserted < budget:
+            victim = -1
+            if n_resident == capacity:
+                # never a member of B (the candidates kept or inserted so far)
+                victim, have_priority = _victim(row, row[PROTECTED], False, eviction, token, priority,
+                                                have_priority)
+                if victim < 0:
+                    break  # R \ B is empty: stop part 1
+                row[RESIDENT, victim] = 0.0
+                n_resident -= 1
+            row[RESIDENT, e] = 1.0
+            n_resident += 1
+            row[PROTECTED, e] = 1.0
+            row[INSERTED, e] = 1.0
+            inserted[n_inserted] = e
+            plan_row[columns.prefetch + n_inserted] = e
+            plan_row[columns.prefetch_evicted + n_inserted] = victim
+            n_inserted += 1
+    return n_inserted, n_resident, have_priority
+
+
+@njit(cache=True, nogil=True)
+def _pending_insertions(row, inserted):
+    """The experts part 1 inserted in a separate prefetch call (MODE_INSERT), read back from the INSERTED plane
+    of ``row [6, E]`` into ``inserted`` in ascending order (order does not matter to step 7). Returns their
+    number."""
+    n_inserted = 0
+    for e in range(row.shape[1]):
+        if row[INSERTED, e] != 0.0:
+            inserted[n_inserted] = e
+            n_inserted += 1
+    return n_inserted
+
+
+@njit(cache=True, nogil=True)
+def _bonus_scale(scores_f64, running, row_counters, fixed_delta):
+    """The bonus scale d (ALGORITHM.md step 3): ``fixed_delta`` (the calibration's ``delta[l]``), or with
+    ``running`` the mean of ``max z - min z`` over finite entries, updating the running sum and count in
+    ``row_counters`` with this position's ``scores_f64 [E]`` first."""
+    if not running:
+        return fixed_delta
+    mx = -np.inf
+    mn = np.inf
+    for e in range(scores_f64.shape[0]):
+        x = scores_f64[e]
+        if x != -np.inf:
+            mx = max(mx, x)
+            mn = min(mn, x)
+    row_counters[R_RANGE_SUM] += mx - mn
+    row_counters[R_RANGE_COUNT] += 1.0
+    return row_counters[R_RANGE_SUM] / row_counters[R_RANGE_COUNT]
+
+
+@njit(cache=True, nogil=True)
+def _biased_top_k(scores_f64, own, K, top_j, bonus, resident, top_j_flags, biased_f64, selected, select_buf,
+                  select_idx):
+    """Biased selection (ALGORITHM.md step 4): the ``K`` largest of ``z + bonus * m`` into ``selected``, ties
+    toward the larger raw ``z``, then the lower index.
+
+    Args:
+        scores_f64: float64 ``[E]`` raw scores z of this position.
+        own: the router's own ranking, at least ``max(K, top_j)`` long (``own[:top_j]`` join ``m``).
+        bonus: ``lam * d``.
+        resident: the RESIDENT plane ``[E]`` of the row (``m[e] = 1`` for residents).
+        top_j_flags: int64 ``[E]`` scratch, all zero on entry and left zero.
+        biased_f64: float64 ``[E]`` receives the biased scores.
+        select_buf, select_idx: scratch of :func:`_select_top`.
+    """
+    for i in range(top_j):
+        top_j_flags[own[i]] = 1
+    for e in range(scores_f64.shape[0]):
+        # z + lam * d * m with m in {0, 1}; z + 0.0 == z
+        biased_f64[e] = scores_f64[e] + (bonus if (resident[e] != 0.0) | (top_j_flags[e] != 0) else 0.0)
+    # every biased score is >= its raw score, so the K-th largest biased score is >= the router's own K-th
+    # largest score: a tight lower bound that leaves few candidates
+    _select_top(biased_f64, scores_f64, K, selected, select_buf, select_idx, scores_f64[own[K - 1]])
+    for i in range(top_j):
+        top_j_flags[own[i]] = 0
+
+
+@njit(cache=True, nogil=True)
+def _insert_demanded(selected, K, capacity, n_resident, row, token, eviction, priority, have_priority, plan_row,
+                     columns, in_selection, selected_sorted):
+    """Demand insertions (ALGORITHM.md step 5): write the selection ``S = selected[:K]`` to the plan, then insert
+    every non-resident expert of S in ascending index order, evicting from ``R - (S ∪ B)``, or from ``R - S``
+    if that is empty.
+
+    Args:
+        selected: int64 ``[>= K]`` the selection, in selection order.
+        capacity, n_resident: C and the experts resident in ``row`` now.
+        row: float64 ``[6, E]`` state of this layer and row; RESIDENT changes (PROTECTED holds B).
+        token, eviction, priority, have_priority: as in :func:`_insert_predicted`.
+        plan_row, columns: the position's plan and its :class:`PlanColumns` (selected, demand, demand_evicted).
+        in_selection: float64 ``[E]`` scratch, zero on entry; left 1.0 at the members of S (cleared by
+            :func:`_update_statistics`).
+        selected_sorted: int64 ``[>= K]`` scratch (S in ascending order).
+
+    Returns ``(demand insertions, n_resident, have_priority)``.
+    """
+    for i in range(K):
+        e = selected[i]
+        plan_row[columns.selected + i] = e
+        in_selection[e] = 1.0
+        pos = i
+        while pos > 0 and selected_sorted[pos - 1] > e:
+            selected_sorted[pos] = selected_sorted[pos - 1]
+            pos -= 1
+        selected_sorted[pos] = e
+    n_demand = 0
+    for i in range(K):
+        e = selected_sorted[i]
+        if row[RESIDENT, e] != 0.0:
+            continue
+        victim = -1
+        if n_resident == capacity:
+            victim, have_priority = _victim(row, in_selection, True, eviction, token, priority, have_priority)
+            if victim < 0:
+                victim, have_priority = _victim(row, in_selection, False, eviction, token, priority, have_priority)
+            row[RESIDENT, victim] = 0.0
+            n_resident -= 1
+        row[RESIDENT, e] = 1.0
+        n_resident += 1
+        plan_row[columns.demand + n_demand] = e
+        plan_row[columns.demand_evicted + n_demand] = victim
+        n_demand += 1
+    return n_demand, n_resident, have_priority
+
+
+@njit(cache=True, nogil=True)
+def _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags, decay_fast, decay_slow, flush,
+                       clear_protected):
+    """Statistics (ALGORITHM.md step 7) of one position, from the router's own top-K ``own[:K]`` (never from S,
+    so the bias cannot reinforce itself).
+
+    Args:
+        row: float64 ``[6, E]`` state of this layer and row: S_FAST, S_SLOW, LAST_USE, INSERTED (cleared) and,
+            with ``clear_protected``, PROTECTED (B, cleared) change.
+        step: this row and layer's step counter (``last_use`` of S and of this step's prefetch insertions).
+        selected: the selection S (``[:K]``); inserted, n_inserted: this step's prefetch insertions.
+        flags: float64 ``[E]``: 1.0 at S on entry (from :func:`_insert_demanded`); left all zero.
+        decay_fast, decay_slow: the moving averages' decays; flush: ``min(1, 1 - decay_fast) * FLUSH_RATIO``.
+
+    Returns the number of router slots replaced (members of S outside the router's own top-K).
+    """
+    for i in range(K):
+        flags[selected[i]] = 0.0
+        row[LAST_USE, selected[i]] = step
+    for i in range(n_inserted):
+        row[LAST_USE, inserted[i]] = step
+        row[INSERTED, inserted[i]] = 0.0
+    for i in range(K):
+        flags[own[i]] = 1.0  # now the router's own top-K indicator
+    replaced = 0
+    for i in range(K):
+        replaced += flags[selected[i]] == 0.0
+    s_fast = row[S_FAST]
+    s_slow = row[S_SLOW]
+    for e in range(s_fast.shape[0]):
+        sf = decay_fast * s_fast[e] + (1.0 - decay_fast) * flags[e]
+        ss = decay_slow * s_slow[e] + (1.0 - decay_slow) * flags[e]
+        # A fast average far below half an ulp of the slow one (and of 1 - decay_fast) can no longer change a
+        # priority (s_fast + s_slow) or a later average, so zero is the same value to every decision; it keeps
+        # the fast average out of the subnormal range, where arithmetic is slow.
+        s_fast[e] = sf if sf >= ss * flush else 0.0
+        s_slow[e] = ss
+    for i in range(K):
+        flags[own[i]] = 0.0
+    if clear_protected:
+        protected = row[PROTECTED]
+        for e in range(protected.shape[0]):
+            protected[e] = 0.0
+    return replaced
+
+
+# ---------------------------------------------------------------------------------------------------- one layer
+@njit(cache=True, nogil=True)
+def _validate(layer, mode, config_ints, scores, pregate, tokens, valid, counters, plan, E):
+    """Shapes and values of one block (``valid`` of shape (0, 0) means every position is real): OK or the first
+    error code found. Reads only; the arguments are those of :func:`_step_layer_checked`."""
     B, S = tokens.shape
-    L = rs.shape[0]
-    K = mi[MI_K]
-    vocab = mi[MI_VOCAB]
-    if layer < 0 or layer >= L or B != rs.shape[1] or z.shape[0] != B or z.shape[1] != S or z.shape[2] != E:
+    L = counters.shape[0]
+    K = config_ints[MI_K]
+    vocab = config_ints[MI_VOCAB]
+    if (layer < 0 or layer >= L or B != counters.shape[1] or scores.shape[0] != B or scores.shape[1] != S
+            or scores.shape[2] != E):
         return ERR_SHAPE
-    if plan.shape[0] != B or plan.shape[1] != S or plan.shape[2] != plan_width_of(K, mi[MI_BUDGET]):
+    if plan.shape[0] != B or plan.shape[1] != S or plan.shape[2] != plan_layout(K, config_ints[MI_BUDGET]).width:
         return ERR_SHAPE
     all_valid = valid.shape[0] == 0
     if not all_valid and (valid.shape[0] != B or valid.shape[1] != S):
         return ERR_SHAPE
-    part1 = layer >= 1 and mi[MI_INSERTS] != 0
-    check_g = layer >= 1 and ((part1 and mode != MODE_SELECT) or (mi[MI_POLICY] == SPEC and mode != MODE_INSERT))
-    if check_g and (g.shape[0] != B or g.shape[1] != S or g.shape[2] != E):
+    part1 = layer >= 1 and config_ints[MI_INSERTS] != 0
+    check_pregate = layer >= 1 and ((part1 and mode != MODE_SELECT)
+                                    or (config_ints[MI_EXECUTES_PREGATE] != 0 and mode != MODE_INSERT))
+    if check_pregate and (pregate.shape[0] != B or pregate.shape[1] != S or pregate.shape[2] != E):
         return ERR_SHAPE
     for b in range(B):
         for s in range(S):
             if not all_valid and valid[b, s] == 0:
                 continue
-            if check_g:
+            if check_pregate:
                 bad = 0
                 for e in range(E):
-                    x = g[b, s, e]
+                    x = pregate[b, s, e]
                     bad += (x != x) | (x == np.inf)
                 if bad:
                     return ERR_PREGATE
@@ -202,7 +484,7 @@ def _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E):
                 bad = 0
                 finite = 0
                 for e in range(E):
-                    x = z[b, s, e]
+                    x = scores[b, s, e]
                     bad += (x != x) | (x == np.inf)
                     finite += x != -np.inf
                 if bad:
@@ -212,274 +494,174 @@ def _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, E):
             t = tokens[b, s]
             if t < 0 or (vocab > 0 and t >= vocab):
                 return ERR_TOKEN
-            if mode == MODE_SELECT and part1 and rs[layer, b, R_PENDING] == 0.0:
+            if mode == MODE_SELECT and part1 and counters[layer, b, R_PENDING] == 0.0:
                 return ERR_NO_PART1
-            if mode != MODE_SELECT and part1 and rs[layer, b, R_PENDING] != 0.0:
+            if mode != MODE_SELECT and part1 and counters[layer, b, R_PENDING] != 0.0:
                 return ERR_PART1_TWICE
     return OK
 
 
 @njit(cache=True, nogil=True)
-def _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf):
+def _step_layer(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
+                prior_indptr, prior_experts, prior_values, plan, float_scratch, int_scratch):
     """Validate the block (:func:`_validate`), then run :func:`_step_layer_checked` on it."""
-    code = _validate(layer, mode, mi, z, g, tokens, valid, rs, plan, st.shape[3])
+    code = _validate(layer, mode, config_ints, scores, pregate, tokens, valid, counters, plan, state.shape[3])
     if code != OK:
         return code
-    return _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf)
+    return _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state,
+                               counters, prior_indptr, prior_experts, prior_values, plan, float_scratch,
+                               int_scratch)
 
 
 @njit(cache=True, nogil=True)
-def _step_layer_checked(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf):
+def _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
+                        prior_indptr, prior_experts, prior_values, plan, float_scratch, int_scratch):
     """One MoE layer over a block of positions ``[B, S]`` (positions in order; rows independent).
 
-    ``mode``: MODE_BOTH runs part 1 then part 2 per position; MODE_INSERT runs part 1 only (S == 1), leaving B
-    pending in the PROTECTED plane; MODE_SELECT runs part 2 only, consuming it. Writes the copy plan of every
-    position into ``plan [B, S, plan_width]``. The block must have passed :func:`_validate`; returns OK.
+    Args:
+        layer: MoE-layer index.
+        mode: MODE_BOTH runs part 1 then part 2 per position; MODE_INSERT runs part 1 only (S == 1), leaving B
+            pending in the PROTECTED plane; MODE_SELECT runs part 2 only, consuming it.
+        config_ints, config_floats, state, counters, prior_indptr, prior_experts, prior_values: the cache's
+            arrays (module docstring).
+        scores: float32 ``[B, S, E]`` selection scores z; pregate: float32 ``[B, S, E]`` (read at layers >= 1
+            when part 1 runs or the policy executes the pre-gate; else any array).
+        tokens: int64 ``[B, S]``; valid: uint8 ``[B, S]`` (0 = padding), or shape (0, 0) for all real.
+        plan: int64 ``[B, S, W]`` receives the copy plan of every position (:func:`plan_layout`; unused entries
+            -1).
+        float_scratch, int_scratch: zeroed buffers of :func:`scratch_sizes`; left as they were found.
+
+    The block must have passed :func:`_validate`; returns OK.
     """
     B, S = tokens.shape
-    E = st.shape[3]
-    L = st.shape[0]
-    policy = mi[MI_POLICY]
-    eviction = mi[MI_EVICTION]
-    K = mi[MI_K]
-    C = mi[MI_C]
-    budget = mi[MI_BUDGET]
-    window = min(mi[MI_WINDOW], E)
-    top_j = mi[MI_TOP_J]
-    running = mi[MI_RUNNING] != 0
-    lam = mf[MF_LAM]
-    decay_fast = mf[MF_DECAY_FAST]
-    decay_slow = mf[MF_DECAY_SLOW]
+    E = state.shape[3]
+    L = state.shape[0]
+    K = config_ints[MI_K]
+    capacity = config_ints[MI_C]
+    budget = config_ints[MI_BUDGET]
+    window = min(config_ints[MI_WINDOW], E)
+    top_j = config_ints[MI_TOP_J]
+    running = config_ints[MI_RUNNING] != 0
+    biased = config_ints[MI_BIASED] != 0
+    executes_pregate = config_ints[MI_EXECUTES_PREGATE] != 0
+    lam = config_floats[MF_LAM]
+    decay_fast = config_floats[MF_DECAY_FAST]
+    decay_slow = config_floats[MF_DECAY_SLOW]
     flush = min(1.0, 1.0 - decay_fast) * FLUSH_RATIO
-
+    fixed_delta = config_floats[MF_SIZE + layer]
+    eviction = Eviction(config_ints[MI_EVICTION], layer, L, config_ints, config_floats, prior_indptr,
+                        prior_experts, prior_values)
+    columns = plan_layout(K, budget)
     all_valid = valid.shape[0] == 0
-    P = budget
-    o_npf = K
-    o_pf = K + 1
-    o_pv = K + 1 + P
-    o_nd = K + 1 + 2 * P
-    o_dm = o_nd + 1
-    o_dv = o_dm + K
-    o_nr = o_dv + K
 
-    n_own = max(K, top_j)
-    nk = max(window, n_own)
-    # scratch (see scratch_sizes): flags and topj must be zero on entry and are left zero on exit
-    p = fbuf[:E]
-    flags = fbuf[E : 2 * E]  # 1.0 marks S during demand insertion; reused as the own-top-K indicator in step 7
-    zf = fbuf[2 * E : 3 * E]  # this position's scores as float64
-    gf = fbuf[3 * E : 4 * E]  # pre-gate as float64, or the biased scores
-    fscratch = fbuf[4 * E :]  # scratch of _select_top: k + 2E
-    topj = ibuf[:E]
-    cand = ibuf[E : E + nk]
-    own = ibuf[E + nk : E + 2 * nk]
-    sel = ibuf[E + 2 * nk : E + 3 * nk]
-    sel_sorted = ibuf[E + 3 * nk : E + 4 * nk]
-    inserted = ibuf[E + 4 * nk : E + 4 * nk + P]
-    scratch = ibuf[E + 4 * nk + P :]
+    n_own = max(K, top_j)  # the router's own ranking is needed this far (statistics: K; top_j)
+    ranked = max(window, n_own)
+    # scratch (the layout behind scratch_sizes): flags and top_j_flags must be zero on entry and are left zero
+    priority = float_scratch[:E]
+    flags = float_scratch[E : 2 * E]  # 1.0 marks S during demand insertion; the own-top-K indicator in step 7
+    scores_f64 = float_scratch[2 * E : 3 * E]  # this position's scores as float64
+    other_f64 = float_scratch[3 * E : 4 * E]  # pre-gate as float64, or the biased scores
+    select_buf = float_scratch[4 * E :]  # scratch of _select_top: k + 2E
+    top_j_flags = int_scratch[:E]
+    candidates = int_scratch[E : E + ranked]
+    own = int_scratch[E + ranked : E + 2 * ranked]
+    selected = int_scratch[E + 2 * ranked : E + 3 * ranked]
+    selected_sorted = int_scratch[E + 3 * ranked : E + 4 * ranked]
+    inserted = int_scratch[E + 4 * ranked : E + 4 * ranked + budget]
+    select_idx = int_scratch[E + 4 * ranked + budget :]
 
-    do_part1 = mi[MI_INSERTS] != 0 and layer >= 1 and mode != MODE_SELECT
+    part1_runs = config_ints[MI_INSERTS] != 0 and layer >= 1  # in this call or in a separate prefetch call
+    do_part1 = part1_runs and mode != MODE_SELECT
     do_part2 = mode != MODE_INSERT
-    part1_any = mi[MI_INSERTS] != 0 and layer >= 1
 
     for b in range(B):
-        row = st[layer, b]  # [6, E]
-        rsb = rs[layer, b]
-        prot = row[PROTECTED]
-        nres = 0
+        row = state[layer, b]  # [6, E]
+        row_counters = counters[layer, b]
+        n_resident = 0
         for e in range(E):
-            nres += row[RESIDENT, e] != 0.0
+            n_resident += row[RESIDENT, e] != 0.0
         for s in range(S):
-            row_plan = plan[b, s]
-            row_plan[:] = -1
-            row_plan[o_npf] = 0
-            row_plan[o_nd] = 0
-            row_plan[o_nr] = 0
-            zb = z[b, s]
+            plan_row = plan[b, s]
+            plan_row[:] = -1
+            plan_row[columns.n_prefetch] = 0
+            plan_row[columns.n_demand] = 0
+            plan_row[columns.n_replaced] = 0
             if not all_valid and valid[b, s] == 0:
                 # padded position: the router's own top-K, state neither read nor changed
                 if do_part2:
-                    for e in range(E):
-                        zf[e] = zb[e]
-                    _select_top(zf, zf, K, own, fscratch, scratch, -np.inf)
+                    _top_k_of(scores[b, s], K, scores_f64, own, select_buf, select_idx)
                     for i in range(K):
-                        row_plan[i] = own[i]
+                        plan_row[columns.selected + i] = own[i]
                 continue
             token = tokens[b, s]
-            have_p = False
-            n_ins = 0
+            have_priority = False
+            n_inserted = 0
 
             # ---- part 1: pre-gate insertion
             if do_part1:
-                gb = g[b, s]
-                for e in range(E):
-                    gf[e] = gb[e]
-                _select_top(gf, gf, window, cand, fscratch, scratch, -np.inf)
-                for i in range(window):
-                    e = cand[i]
-                    if row[RESIDENT, e] != 0.0:
-                        prot[e] = 1.0
-                    elif n_ins < budget:
-                        victim = -1
-                        if nres == C:
-                            if not have_p:
-                                _priority(eviction, layer, token, E, L, row, mi, mf, indptr, pexp, pval, p)
-                                have_p = True
-                            victim = _evict(row, prot, p, False)
-                            if victim < 0:
-                                break  # R \ B is empty: stop part 1
-                            row[RESIDENT, victim] = 0.0
-                            nres -= 1
-                        row[RESIDENT, e] = 1.0
-                        nres += 1
-                        prot[e] = 1.0
-                        row[INSERTED, e] = 1.0
-                        inserted[n_ins] = e
-                        row_plan[o_pf + n_ins] = e
-                        row_plan[o_pv + n_ins] = victim
-                        n_ins += 1
-                row_plan[o_npf] = n_ins
-                rsb[R_PREFETCH] += n_ins
+                n_inserted, n_resident, have_priority = _insert_predicted(
+                    pregate[b, s], window, budget, capacity, n_resident, row, token, eviction, priority,
+                    have_priority, plan_row, columns, inserted, other_f64, candidates, select_buf, select_idx)
+                plan_row[columns.n_prefetch] = n_inserted
+                row_counters[R_PREFETCH] += n_inserted
                 if mode == MODE_INSERT:
-                    rsb[R_PENDING] = 1.0
+                    row_counters[R_PENDING] = 1.0
                     continue
-            elif mode == MODE_SELECT and part1_any:
+            elif mode == MODE_SELECT and part1_runs:
                 # B and the insertions were left by prefetch() in the PROTECTED / INSERTED planes
-                for e in range(E):
-                    if row[INSERTED, e] != 0.0:
-                        inserted[n_ins] = e
-                        n_ins += 1
+                n_inserted = _pending_insertions(row, inserted)
 
             if not do_part2:
                 continue
 
-            # ---- part 2: selection
-            for e in range(E):
-                zf[e] = zb[e]
-            _select_top(zf, zf, n_own, own, fscratch, scratch, -np.inf)
-            if policy == EXACT:
-                for i in range(K):
-                    sel[i] = own[i]
-            elif policy == SPEC and layer >= 1:
-                gb = g[b, s]
-                for e in range(E):
-                    gf[e] = gb[e]
-                _select_top(gf, gf, K, sel, fscratch, scratch, -np.inf)
-            elif policy == SPEC:
-                for i in range(K):
-                    sel[i] = own[i]
+            # ---- part 2: selection (steps 3-4)
+            _top_k_of(scores[b, s], n_own, scores_f64, own, select_buf, select_idx)
+            if executes_pregate and layer >= 1:
+                _top_k_of(pregate[b, s], K, other_f64, selected, select_buf, select_idx)
+            elif biased:
+                bonus = lam * _bonus_scale(scores_f64, running, row_counters, fixed_delta)
+                _biased_top_k(scores_f64, own, K, top_j, bonus, row[RESIDENT], top_j_flags, other_f64, selected,
+                              select_buf, select_idx)
             else:
-                if running:
-                    mx = -np.inf
-                    mn = np.inf
-                    for e in range(E):
-                        x = zf[e]
-                        if x != -np.inf:
-                            mx = max(mx, x)
-                            mn = min(mn, x)
-                    rsb[R_RANGE_SUM] += mx - mn
-                    rsb[R_RANGE_COUNT] += 1.0
-                    d = rsb[R_RANGE_SUM] / rsb[R_RANGE_COUNT]
-                else:
-                    d = mf[MF_SIZE + layer]
-                bonus = lam * d
-                for i in range(top_j):
-                    topj[own[i]] = 1
-                res = row[RESIDENT]
-                for e in range(E):
-                    # z + lam * d * m with m in {0, 1}; z + 0.0 == z
-                    gf[e] = zf[e] + (bonus if (res[e] != 0.0) | (topj[e] != 0) else 0.0)
-                # every biased score is >= its raw score, so the K-th largest biased score is >= the router's
-                # own K-th largest score: a tight lower bound that leaves few candidates
-                _select_top(gf, zf, K, sel, fscratch, scratch, zf[own[K - 1]])
-                for i in range(top_j):
-                    topj[own[i]] = 0
+                for i in range(K):
+                    selected[i] = own[i]
 
-            # ---- demand insertions, ascending expert index
-            for i in range(K):
-                e = sel[i]
-                row_plan[i] = e
-                flags[e] = 1.0
-                pos = i
-                while pos > 0 and sel_sorted[pos - 1] > e:
-                    sel_sorted[pos] = sel_sorted[pos - 1]
-                    pos -= 1
-                sel_sorted[pos] = e
-            nd = 0
-            for i in range(K):
-                e = sel_sorted[i]
-                if row[RESIDENT, e] != 0.0:
-                    continue
-                victim = -1
-                if nres == C:
-                    if not have_p:
-                        _priority(eviction, layer, token, E, L, row, mi, mf, indptr, pexp, pval, p)
-                        have_p = True
-                    victim = _evict(row, flags, p, True)
-                    if victim < 0:
-                        victim = _evict(row, flags, p, False)
-                    row[RESIDENT, victim] = 0.0
-                    nres -= 1
-                row[RESIDENT, e] = 1.0
-                nres += 1
-                row_plan[o_dm + nd] = e
-                row_plan[o_dv + nd] = victim
-                nd += 1
-            row_plan[o_nd] = nd
+            # ---- step 5: demand insertions, ascending expert index
+            n_demand, n_resident, have_priority = _insert_demanded(
+                selected, K, capacity, n_resident, row, token, eviction, priority, have_priority, plan_row,
+                columns, flags, selected_sorted)
+            plan_row[columns.n_demand] = n_demand
 
-            # ---- statistics from the router's own top-K
-            step = rsb[R_STEP]
-            for i in range(K):
-                flags[sel[i]] = 0.0
-                row[LAST_USE, sel[i]] = step
-            for i in range(n_ins):
-                row[LAST_USE, inserted[i]] = step
-                row[INSERTED, inserted[i]] = 0.0
-            for i in range(K):
-                flags[own[i]] = 1.0
-            replaced = 0
-            for i in range(K):
-                replaced += flags[sel[i]] == 0.0
-            s_fast = row[S_FAST]
-            s_slow = row[S_SLOW]
-            for e in range(E):
-                sf = decay_fast * s_fast[e] + (1.0 - decay_fast) * flags[e]
-                ss = decay_slow * s_slow[e] + (1.0 - decay_slow) * flags[e]
-                # A fast average far below half an ulp of the slow one (and of 1 - decay_fast) can no longer
-                # change a priority (s_fast + s_slow) or a later average, so zero is the same value to every
-                # decision; it keeps the fast average out of the subnormal range, where arithmetic is slow.
-                s_fast[e] = sf if sf >= ss * flush else 0.0
-                s_slow[e] = ss
-            for i in range(K):
-                flags[own[i]] = 0.0
-            if part1_any:
-                for e in range(E):
-                    prot[e] = 0.0
-            row_plan[o_nr] = replaced
-            rsb[R_STEP] = step + 1.0
-            rsb[R_PENDING] = 0.0
-            rsb[R_STEPS] += 1.0
-            rsb[R_DEMAND] += nd
-            rsb[R_REPLACED] += replaced
+            # ---- step 7: statistics from the router's own top-K
+            step = row_counters[R_STEP]
+            replaced = _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags, decay_fast,
+                                          decay_slow, flush, part1_runs)
+            plan_row[columns.n_replaced] = replaced
+            row_counters[R_STEP] = step + 1.0
+            row_counters[R_PENDING] = 0.0
+            row_counters[R_STEPS] += 1.0
+            row_counters[R_DEMAND] += n_demand
+            row_counters[R_REPLACED] += replaced
     return OK
 
 
 @njit(cache=True, nogil=True)
-def _reset_rows(rows, warm, st, rs):
-    """Reset the given rows of every layer to the warm set ``warm [L, E]`` (0/1)."""
-    L = st.shape[0]
-    E = st.shape[3]
+def _reset_rows(rows, warm, state, counters):
+    """Reset the given ``rows`` of every layer to the warm set ``warm [L, E]`` (0/1), statistics and counters
+    to zero, ``last_use`` to -1."""
+    L = state.shape[0]
+    E = state.shape[3]
     for l in range(L):
         for r in rows:
             for e in range(E):
-                st[l, r, S_FAST, e] = 0.0
-                st[l, r, S_SLOW, e] = 0.0
-                st[l, r, LAST_USE, e] = -1.0
-                st[l, r, RESIDENT, e] = warm[l, e]
-                st[l, r, PROTECTED, e] = 0.0
-                st[l, r, INSERTED, e] = 0.0
-            for j in range(rs.shape[2]):
-                rs[l, r, j] = 0.0
+                state[l, r, S_FAST, e] = 0.0
+                state[l, r, S_SLOW, e] = 0.0
+                state[l, r, LAST_USE, e] = -1.0
+                state[l, r, RESIDENT, e] = warm[l, e]
+                state[l, r, PROTECTED, e] = 0.0
+                state[l, r, INSERTED, e] = 0.0
+            for j in range(counters.shape[2]):
+                counters[l, r, j] = 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- hot path
@@ -506,23 +688,26 @@ def _voidptr(typingctx, address):
     return types.voidptr(types.int64), codegen
 
 
-def make_table(mi, mf, st, rs, indptr, pexp, pval, fbuf, ibuf) -> np.ndarray:
-    """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes)."""
-    for a, dt in ((mi, np.int64), (mf, np.float64), (st, np.float64), (rs, np.float64), (indptr, np.int64),
-                  (pexp, np.uint16), (pval, np.float32), (fbuf, np.float64), (ibuf, np.int64)):
+def make_table(config_ints, config_floats, state, counters, prior_indptr, prior_experts, prior_values,
+               float_scratch, int_scratch) -> np.ndarray:
+    """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes; see the module
+    docstring and :func:`scratch_sizes`)."""
+    for a, dt in ((config_ints, np.int64), (config_floats, np.float64), (state, np.float64),
+                  (counters, np.float64), (prior_indptr, np.int64), (prior_experts, np.uint16),
+                  (prior_values, np.float32), (float_scratch, np.float64), (int_scratch, np.int64)):
         if a.dtype != dt or not a.flags.c_contiguous:
             raise ValueError("kernel arrays must be C-contiguous with the kernel's dtypes")
-    L, R, _, E = st.shape
+    L, R, _, E = state.shape
     t = np.zeros(TABLE_SIZE, dtype=np.int64)
-    t[T_MI], t[T_MI_N] = mi.ctypes.data, mi.size
-    t[T_MF], t[T_MF_N] = mf.ctypes.data, mf.size
-    t[T_ST], t[T_L], t[T_R], t[T_E] = st.ctypes.data, L, R, E
-    t[T_RS] = rs.ctypes.data
-    t[T_INDPTR], t[T_INDPTR_N] = indptr.ctypes.data, indptr.size
-    t[T_PEXP], t[T_NNZ] = pexp.ctypes.data, pexp.size
-    t[T_PVAL] = pval.ctypes.data
-    t[T_FBUF], t[T_FBUF_N] = fbuf.ctypes.data, fbuf.size
-    t[T_IBUF], t[T_IBUF_N] = ibuf.ctypes.data, ibuf.size
+    t[T_MI], t[T_MI_N] = config_ints.ctypes.data, config_ints.size
+    t[T_MF], t[T_MF_N] = config_floats.ctypes.data, config_floats.size
+    t[T_ST], t[T_L], t[T_R], t[T_E] = state.ctypes.data, L, R, E
+    t[T_RS] = counters.ctypes.data
+    t[T_INDPTR], t[T_INDPTR_N] = prior_indptr.ctypes.data, prior_indptr.size
+    t[T_PEXP], t[T_NNZ] = prior_experts.ctypes.data, prior_experts.size
+    t[T_PVAL] = prior_values.ctypes.data
+    t[T_FBUF], t[T_FBUF_N] = float_scratch.ctypes.data, float_scratch.size
+    t[T_IBUF], t[T_IBUF_N] = int_scratch.ctypes.data, int_scratch.size
     return t
 
 
@@ -541,41 +726,48 @@ def set_io_buffers(table, z, g, tokens, valid, plan) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _step_table(layer, mode, table, z, g, tokens, valid, plan):
-    """:func:`_step_layer` with the cache's arrays given by their address table."""
+def _step_table(layer, mode, table, scores, pregate, tokens, valid, plan):
+    """:func:`_step_layer` with the cache's arrays given by their address table (the block's arrays as in
+    :func:`_step_layer_checked`); returns OK or an error code."""
     L = table[T_L]
     R = table[T_R]
     E = table[T_E]
-    mi = carray(_voidptr(table[T_MI]), (table[T_MI_N],), np.int64)
-    mf = carray(_voidptr(table[T_MF]), (table[T_MF_N],), np.float64)
-    st = carray(_voidptr(table[T_ST]), (L, R, N_PLANES, E), np.float64)
-    rs = carray(_voidptr(table[T_RS]), (L, R, R_SIZE), np.float64)
-    indptr = carray(_voidptr(table[T_INDPTR]), (table[T_INDPTR_N],), np.int64)
-    pexp = carray(_voidptr(table[T_PEXP]), (table[T_NNZ],), np.uint16)
-    pval = carray(_voidptr(table[T_PVAL]), (table[T_NNZ],), np.float32)
-    fbuf = carray(_voidptr(table[T_FBUF]), (table[T_FBUF_N],), np.float64)
-    ibuf = carray(_voidptr(table[T_IBUF]), (table[T_IBUF_N],), np.int64)
-    return _step_layer(layer, mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, fbuf, ibuf)
+    config_ints = carray(_voidptr(table[T_MI]), (table[T_MI_N],), np.int64)
+    config_floats = carray(_voidptr(table[T_MF]), (table[T_MF_N],), np.float64)
+    state = carray(_voidptr(table[T_ST]), (L, R, N_PLANES, E), np.float64)
+    counters = carray(_voidptr(table[T_RS]), (L, R, R_SIZE), np.float64)
+    prior_indptr = carray(_voidptr(table[T_INDPTR]), (table[T_INDPTR_N],), np.int64)
+    prior_experts = carray(_voidptr(table[T_PEXP]), (table[T_NNZ],), np.uint16)
+    prior_values = carray(_voidptr(table[T_PVAL]), (table[T_NNZ],), np.float32)
+    float_scratch = carray(_voidptr(table[T_FBUF]), (table[T_FBUF_N],), np.float64)
+    int_scratch = carray(_voidptr(table[T_IBUF]), (table[T_IBUF_N],), np.int64)
+    return _step_layer(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
+                       prior_indptr, prior_experts, prior_values, plan, float_scratch, int_scratch)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _step_all_layers(mode, mi, mf, z, g, tokens, valid, st, rs, indptr, pexp, pval, plan, codes):
-    """Every layer over a whole recorded block in parallel: ``z``, ``g`` ``[L, B, S, E]``, ``plan``
-    ``[L, B, S, W]``. Only for recorded traces, where all layers' inputs are known in advance (a layer's state
-    depends only on that layer's own history). All layers are validated before any state changes."""
-    L = z.shape[0]
-    E = st.shape[3]
+def _step_all_layers(mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
+                     prior_indptr, prior_experts, prior_values, plan, codes):
+    """Every layer over a whole recorded block in parallel: ``scores``, ``pregate`` ``[L, B, S, E]``, ``plan``
+    ``[L, B, S, W]``, ``codes [L]`` receives each layer's OK or error code. Only for recorded traces, where all
+    layers' inputs are known in advance (a layer's state depends only on that layer's own history). All layers
+    are validated before any state changes."""
+    L = scores.shape[0]
+    E = state.shape[3]
     for layer in prange(L):
-        codes[layer] = _validate(layer, mode, mi, z[layer], g[layer], tokens, valid, rs, plan[layer], E)
+        codes[layer] = _validate(layer, mode, config_ints, scores[layer], pregate[layer], tokens, valid, counters,
+                                 plan[layer], E)
     for layer in range(L):
         if codes[layer] != OK:
             return
-    nk = max(min(mi[MI_WINDOW], E), mi[MI_K], mi[MI_TOP_J])
+    n_float, n_int = scratch_sizes(E, config_ints[MI_K], min(config_ints[MI_WINDOW], E), config_ints[MI_TOP_J],
+                                   config_ints[MI_BUDGET])
     for layer in prange(L):
-        fbuf = np.zeros(6 * E + nk, dtype=np.float64)
-        ibuf = np.zeros(2 * E + 4 * nk + mi[MI_BUDGET], dtype=np.int64)
-        codes[layer] = _step_layer_checked(layer, mode, mi, mf, z[layer], g[layer], tokens, valid, st, rs, indptr,
-                                           pexp, pval, plan[layer], fbuf, ibuf)
+        float_scratch = np.zeros(n_float, dtype=np.float64)
+        int_scratch = np.zeros(n_int, dtype=np.int64)
+        codes[layer] = _step_layer_checked(layer, mode, config_ints, config_floats, scores[layer], pregate[layer],
+                                           tokens, valid, state, counters, prior_indptr, prior_experts,
+                                           prior_values, plan[layer], float_scratch, int_scratch)
 
 
 @njit(cache=True, nogil=True)
@@ -584,9 +776,9 @@ def _step_io(layer, mode, table):
     numba an unboxing with a heap allocation), which is what a decoder calls once per layer and token."""
     R = table[T_R]
     E = table[T_E]
-    z = carray(_voidptr(table[T_IN_Z]), (R, 1, E), np.float32)
-    g = carray(_voidptr(table[T_IN_G]), (R, 1, E), np.float32)
+    scores = carray(_voidptr(table[T_IN_Z]), (R, 1, E), np.float32)
+    pregate = carray(_voidptr(table[T_IN_G]), (R, 1, E), np.float32)
     tokens = carray(_voidptr(table[T_IN_TOK]), (R, 1), np.int64)
     valid = carray(_voidptr(table[T_IN_VALID]), (R, 1), np.uint8)
     plan = carray(_voidptr(table[T_IN_PLAN]), (R, 1, table[T_IN_W]), np.int64)
-    return _step_table(layer, mode, table, z, g, tokens, valid, plan)
+    return _step_table(layer, mode, table, scores, pregate, tokens, valid, plan)

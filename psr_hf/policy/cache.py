@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,29 @@ logger = logging.getLogger(__name__)
 _MODES = {"both": 0, "prefetch": 1, "select": 2}
 _F32 = np.dtype(np.float32)
 _I64 = np.dtype(np.int64)
-_POLICY_CODES = {"exact": K_.EXACT, "cache_prior": K_.CACHE_PRIOR, "psr": K_.PSR, "spec": K_.SPEC}
 _EVICTION_CODES = {"score": K_.EVICT_SCORE, "lru": K_.EVICT_LRU}
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where each field of a copy plan lies, for top-``top_k`` routing and at most ``max_prefetch`` prefetch
+    insertions. ``columns`` comes from the kernels' :func:`~psr_hf.policy._kernels.plan_layout`, the one
+    definition of the layout; build with :meth:`of`."""
+
+    top_k: int
+    max_prefetch: int
+    columns: K_.PlanColumns  # first column of each field, and the width
+
+    @classmethod
+    def of(cls, top_k: int, max_prefetch: int) -> "PlanLayout":
+        """The layout of a plan for ``top_k`` and ``max_prefetch`` (the prefetch budget P)."""
+        # py_func: the same function as the kernels', run by Python (no compiled dispatch for a few additions)
+        return cls(int(top_k), int(max_prefetch), K_.plan_layout.py_func(int(top_k), int(max_prefetch)))
+
+    @property
+    def width(self) -> int:
+        """Columns of the plan."""
+        return self.columns.width
 
 
 class StepPlan:
@@ -32,16 +54,25 @@ class StepPlan:
     slot was free. (A slotted class rather than a dataclass: it is built once per layer and token.)
     """
 
-    __slots__ = ("plan", "top_k", "max_prefetch")
+    __slots__ = ("plan", "layout")
 
-    def __init__(self, plan: np.ndarray, top_k: int, max_prefetch: int):
-        self.plan = plan  # [B, S, 3K + 2P + 3] int64, layout in _kernels.plan_width
-        self.top_k = top_k
-        self.max_prefetch = max_prefetch
+    def __init__(self, plan: np.ndarray, layout: PlanLayout):
+        self.plan = plan  # [B, S, W] int64, columns in layout
+        self.layout = layout
 
     def __repr__(self) -> str:
         return f"StepPlan(selected={self.selected.tolist()}, demand={self.demand_count.tolist()}, " \
                f"prefetch={self.prefetch_count.tolist()})"
+
+    @property
+    def top_k(self) -> int:
+        """K: experts executed per position."""
+        return self.layout.top_k
+
+    @property
+    def max_prefetch(self) -> int:
+        """P: the prefetch budget, the plan's room for prefetch insertions per position."""
+        return self.layout.max_prefetch
 
     def _cols(self, start: int, width: int) -> np.ndarray:
         return self.plan[:, :, start : start + width]
@@ -49,46 +80,42 @@ class StepPlan:
     @property
     def selected(self) -> np.ndarray:
         """[B, S, K] experts to execute, in selection order (the router's order for exact routing)."""
-        return self._cols(0, self.top_k)
+        return self._cols(self.layout.columns.selected, self.layout.top_k)
 
     @property
     def prefetch_count(self) -> np.ndarray:
         """[B, S] prefetch insertions (copies to queue)."""
-        return self.plan[:, :, self.top_k]
+        return self.plan[:, :, self.layout.columns.n_prefetch]
 
     @property
     def prefetch_experts(self) -> np.ndarray:
         """[B, S, P] experts inserted by part 1, in insertion order."""
-        return self._cols(self.top_k + 1, self.max_prefetch)
+        return self._cols(self.layout.columns.prefetch, self.layout.max_prefetch)
 
     @property
     def prefetch_evicted(self) -> np.ndarray:
         """[B, S, P] the expert each prefetch insertion evicted (-1: none)."""
-        return self._cols(self.top_k + 1 + self.max_prefetch, self.max_prefetch)
-
-    @property
-    def _demand_base(self) -> int:
-        return self.top_k + 1 + 2 * self.max_prefetch
+        return self._cols(self.layout.columns.prefetch_evicted, self.layout.max_prefetch)
 
     @property
     def demand_count(self) -> np.ndarray:
         """[B, S] demand insertions (copies the layer waits for)."""
-        return self.plan[:, :, self._demand_base]
+        return self.plan[:, :, self.layout.columns.n_demand]
 
     @property
     def demand_experts(self) -> np.ndarray:
         """[B, S, K] experts inserted on demand, ascending."""
-        return self._cols(self._demand_base + 1, self.top_k)
+        return self._cols(self.layout.columns.demand, self.layout.top_k)
 
     @property
     def demand_evicted(self) -> np.ndarray:
         """[B, S, K] the expert each demand insertion evicted (-1: none)."""
-        return self._cols(self._demand_base + 1 + self.top_k, self.top_k)
+        return self._cols(self.layout.columns.demand_evicted, self.layout.top_k)
 
     @property
     def replaced_column(self) -> int:
         """Column of ``plan`` holding :attr:`replaced`."""
-        return self._demand_base + 1 + 2 * self.top_k
+        return self.layout.columns.n_replaced
 
     @property
     def replaced(self) -> np.ndarray:
@@ -182,15 +209,20 @@ class LogicalCache:
                     "paper's fixed delta, warm set and token prior", self.capacity)
                 delta_mode = "running"
         else:
+            if isinstance(calibration, (str, Path)):  # a file: its tensors are checked against this model unread
+                calibration = Calibration.load(calibration, num_layers=self.num_layers,
+                                               num_experts=self.num_experts, vocab_size=vocab_size)
             calibration = Calibration.coerce(calibration)
-        calibration.check(num_layers=self.num_layers, num_experts=self.num_experts, vocab_size=vocab_size)
+        calibration.check(num_layers=self.num_layers, num_experts=self.num_experts, vocab_size=vocab_size,
+                          top_k=self.top_k)
         self.calibration = calibration
         self.delta_mode = delta_mode
 
         L, E = self.num_layers, self.num_experts
         seen = calibration.token_seen.astype(np.int64) if calibration.vocab_size else np.zeros(0, dtype=np.int64)
         self._mi = np.zeros(K_.MI_SIZE + seen.size, dtype=np.int64)
-        self._mi[K_.MI_POLICY] = _POLICY_CODES[config.policy]
+        # the kernels branch on what the policy does (its table entry's flags), never on its name
+        self._mi[K_.MI_POLICY] = config.definition.code
         self._mi[K_.MI_EVICTION] = _EVICTION_CODES[config.eviction]
         self._mi[K_.MI_K] = self.top_k
         self._mi[K_.MI_C] = self.capacity
@@ -199,6 +231,8 @@ class LogicalCache:
         self._mi[K_.MI_TOP_J] = config.top_j
         self._mi[K_.MI_RUNNING] = int(delta_mode == "running")
         self._mi[K_.MI_INSERTS] = int(config.inserts)
+        self._mi[K_.MI_BIASED] = int(config.biased)
+        self._mi[K_.MI_EXECUTES_PREGATE] = int(config.executes_pregate)
         self._mi[K_.MI_VOCAB] = calibration.vocab_size
         self._mi[K_.MI_SIZE :] = seen
         self._mf = np.concatenate([
@@ -215,14 +249,15 @@ class LogicalCache:
         for layer in range(self.num_layers):
             warm[layer, calibration.warm_set(layer, self.capacity)] = 1
         self._warm = warm
-        self._plan_width = K_.plan_width(self.top_k, self.budget)
-        nf, ni = K_.scratch_sizes(self.num_experts, self.top_k, min(self.window, self.num_experts), config.top_j,
-                                  self.budget)
+        self.plan_layout = PlanLayout.of(self.top_k, self.budget)
+        self._plan_width = self.plan_layout.width
+        nf, ni = K_.scratch_sizes.py_func(self.num_experts, self.top_k, min(self.window, self.num_experts),
+                                          config.top_j, self.budget)
         self._scratch = (np.zeros(nf, dtype=np.float64), np.zeros(ni, dtype=np.int64))
         self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
         self._no_valid = np.zeros((0, 0), dtype=np.uint8)  # the kernel reads an empty mask as "all positions real"
         self._placeholder: dict[int, np.ndarray] = {}
-        self._needs_pregate = config.inserts or config.policy == "spec"
+        self._needs_pregate = config.needs_pregate
         self._allocate(int(rows))
 
     # ------------------------------------------------------------------ rows
@@ -242,7 +277,7 @@ class LogicalCache:
             pregate=np.zeros((R, 1, E), dtype=np.float32),
             tokens=np.zeros((R, 1), dtype=np.int64),
             valid=np.ones((R, 1), dtype=np.uint8),
-            plan=StepPlan(np.full((R, 1, self._plan_width), -1, dtype=np.int64), self.top_k, self.budget),
+            plan=StepPlan(np.full((R, 1, self._plan_width), -1, dtype=np.int64), self.plan_layout),
         )
         K_.set_io_buffers(self._table, self.io.scores, self.io.pregate, self.io.tokens, self.io.valid,
                           self.io.plan.plan)
@@ -365,7 +400,7 @@ class LogicalCache:
         """One kernel call on a block; the kernel checks shapes and values before touching any state."""
         plan = np.empty((z.shape[0], z.shape[1], self._plan_width), dtype=np.int64)
         code = K_._step_table(layer, mode, self._table, z, self._no_pregate if g is None else g, t, v, plan)
-        return code, StepPlan(plan, self.top_k, self.budget)
+        return code, StepPlan(plan, self.plan_layout)
 
     def _run(self, layer, mode, z, g, t, v) -> StepPlan:
         B, S = t.shape
@@ -447,9 +482,8 @@ class LogicalCache:
         if not np.issubdtype(z.dtype, np.floating):
             raise ValueError(f"scores must be floating point, got dtype {z.dtype}")
         z = np.ascontiguousarray(z, dtype=np.float32)
-        needs_g = self.config.inserts or self.config.policy == "spec"
         if pregate is None:
-            if needs_g and L > 1:
+            if self._needs_pregate and L > 1:
                 raise ValueError(f"policy={self.config.policy!r} needs the pre-gate scores; pass pregate=")
             g = np.zeros_like(z)
         else:
@@ -468,7 +502,7 @@ class LogicalCache:
         for layer in range(L):
             if codes[layer] != K_.OK:
                 self._raise(int(codes[layer]), layer, z[layer], g[layer], t, v)
-        return [StepPlan(plan[layer], self.top_k, self.budget) for layer in range(L)]
+        return [StepPlan(plan[layer], self.plan_layout) for layer in range(L)]
 
     def prefetch(self, layer: int, pregate: Any, tokens: Any = None, valid: Any = None) -> StepPlan:
         """Part 1 alone for one position per row (``[B, E]`` or ``[B, 1, E]``), run as soon as the previous
@@ -490,7 +524,7 @@ class LogicalCache:
             plan = self._fast(K_.MODE_SELECT, layer, scores, pregate, tokens, valid)
             if plan is not None:
                 return plan
-        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.policy == "spec")
+        z, g, t, v = self._inputs(layer, scores, pregate, tokens, valid, self.config.executes_pregate)
         if z.shape[1] != 1:
             raise ValueError("select() takes one position per row; use step() for blocks")
         return self._run(layer, K_.MODE_SELECT, z, g, t, v)

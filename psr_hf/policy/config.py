@@ -12,20 +12,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-POLICIES = ("exact", "cache_prior", "psr", "spec")
+from .policies import DEFAULTED_FIELDS, PART1_ALWAYS, POLICY_TABLE, Policy, describe, users_of
+
+POLICIES = tuple(POLICY_TABLE)  # the policy names, from the table in policies.py
 EVICTIONS = ("score", "lru")
 DELTA_MODES = ("fixed", "running")
 
-# The paper's operating points (Sections 6.1 and 6.6, Appendix B). `None` for window means "the architecture's
-# default" (8 where there is none); spec's budget and window are fixed to K by ALGORITHM.md.
-_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "exact": {"lam": 0.0, "budget": 0, "eviction": "lru"},
-    "cache_prior": {"lam": 0.2, "budget": 0, "eviction": "lru"},
-    "psr": {"lam": 0.2, "budget": 1, "eviction": "score"},
-    "spec": {"lam": 0.0, "budget": None, "eviction": "score"},
-}
-
+# `None` for window means "the architecture's default" (8 where there is none)
 DEFAULT_WINDOW = 8
+
+
+def _listing(items: list[str], last: str) -> str:
+    """``a, b <last> c`` for messages."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {last} " + items[-1]
+
+
+def _policy_names(names: tuple[str, ...]) -> str:
+    """``policy='a', 'b' or 'c'`` for messages."""
+    return "policy=" + _listing([repr(name) for name in names], "or")
 
 
 def _is_int(value: Any) -> bool:
@@ -41,17 +45,11 @@ class RoutingConfig:
     """How one model routes: policy, logical cache size and the policy's parameters.
 
     Give exactly one of ``capacity`` (expert slots per MoE layer) and ``residency`` (fraction of the layer's
-    experts; the capacity is ``round(residency * E)``). Fields left at ``None`` take the policy's default:
+    experts; the capacity is ``round(residency * E)``). Fields left at ``None`` take the policy's default from
+    :data:`psr_hf.policy.policies.POLICY_TABLE` (``window=None``: the architecture's default, 8 if none); a
+    parameter the policy does not read must be left at its neutral value:
 
-    ============  =====  ======  ========  ==========================================
-    policy        lam    budget  eviction  notes
-    ============  =====  ======  ========  ==========================================
-    exact         0      0       lru       the model's own top-K; budget > 0 adds logical prefetch
-    cache_prior   0.2    0       lru       no insertion (budget must be 0)
-    psr           0.2    1       score     window None = the architecture's default (8 if none)
-    spec          0      K       score     executes the pre-gate's top-K; budget = window = K (explicit
-                                           values must equal K)
-    ============  =====  ======  ========  ==========================================
+    {policies}
 
     Invalid values or combinations raise ``ValueError`` naming the field and what is allowed.
     """
@@ -69,12 +67,11 @@ class RoutingConfig:
     decay_slow: float = 0.98
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.policy not in POLICY_TABLE:
             raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)}")
-        defaults = _POLICY_DEFAULTS[self.policy]
-        for name in ("lam", "budget", "eviction"):
+        for name, default in self.definition.defaults.items():
             if getattr(self, name) is None:
-                object.__setattr__(self, name, defaults[name])
+                object.__setattr__(self, name, default)
         if _is_int(self.lam):
             object.__setattr__(self, "lam", float(self.lam))
         self._validate()
@@ -82,6 +79,7 @@ class RoutingConfig:
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         policy = self.policy
+        entry = self.definition
         if (self.capacity is None) == (self.residency is None):
             raise ValueError(
                 "give exactly one of capacity= (expert slots per MoE layer, an int >= top_k) "
@@ -95,42 +93,50 @@ class RoutingConfig:
             raise ValueError(f"residency={self.residency!r} must be a number in (0, 1] (fraction of experts resident)")
         if not _is_real(self.lam) or not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam={self.lam!r} must be a finite number >= 0")
-        if policy in ("exact", "spec") and self.lam != 0.0:
+        if "lam" not in entry.options and self.lam != 0.0:
             raise ValueError(
                 f"lam={self.lam} has no effect with policy={policy!r}; the routing bonus is used only by "
-                "policy='cache_prior' or 'psr' (leave lam unset for this policy)"
+                f"{_policy_names(users_of('lam'))} (leave lam unset for this policy)"
             )
         if self.eviction not in EVICTIONS:
             raise ValueError(f"eviction={self.eviction!r} is not supported; allowed: {', '.join(EVICTIONS)}")
-        if policy == "spec":
-            # spec's budget and window are K; an explicit value is checked against K once K is known
+        if entry.top_k_window:
+            # budget and window are K; an explicit value is checked against K once K is known
             if self.budget is not None and (not _is_int(self.budget) or self.budget < 1):
-                raise ValueError(f"budget={self.budget!r}: policy='spec' uses budget = K (leave it unset)")
+                raise ValueError(f"budget={self.budget!r}: policy={policy!r} uses budget = K (leave it unset)")
         else:
             if not _is_int(self.budget) or self.budget < 0:
                 raise ValueError(f"budget={self.budget!r} must be an int >= 0 (prefetch insertions per layer and token)")
-        if policy == "cache_prior" and self.budget != 0:
+        if "budget" not in entry.options and self.budget != 0:
+            # suggest the policies that select the same way but do insert (cache_prior -> psr)
+            inserting = users_of("budget")
+            alike = tuple(name for name in inserting if POLICY_TABLE[name].biased == entry.biased) or inserting
             raise ValueError(
-                f"budget={self.budget} is not allowed with policy='cache_prior', which never inserts predicted "
-                "experts; use policy='psr' for a prefetch budget, or budget=0"
+                f"budget={self.budget} is not allowed with policy={policy!r}, which never inserts predicted "
+                f"experts; use {_policy_names(alike)} for a prefetch budget, or budget=0"
             )
         if self.window is not None and (not _is_int(self.window) or self.window < 1):
             raise ValueError(f"window={self.window!r} must be an int >= 1 (pre-gate candidates) or None (architecture default)")
-        if self.window is not None and policy == "cache_prior":
+        if self.window is not None and "window" not in entry.options:
+            readers = _listing([
+                name + (" with budget > 0" if POLICY_TABLE[name].part1 != PART1_ALWAYS else "")
+                for name in users_of("window")
+            ], "and")
             raise ValueError(
-                f"window={self.window} has no effect with policy='cache_prior', which never reads the pre-gate; "
-                "only psr, spec and exact with budget > 0 use the window"
+                f"window={self.window} has no effect with policy={policy!r}, which never reads the pre-gate; "
+                f"only {readers} use the window"
             )
         # (psr / exact with budget 0 keep their window: inert until a budget is set, as in a budget sweep)
         if not _is_int(self.top_j) or self.top_j < 0:
             raise ValueError(f"top_j={self.top_j!r} must be an int >= 0")
-        if self.top_j > 0 and policy not in ("cache_prior", "psr"):
-            raise ValueError(f"top_j={self.top_j} is used only by policy='cache_prior' or 'psr', not {policy!r}")
+        if self.top_j > 0 and "top_j" not in entry.options:
+            raise ValueError(f"top_j={self.top_j} is used only by {_policy_names(users_of('top_j'))}, not {policy!r}")
         if self.delta_mode not in DELTA_MODES:
             raise ValueError(f"delta_mode={self.delta_mode!r} is not supported; allowed: {', '.join(DELTA_MODES)}")
-        if self.delta_mode != "fixed" and policy not in ("cache_prior", "psr"):
+        if self.delta_mode != "fixed" and "delta_mode" not in entry.options:
             raise ValueError(
-                f"delta_mode={self.delta_mode!r} is used only by policy='cache_prior' or 'psr', not {policy!r}"
+                f"delta_mode={self.delta_mode!r} is used only by {_policy_names(users_of('delta_mode'))}, "
+                f"not {policy!r}"
             )
         for name in ("decay_fast", "decay_slow"):
             value = getattr(self, name)
@@ -139,20 +145,31 @@ class RoutingConfig:
 
     # ------------------------------------------------------------------ derived values
     @property
+    def definition(self) -> Policy:
+        """The policy's entry in :data:`~psr_hf.policy.policies.POLICY_TABLE` (what the policy does)."""
+        return POLICY_TABLE[self.policy]
+
+    @property
     def inserts(self) -> bool:
         """Whether part 1 (pre-gate insertion into the logical cache) runs."""
         # ALGORITHM.md: with budget 0 nothing is inserted and no candidate is protected, so psr with LRU,
         # budget 0 and top_j 0 is Cache-Prior decision for decision (the paper's unit-tested equivalence).
-        if self.policy == "spec":
-            return True
-        if self.policy in ("psr", "exact"):
-            return self.budget > 0
-        return False
+        return self.definition.inserts(self.budget)
 
     @property
     def biased(self) -> bool:
         """Whether selection adds the routing bonus (cache_prior, psr)."""
-        return self.policy in ("cache_prior", "psr")
+        return self.definition.biased
+
+    @property
+    def executes_pregate(self) -> bool:
+        """Whether selection at layers >= 1 is the pre-gate's top-K (spec)."""
+        return self.definition.executes_pregate
+
+    @property
+    def needs_pregate(self) -> bool:
+        """Whether steps at layers >= 1 need the pre-gate scores (part 1 runs, or selection executes them)."""
+        return self.inserts or self.executes_pregate
 
     def capacity_for(self, num_experts: int, top_k: int) -> int:
         """Slots per layer for a layer of ``num_experts`` experts with top-``top_k`` routing (``top_k <= C <= E``)."""
@@ -173,23 +190,22 @@ class RoutingConfig:
 
     def window_for(self, top_k: int, default: int = DEFAULT_WINDOW) -> int:
         """Pre-gate candidates per step: K for spec, else ``window`` or the architecture's ``default``."""
-        if self.policy == "spec":
+        if self.definition.top_k_window:
             self._check_spec("window", self.window, top_k)
             return top_k
         return self.window if self.window is not None else default
 
     def budget_for(self, top_k: int) -> int:
         """Prefetch insertions allowed per step: K for spec, else ``budget``."""
-        if self.policy == "spec":
+        if self.definition.top_k_window:
             self._check_spec("budget", self.budget, top_k)
             return top_k
         return int(self.budget)
 
-    @staticmethod
-    def _check_spec(name: str, value: Any, top_k: int) -> None:
+    def _check_spec(self, name: str, value: Any, top_k: int) -> None:
         if value is not None and value != top_k:
             raise ValueError(
-                f"{name}={value} with policy='spec': speculative execution inserts the pre-gate's top-K with "
+                f"{name}={value} with policy={self.policy!r}: this policy inserts the pre-gate's top-K with "
                 f"budget = window = K = {top_k} (ALGORITHM.md); leave {name} unset or set it to {top_k}"
             )
 
@@ -243,7 +259,7 @@ class RoutingConfig:
         """A copy with ``changes`` applied; policy defaults are re-resolved when the policy changes."""
         data = self.to_dict()
         if "policy" in changes and changes["policy"] != self.policy:
-            for name in ("lam", "budget", "eviction"):
+            for name in DEFAULTED_FIELDS:
                 data[name] = None
         if ("capacity" in changes) and changes["capacity"] is not None:
             data["residency"] = None
@@ -251,3 +267,8 @@ class RoutingConfig:
             data["capacity"] = None
         data.update(changes)
         return RoutingConfig(**data)
+
+
+# the policy table in the docstring, written from the table itself (None under python -OO)
+if RoutingConfig.__doc__:
+    RoutingConfig.__doc__ = RoutingConfig.__doc__.replace("{policies}", describe().replace("\n", "\n    "))

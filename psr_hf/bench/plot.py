@@ -1,0 +1,100 @@
+"""The figure of a ``psr-hf bench`` record (:func:`psr_hf.bench.offload.run_bench`): latency against copies per
+token, and the copies of each routed row by kind (the paper's Figure 4). matplotlib is imported when a plot is
+drawn, so the benchmark itself runs without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_CATEGORIES = (("demand_per_token", "demand", "#c0392b"), ("prefetch_late_per_token", "prefetch, late", "#e67e22"),
+               ("prefetch_in_time_per_token", "prefetch, in time", "#27ae60"),
+               ("prefetch_unused_per_token", "prefetch, unused", "#95a5a6"))
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot(record: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a PNG of a :func:`~psr_hf.bench.offload.run_bench` record to ``path`` and return the path. Two panels:
+    (a) ms/token against copies per token, one point per routed row (marker per capacity, colour per policy, bars:
+    95% interval of the mean), the resident row (and accelerate's, if measured) as horizontal lines; (b) copies per
+    token of each routed row stacked by kind (demand, late, in-time and unused prefetch), with ms/token as dots on
+    a second axis (the paper's Figure 4)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    rows = list(record["results"])
+    routed = [row for row in rows if row["kind"] == "offload"]
+    by_kind = {row["kind"]: row for row in rows if row["kind"] != "offload"}
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    ax_a, ax_b = fig.subplots(1, 2, width_ratios=[1, 1.35])
+    policies = list(dict.fromkeys(row["policy"] for row in routed))
+    residencies = list(dict.fromkeys(row["residency"] for row in routed))
+    colours = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    markers = {r: _MARKERS[i % len(_MARKERS)] for i, r in enumerate(residencies)}
+    for row in routed:
+        ms = row["ms_per_token"]
+        lo, hi = ms["ci95"]
+        err = [[ms["mean"] - lo], [hi - ms["mean"]]] if math.isfinite(lo) and math.isfinite(hi) else None
+        ax_a.errorbar(row["copies"].get("copies_per_token", float("nan")), ms["mean"], yerr=err,
+                      marker=markers[row["residency"]], color=colours[row["policy"]], linestyle="none", capsize=3,
+                      markersize=7)
+    resident = by_kind.get("resident")
+    if resident is not None:
+        ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
+                     label=f"resident (grouped_mm) {resident['ms_per_token']['mean']:.2f} ms")
+    accelerated = by_kind.get("accelerate")
+    if accelerated is not None:
+        ax_a.axhline(accelerated["ms_per_token"]["mean"], color="black", linestyle="--", linewidth=1,
+                     label=f"accelerate dispatch_model {accelerated['ms_per_token']['mean']:.1f} ms")
+        if resident is not None and accelerated["ms_per_token"]["mean"] > 20 * resident["ms_per_token"]["mean"]:
+            ax_a.set_yscale("log")
+    for p in policies:
+        ax_a.plot([], [], marker="o", color=colours[p], linestyle="none", label=p)
+    for r in residencies:
+        ax_a.plot([], [], marker=markers[r], color="grey", linestyle="none", label=f"{r:.0%} resident")
+    if ax_a.get_yscale() == "linear":
+        ax_a.set_ylim(bottom=0)
+    ax_a.set_xlim(left=0)
+    ax_a.set_xlabel("expert copies per token")
+    ax_a.set_ylabel("ms per token")
+    ax_a.set_title("(a) latency vs copies")
+    ax_a.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below: never on a point
+    ax_a.grid(alpha=0.3)
+
+    x = np.arange(len(routed), dtype=float)
+    physical = bool(routed) and all(row["copies"]["source"] == "offload scheduler" for row in routed)
+    if physical:
+        categories = _CATEGORIES
+    else:
+        categories = (("demand_per_token", "demand", "#c0392b"),
+                      ("prefetch_per_token", "prefetch (timing not measured)", "#7f8c8d"))
+    bottom = np.zeros(len(routed))
+    for key, label, colour in categories:
+        values = np.array([float(row["copies"].get(key) or 0.0) for row in routed])
+        ax_b.bar(x, values, bottom=bottom, color=colour, label=label, width=0.75)
+        bottom += values
+    ax_b.set_ylim(0, 1.45 * max(float(bottom.max(initial=0.0)), 1e-9))  # room for the legend above the bars
+    ax_b.set_xticks(x, [row["configuration"] for row in routed], rotation=60, ha="right", fontsize=8)
+    ax_b.set_ylabel("expert copies per token")
+    ax_b.set_title("(b) copies per token by kind; dots: ms/token")
+    twin = ax_b.twinx()
+    twin.plot(x, [row["ms_per_token"]["mean"] for row in routed], "o", color="black", label="ms/token")
+    if resident is not None:
+        twin.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=0.8, linestyle=":",
+                     label="resident ms/token")
+    twin.set_ylabel("ms per token")
+    highest = max([row["ms_per_token"]["mean"] for row in routed]
+                  + ([resident["ms_per_token"]["mean"]] if resident is not None else []), default=1.0)
+    twin.set_ylim(0, 1.45 * highest)
+    handles, labels = ax_b.get_legend_handles_labels()
+    more_h, more_l = twin.get_legend_handles_labels()
+    ax_b.legend(handles + more_h, labels + more_l, fontsize=8, loc="upper left", ncol=3)
+    model = record["model"]
+    fig.suptitle(f"psr-hf bench: {model['name']}, {record['machine']['device']}, {record['settings']['rounds']} rounds")
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    return path
