@@ -1,6 +1,7 @@
 """Build step that pyproject.toml cannot express: ship ``psr_hf_lm_eval.pth`` at the top of site-packages.
 
-The .pth imports ``_psr_hf_lm_eval`` (startup/_psr_hf_lm_eval.py) at interpreter start, which registers the
+The .pth imports ``_psr_hf_lm_eval`` (startup/_psr_hf_lm_eval.py), where it is importable, at interpreter
+start, which registers the
 ``psr_hf`` lm-eval model when lm-eval loads its registry (lm-eval 0.4.13 discovers no models through entry points;
 psr_hf/eval/lm_eval_hook.py explains why and how). A regular wheel gets the .pth from build_lib; an editable
 install (PEP 660, ``pip install -e .``) gets it in the editable wheel, which setuptools assembles from the folder
@@ -14,7 +15,13 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "psr_hf_lm_eval.pth"
-PTH_LINE = "import _psr_hf_lm_eval\n"
+# Python runs each line of a .pth that starts with "import" at every start-up and prints a traceback when it
+# raises: after a partial uninstall (the .pth left behind, the module gone) a plain "import _psr_hf_lm_eval"
+# would do so in every Python process. This line imports the module only where it can be found.
+PTH_LINE = (
+    "import importlib.util; importlib.util.find_spec('_psr_hf_lm_eval') is not None and "
+    "__import__('_psr_hf_lm_eval')\n"
+)
 
 
 class build_py_with_pth(build_py):

@@ -1,26 +1,113 @@
-"""The ``psr-hf`` command. The library logs; this module prints."""
+"""The ``psr-hf`` command. The library logs; this module prints.
+
+Threads: on a CPU, a small model (hidden size <= :data:`SMALL_HIDDEN`: the shipped ``tiny-moe``, the random tiny
+models) runs with one torch intra-op thread unless ``--threads N`` says otherwise or ``OMP_NUM_THREADS`` is set.
+Its matrix products take microseconds, so more threads gain nothing alone, and on a busy machine every parallel
+region waits for a worker that the OS has descheduled (OpenMP workers spin): ``psr-hf demo`` went from 9 s to
+15-32 s with one other busy process on a 2-core machine. Larger models and GPU runs keep torch's default.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from ._text import text_table as _table
+
+DESCRIPTION = (
+    "Cache-aware expert routing for transformers Mixture-of-Experts models: run the demo, measure how far a routing "
+    "policy moves a model from exact routing (kl) and how many expert copies it needs, calibrate a model, benchmark "
+    "the policy kernels and offloaded decoding, compare lm-eval runs, or run lm-eval with --model psr_hf (eval). "
+    "Models are named the same way everywhere: tiny-moe (shipped), a local model directory, or a hub id "
+    "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
+)
+# hidden size up to which a model counts as small: one torch thread on a CPU (see the module docstring)
+SMALL_HIDDEN = 512
+THREADS_HELP = ("torch intra-op threads (and numba's); default: 1 for a small model on a CPU (hidden size <= "
+                f"{SMALL_HIDDEN}), torch's default otherwise, or OMP_NUM_THREADS where it is set")
+
+
+def _err(message: str) -> None:
+    """A line on stderr that does not break a progress bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def _set_threads(args: argparse.Namespace, *, device: str = "cpu", hidden_size: int | None = None) -> int:
+    """Apply the thread decision of the module docstring; returns torch's intra-op thread count."""
+    import torch
+
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads}: give at least 1")
+        import numba
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    elif not os.environ.get("OMP_NUM_THREADS") and torch.device(device).type == "cpu" and \
+            hidden_size is not None and hidden_size <= SMALL_HIDDEN:
+        torch.set_num_threads(1)
+    logging.getLogger("psr_hf.cli").info("torch intra-op threads: %d", torch.get_num_threads())
+    return torch.get_num_threads()
+
+
+def _hidden_size(model: str, built: dict[str, int]) -> int | None:
+    """The hidden size of a ``--model`` name: ``built`` gives it for the names the command builds itself (random
+    weights); any other name goes through the resolver, which reads its config (so a typo or a model psr_hf
+    cannot patch fails here, before anything loads)."""
+    from .assets import resolve_model
+
+    return built[model] if model in built else resolve_model(model, also=tuple(built)).hidden_size
+
+
+def _bench_models() -> dict[str, int]:
+    """The benchmarks' random models and their hidden sizes."""
+    from .bench.workloads import OLMOE_1B_7B, RANDOM_OLMOE, TINY, TINY_SHAPE
+
+    return {RANDOM_OLMOE: OLMOE_1B_7B["hidden_size"], TINY: TINY_SHAPE["hidden_size"]}
+
+
+@contextlib.contextmanager
+def _compile_notice() -> Iterator[None]:
+    """Say once on stderr when numba compiles the policy kernels (the first run after installation: it caches
+    them), so a long first run is explained."""
+    from numba.core import event
+
+    class Notice(event.Listener):
+        shown = False
+
+        def on_start(self, ev: Any) -> None:
+            if not self.shown:
+                self.shown = True
+                _err("psr-hf: compiling the policy kernels with numba (first run only: they are cached after; "
+                     "about 30 s on a 2-core machine)")
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    listener = Notice()
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)
 
 
 # ---------------------------------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import DEMO_SHAPE, RANDOM, run_demo
 
-    try:
-        result = run_demo(new_tokens=args.new_tokens, model=args.model)
-    except FileNotFoundError as exc:
-        print(f"psr-hf demo: {exc}", file=sys.stderr)
-        return 2
+    _set_threads(args, hidden_size=_hidden_size(args.model, {RANDOM: DEMO_SHAPE["hidden_size"]}))  # a typo fails here, before anything loads
+    with _compile_notice():
+        result = run_demo(new_tokens=args.new_tokens, model=args.model, progress=True)
     print(f"psr-hf demo: {result['model']}")
     print(f"calibrated on {result['calibration_tokens']} tokens; {len(result['prompts'])} prompts in one "
           f"left-padded batch, {result['new_tokens']} greedy tokens each.")
@@ -52,6 +139,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("replaced = selected experts outside the router's own top-K; displaced mass = the share of the router's")
     print("own top-K weight that was not executed (mean over token-layers); excess NLL = nats per token over exact")
     print(f"routing on {result['kl']} (an estimate of the KL divergence from exact routing).")
+    if args.plot:
+        from .eval.divergence import plot_divergence
+
+        print(f"plot: {plot_divergence(result['divergence'], args.plot, title=f'psr-hf demo: {args.model}, ' + result['kl'])}")
     return 0
 
 
@@ -60,8 +151,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .assets import resolve_model
     from .hf.calibrate import calibrate
 
+    source = resolve_model(args.model)  # a typo or a model psr_hf cannot patch fails here, before loading
+    _set_threads(args, device=args.device, hidden_size=source.hidden_size)
     texts = []
     for name in args.text:
         path = Path(name)
@@ -69,8 +163,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--text {name}: no such file")
         texts.append(path.read_text(encoding="utf-8", errors="replace"))
     dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **source.from_pretrained_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.from_pretrained_kwargs)
+    model = model.to(args.device).eval()
     calibration = calibrate(model, texts, tokenizer=tokenizer, max_length=args.max_length,
                             batch_size=args.batch_size, max_tokens=args.max_tokens, progress=True)
     calibration.save(args.out)
@@ -84,9 +179,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_bench_policy(args: argparse.Namespace) -> int:
     from .bench.policy import bench_policy
 
+    _set_threads(args)
     print(f"psr-hf bench-policy: {args.rounds} interleaved rounds (median over rounds, 95% t-interval of the mean)")
-    record = bench_policy(rounds=args.rounds, calls=args.calls, tokens=args.tokens, layers=args.layers,
-                          progress=lambda msg: print("  " + msg, file=sys.stderr))
+    with _compile_notice():
+        record = bench_policy(rounds=args.rounds, calls=args.calls, tokens=args.tokens, layers=args.layers,
+                              progress=lambda msg: _err("  " + msg))
     rows = []
     for r in record["results"]:
         lo, hi = r["ci95"]
@@ -107,13 +204,16 @@ def cmd_bench_policy(args: argparse.Namespace) -> int:
 def cmd_bench_patch(args: argparse.Namespace) -> int:
     from .bench.patch import format_table, report_lines, run_bench_patch
 
+    from .bench.workloads import OLMOE_1B_7B, TINY_SHAPE
+
     shape = "tiny OLMoE" if args.tiny else "OLMoE-1B-7B"
+    _set_threads(args, device=args.device, hidden_size=(TINY_SHAPE if args.tiny else OLMOE_1B_7B)["hidden_size"])
     print(f"psr-hf bench-patch: {shape}-shaped random model, batch-1 greedy decode of {args.new_tokens} tokens "
           f"after {args.prompt_tokens} prompt tokens, {args.rounds} interleaved rounds")
     record = run_bench_patch(
         device=args.device, dtype=args.dtype, tiny=args.tiny, rounds=args.rounds, new_tokens=args.new_tokens,
         prompt_tokens=args.prompt_tokens, warmup=args.warmup, seed=args.seed, experts_implementation=args.experts,
-        calibrate_tokens=args.calibrate_tokens, progress=lambda msg: print("  " + msg, file=sys.stderr),
+        calibrate_tokens=args.calibrate_tokens, progress=lambda msg: _err("  " + msg),
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))
@@ -128,11 +228,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.offload import format_table, report_lines, run_bench
     from .bench.plot import plot
 
-    try:
-        capacities = [float(c) for c in args.capacities.split(",") if c.strip()]
-    except ValueError:
-        raise ValueError(f"--capacities {args.capacities}: expected comma-separated residencies, e.g. 0.5,0.25")
+    capacities = _floats("--capacities", args.capacities)
     configs = None if args.configs is None else [c for c in args.configs.split(",") if c.strip()]
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
     print(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of {args.windows} window(s) "
           f"x {args.tokens} tokens, {args.rounds} interleaved rounds")
     record = run_bench(
@@ -140,7 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
-        progress=lambda msg: print("  " + msg, file=sys.stderr),
+        progress=lambda msg: _err("  " + msg),
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))
@@ -173,6 +271,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
     from .demo import held_out_text
     from .policy.calibration import Calibration
 
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
+    _err(f"psr-hf kl: loading {args.model}")
     model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
     beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
     if args.model == TINY_MOE and not args.text:  # it never saw this text; the standard library is in its training
@@ -182,8 +282,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
             t for _, t in module_sources(WINDOW_MODULES)]
         text_names = args.text or [f"stdlib:{m}" for m in WINDOW_MODULES]
     windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
-    residencies = [float(r) for r in args.residencies.split(",") if r.strip()]
-    lams = [float(x) for x in args.lams.split(",") if x.strip()]
+    residencies, lams = _floats("--residencies", args.residencies), _floats("--lams", args.lams)
     if args.calibration:
         calibration, calibrated_on = Calibration.load(args.calibration), args.calibration
     elif beside is not None:  # saved beside the model
@@ -193,11 +292,13 @@ def cmd_kl(args: argparse.Namespace) -> int:
         from .hf.calibrate import calibrate
 
         calibration = calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
-                                max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=False)
+                                max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=True)
         calibrated_on = f"{args.calibration_tokens} tokens of stdlib {', '.join(CALIBRATION_MODULES)}"
     print(f"psr-hf kl: {info['name']}, {len(windows)} window(s) x {args.tokens + 1} tokens, excess NLL over exact "
           f"routing (nats per token; 95% interval over windows); calibration: {calibrated_on}")
-    rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget), calibration=calibration)
+    with _compile_notice():
+        rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget), calibration=calibration,
+                          progress=True)
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": info, "windows": len(windows), "tokens": args.tokens,
@@ -205,7 +306,22 @@ def cmd_kl(args: argparse.Namespace) -> int:
                                                "calibration": calibrated_on,
                                                "rows": [r.to_dict() for r in rows]}, indent=2))
         print(f"JSON record: {args.json}")
+    if args.plot:
+        from .eval.divergence import plot_divergence
+
+        title = f"psr-hf kl: {info['name']}, {len(windows)} windows x {args.tokens + 1} tokens"
+        print(f"plot: {plot_divergence(rows, args.plot, title=title)}")
     return 0
+
+
+def _floats(option: str, text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text}: expected comma-separated numbers, e.g. 0.5,0.25") from None
+    if not values:
+        raise ValueError(f"{option} {text!r}: give at least one number")
+    return values
 
 
 # ---------------------------------------------------------------------------------------------------- compare
@@ -260,7 +376,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psr-hf", description=__doc__)
+    parser = argparse.ArgumentParser(prog="psr-hf", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -269,31 +385,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-moe",
                    help="tiny-moe (default: the shipped trained tiny OLMoE with its calibration), random (a seeded "
                         "random tiny OLMoE, byte vocabulary) or a saved MoE model directory with its tokenizer "
-                        "(and calibration.safetensors)")
+                        "(and calibration.safetensors), or a hub id owner/name")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--plot", metavar="FILE", help="also write a PNG of excess NLL against copies per token here")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("calibrate", help="calibrate a model's routing policy on held-out text")
-    p.add_argument("--model", required=True, help="model directory (transformers format, with its tokenizer)")
+    p.add_argument("--model", required=True, help="tiny-moe, a model directory (transformers format, with its "
+                                                   "tokenizer) or a hub id owner/name")
     p.add_argument("--text", required=True, nargs="+", help="held-out text files (UTF-8)")
     p.add_argument("--out", required=True, help="calibration file to write (.safetensors)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     p.add_argument("--device", default="cpu", help="torch device to run the model on (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="weights' dtype (default auto: as saved)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench-policy", help="per-call cost of the policy kernel and replay throughput")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", type=int, default=3000, help="batch-1 calls per round and case")
-    p.add_argument("--tokens", type=int, default=4000, help="tokens of the replayed trace")
-    p.add_argument("--layers", type=int, default=16, help="MoE layers of the replayed trace")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--calls", type=int, default=3000, help="batch-1 calls per round and case (default 3000)")
+    p.add_argument("--tokens", type=int, default=4000, help="tokens of the replayed trace (default 4000)")
+    p.add_argument("--layers", type=int, default=16, help="MoE layers of the replayed trace (default 16)")
     p.add_argument("--json", help="write the JSON record here")
+    p.add_argument("--threads", type=int, help="numba threads of the replay's layer-parallel kernel (and torch's); "
+                                               "default: numba's (the CPU count)")
     p.set_defaults(func=cmd_bench_policy)
 
     p = sub.add_parser("bench-patch", help="decode ms/token of generate(), unpatched vs patched exact and psr")
     p.add_argument("--device", default="cuda", help="torch device (default cuda; cpu with --tiny)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the random weights (default bf16)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration first (default 1)")
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per run (default 256)")
@@ -305,12 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibrate on this many random tokens first (default 0: patched runs uncalibrated)")
     p.add_argument("--tiny", action="store_true", help="a tiny OLMoE shape that runs on a CPU in seconds")
     p.add_argument("--json", help="write the JSON record here")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_bench_patch)
 
     p = sub.add_parser("bench", help="offload latency: teacher-forced decode ms/token and copies per token of "
                                      "resident, accelerate and routed rows (the paper's Section 6.1)")
     p.add_argument("--model", default="random-olmoe-1b-7b",
-                   help="random-olmoe-1b-7b (random weights, bf16), tiny (CPU-sized, float32) or a model directory")
+                   help="random-olmoe-1b-7b (random weights, bf16; the default), tiny (random, CPU-sized, float32), "
+                        "tiny-moe (the shipped trained tiny OLMoE with its calibration, float32), a model directory "
+                        "or a hub id owner/name")
     p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu with --model tiny)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, at least 3 (default 3)")
     p.add_argument("--windows", type=int, default=2, help="text windows per round (default 2)")
@@ -333,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--json", help="write the JSON record here")
     p.add_argument("--plot", help="write the latency-vs-copies plot here (PNG)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
@@ -344,22 +472,28 @@ def build_parser() -> argparse.ArgumentParser:
                                   "cache_prior and psr over a lam grid at each residency, on text windows")
     p.add_argument("--model", default="tiny-moe",
                    help="tiny-moe (default: the shipped trained tiny OLMoE), tiny (random, CPU-sized), "
-                        "random-olmoe-1b-7b or a model directory")
-    p.add_argument("--device", default="cpu")
+                        "random-olmoe-1b-7b, a model directory or a hub id owner/name")
+    p.add_argument("--device", default="cpu", help="torch device to run the model on (default cpu)")
     p.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="text to cut windows from (repeatable; default: the held-out Persuasion text for tiny-moe, "
                         "standard-library sources otherwise)")
-    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--windows", type=int, default=4, help="text windows to score (default 4)")
     p.add_argument("--tokens", type=int, default=256, help="tokens per window after the first (default 256)")
-    p.add_argument("--residencies", default="0.5,0.25")
-    p.add_argument("--lams", default="0.1,0.2,0.3")
+    p.add_argument("--residencies", default="0.5,0.25",
+                   help="comma-separated shares of each layer's experts that are resident (default 0.5,0.25)")
+    p.add_argument("--lams", default="0.1,0.2,0.3",
+                   help="comma-separated cache bonuses lam of cache_prior and psr (default 0.1,0.2,0.3)")
     p.add_argument("--budget", type=int, default=1, help="psr's budget (default 1)")
     p.add_argument("--calibration", help="a saved calibration (.safetensors) of this model (default: the "
                                          "calibration.safetensors beside the model, else calibrate on "
                                          "standard-library modules other than the default windows')")
-    p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument("--calibration-tokens", type=int, default=8192,
+                   help="tokens of the default calibration on standard-library modules (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random models' weights")
     p.add_argument("--json", help="write the JSON record here")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of excess NLL (95%% interval) against copies per "
+                                                  "token here: one line per policy, one panel per residency")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_kl)
 
     p = sub.add_parser("compare", help="paired comparison of lm-eval --log_samples runs with a reference: points, "
@@ -378,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", add_help=False, help="lm-eval with --model psr_hf registered; every argument after "
                                                     "`eval` goes to lm-eval as it is (psr-hf eval --help: lm-eval's)")
-    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments, passed on as they are")
     p.set_defaults(func=cmd_eval)
     return parser
 
@@ -394,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"psr-hf {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from .policy.config import RoutingConfig
 from .hf.calibrate import calibrate
@@ -102,17 +103,33 @@ def _kl_windows(ids: list[int], count: int, length: int) -> list[torch.Tensor]:
 RANDOM = "random"
 
 
+def _field(config: Any, *names: str) -> Any:
+    """The first of ``names`` that ``config`` (or its text config) has, for the description; '?' if none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in names:
+        for c in (config, text):
+            if getattr(c, name, None) is not None:
+                return getattr(c, name)
+    return "?"
+
+
 @torch.no_grad()
 def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.25), seed: int = 0,
              prompts: tuple[str, ...] | None = None, model: str | Path = "tiny-moe",
-             kl_windows: int = 4, kl_tokens: int = 128) -> dict[str, Any]:
+             kl_windows: int = 4, kl_tokens: int = 128, progress: bool = False) -> dict[str, Any]:
     """Generate from ``prompts`` (one left-padded batch) under each demo configuration and residency, and measure
     each configuration's excess NLL over exact routing on held-out windows (:mod:`psr_hf.eval.divergence`).
 
     ``model``: ``"tiny-moe"`` (the shipped trained model with its calibration), ``"random"`` (the seeded random
     tiny OLMoE with a byte vocabulary, calibrated on standard-library source) or a saved model directory with its
-    tokenizer (and ``calibration.safetensors`` beside them, else it is calibrated on standard-library source).
-    Prompts default to the openings of held-out paragraphs."""
+    tokenizer (and ``calibration.safetensors`` beside them, else it is calibrated on standard-library source), or any
+    name :func:`psr_hf.assets.resolve_model` resolves (``ValueError`` naming what was looked for otherwise).
+    Prompts default to the openings of held-out paragraphs. ``progress``: tqdm bars (stderr) over the generation
+    runs and the scoring passes.
+
+    Returns a dict: ``model`` (a description), ``prompts``, ``new_tokens``, ``calibration_tokens``, ``kl`` (what
+    was scored), ``runs`` (one :class:`DemoRun` per configuration and residency) and ``divergence`` (the
+    :class:`~psr_hf.eval.divergence.DivergenceRow` of each run, in the same order)."""
     from .eval.divergence import divergence
 
     text = held_out_text()
@@ -122,37 +139,42 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
         net = build_demo_model(seed)
         tokenizer, description = None, ("tiny OLMoE, random weights (seeded), 4 MoE layers x 64 experts, top-8, byte "
                                         "vocabulary")
-        calibration = calibrate(net, [encode(calibration_text())], max_length=256, batch_size=8, progress=False)
+        calibration = calibrate(net, [encode(calibration_text())], max_length=256, batch_size=8,
+                                progress=progress)
         ids, mask = left_padded(prompts)
         suppress: list[int] | None = UNPRINTABLE  # printable continuations; routing is unaffected
         held_ids = encode(text)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from .assets import TINY_MOE_NAME, calibration_beside, model_dir as directory_of
+        from .assets import TINY_MOE_NAME, calibration_beside, resolve_model
         from .policy.calibration import Calibration
 
-        model_dir = directory_of(model)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"demo model {str(model)!r}: no config.json in {model_dir}; give "
-                                    f"{TINY_MOE_NAME!r}, {RANDOM!r} or a saved transformers model directory")
-        net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        source = resolve_model(model, also=(RANDOM,))  # a typo or a non-MoE model fails here, before loading
+        net = AutoModelForCausalLM.from_pretrained(source.location, dtype=torch.float32,
+                                                   **source.from_pretrained_kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **source.from_pretrained_kwargs)
         tokenizer.padding_side = "left"
-        file = calibration_beside(model_dir)
-        calibration = (Calibration.load(file) if file is not None else
-                       calibrate(net, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=False))
+        file = calibration_beside(source.directory) if source.directory is not None else None
+        if file is not None:
+            calibration = Calibration.load(file)
+        else:
+            calibration = calibrate(net, [calibration_text()], tokenizer=tokenizer, max_length=256, progress=progress)
         batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         suppress = None
-        name = "the shipped trained tiny MoE (psr_hf.assets)" if model == TINY_MOE_NAME else model_dir.name
+        name = ("the shipped trained tiny MoE (psr_hf.assets)" if model == TINY_MOE_NAME else
+                source.directory.name if source.kind == "directory" else str(model))
         description = f"{name}: {type(net).__name__}, {getattr(net.config, 'num_hidden_layers', '?')} " \
-                      f"layers x {net.config.num_experts} experts, top-{net.config.num_experts_per_tok}"
+                      f"layers x {_field(net.config, 'num_experts', 'n_routed_experts', 'num_local_experts')} experts, " \
+                      f"top-{_field(net.config, 'num_experts_per_tok')}"
         held_ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # cut into windows below
     runs: list[DemoRun] = []
     configs: dict[str, RoutingConfig] = {}
+    bar = tqdm(total=len(residencies) * len(DEMO_CONFIGS), unit="run", desc="generating", disable=not progress)
     for residency in residencies:
         for name, fields in DEMO_CONFIGS:
+            bar.set_postfix_str(f"{name} @ {residency:.0%}")
             config = configs[f"{name}@{residency}"] = RoutingConfig(residency=residency, **fields)
             patch(net, config, calibration=calibration)
             try:
@@ -168,11 +190,14 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
             texts = ([decode(g) for g in generated] if tokenizer is None else
                      tokenizer.batch_decode(generated, skip_special_tokens=True))
             runs.append(DemoRun(name, residency, capacity, texts, generated, stats))
+            bar.update(1)
+    bar.close()
     exact = {run.residency: run.tokens for run in runs if run.name.startswith("exact")}
     for run in runs:
         run.stats["same_tokens_as_exact"] = float(np.mean(run.tokens == exact[run.residency]))
     windows = _kl_windows(held_ids, kl_windows, kl_tokens)
-    for run, row in zip(runs, divergence(net, windows, configs, calibration=calibration)):
+    rows = divergence(net, windows, configs, calibration=calibration, progress=progress)
+    for run, row in zip(runs, rows):
         run.stats["excess_nll"] = row.excess_nll
     return {
         "model": description,
@@ -181,4 +206,5 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
         "calibration_tokens": int(calibration.expert_counts[0].sum() // net.config.num_experts_per_tok),
         "kl": f"{len(windows)} held-out windows of {windows[0].shape[1]} tokens",
         "runs": runs,
+        "divergence": rows,
     }

@@ -1,17 +1,35 @@
-"""Fixtures shared by the test modules that run tiny transformers models."""
+"""Fixtures shared by the test modules that run tiny transformers models.
+
+Threads: every test runs tiny models, whose matrix products take microseconds: torch's intra-op threads gain
+nothing and, on a machine that other processes share, each parallel region waits for a descheduled OpenMP worker
+(many times slower). So the whole session runs torch with one intra-op thread, and subprocesses the tests start
+inherit ``OMP_NUM_THREADS=1`` unless the environment sets it (the same decision as ``psr-hf``'s, see
+``psr_hf/cli.py``). A test of thread handling sets what it needs itself.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads OpenMP; subprocesses inherit it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_session():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """The tiny models are far too small for intra-op threads: one thread is as fast alone and many times faster
-    when other processes share the cores (OpenMP workers spin)."""
+    """One torch intra-op thread for a module (the session default already; kept for the modules that name it,
+    and restored after a test module that changed it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

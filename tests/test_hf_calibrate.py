@@ -171,7 +171,10 @@ def test_demo_runs_a_saved_model_with_its_tokenizer_and_calibration(tmp_path, ca
 
 def test_demo_names_a_model_it_cannot_load(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert f"no model '{tmp_path / 'missing'}': no such local directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["demo", "--model", str(tmp_path / "empty")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
 
 
 def test_a_calibration_made_at_another_top_k_is_refused_by_patch(tmp_path, quiet_psr_hf):

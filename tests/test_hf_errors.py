@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Olmoe
 
 import psr_hf
 from psr_hf import RoutingConfig
+from psr_hf.hf.controller import Installation
 from psr_hf.testing import FAMILIES, tiny_config, tiny_model
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
 
@@ -208,7 +209,7 @@ def test_unpatch_removes_every_attribute_and_hook(family):
     assert _snapshot(model) != before
     assert all("forward" in vars(layer.router) for layer in ctl.layers)
     assert {"generate", "_reorder_cache"} <= set(vars(model))
-    assert model._forward_pre_hooks and ctl.family.decoder()._forward_pre_hooks
+    assert "forward" in vars(model) and "forward" in vars(ctl.family.decoder())  # the wrapped entry points
     with torch.no_grad():
         model.generate(IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
     psr_hf.unpatch(model)
@@ -217,6 +218,7 @@ def test_unpatch_removes_every_attribute_and_hook(family):
         assert "forward" not in vars(layer.router)
         assert layer.router.forward.__func__ is type(layer.router).forward
     assert model.generate.__func__ is type(model).generate
+    assert model.forward.__func__ is type(model).forward
     assert "_reorder_cache" not in vars(model)
     assert all(not getattr(module, d) for module in model.modules() for d in _HOOK_DICTS)
 
@@ -230,15 +232,19 @@ def test_patched_unpatches_on_exception(model):
 
 
 def test_a_failed_install_leaves_the_model_clean(model, monkeypatch):
-    """An error while hooks are being installed undoes what was already installed."""
+    """An error while the forwards are being wrapped (the model's done, the decoder's failing) undoes what was
+    already installed."""
     before = _snapshot(model)
     decoder = model.get_decoder()
+    set_attr = Installation.set_attr
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("no forward hooks on this decoder")
+    def refuse_the_decoder(self, obj, name, value):
+        if obj is decoder and name == "forward":
+            raise RuntimeError("no forward wrapper on this decoder")
+        set_attr(self, obj, name, value)
 
-    monkeypatch.setattr(decoder, "register_forward_hook", refuse)
-    with pytest.raises(RuntimeError, match="no forward hooks on this decoder"):
+    monkeypatch.setattr(Installation, "set_attr", refuse_the_decoder)
+    with pytest.raises(RuntimeError, match="no forward wrapper on this decoder"):
         psr_hf.patch(model, CONFIG)
     monkeypatch.undo()
     _assert_clean(model, before)

@@ -51,7 +51,8 @@ def _assert_as_before(model: torch.nn.Module, before: dict, logits: torch.Tensor
     decoder = model.get_decoder()
     for module in (model, decoder):
         assert not any(getattr(module, d) for d in _HOOK_DICTS)
-    assert not {"generate", "_reorder_cache", "_psr_hf_controller"} & set(vars(model))
+    assert not {"generate", "_reorder_cache", "_psr_hf_controller", "forward"} & set(vars(model))
+    assert "forward" not in vars(decoder)
     assert torch.equal(_logits(model), logits)
 
 
@@ -64,10 +65,11 @@ def _moe_layers(model: torch.nn.Module) -> list:
 def test_replaced_forwards_look_like_the_originals(family):
     model = tiny_model(family)
     routers = [layer.router for layer in _moe_layers(model)]
-    forwards = [router.forward for router in routers]  # bound originals
+    entries = [model, model.get_decoder()]  # the model's and its decoder's forward are wrapped too
+    forwards = [module.forward for module in routers + entries]  # bound originals
     generate = model.generate
     with psr_hf.patched(model, CONFIG):
-        for router, original in zip(routers, forwards):
+        for router, original in zip(routers + entries, forwards):
             replaced = router.forward
             assert "forward" in vars(router) and replaced.__wrapped__ == original
             assert replaced.__name__ == original.__name__ == "forward"
@@ -134,12 +136,12 @@ def _refuse(self, *args, **kwargs):
 
 @pytest.mark.parametrize("step, fail, offload", [
     ("_install_routers", _fail_after, None),  # routers replaced, nothing else yet
-    ("_install_hooks", _refuse, None),  # routers replaced
-    ("_install_hooks", _fail_after, None),  # routers replaced, every hook registered
+    ("_install_forwards", _refuse, None),  # routers replaced
+    ("_install_forwards", _fail_after, None),  # routers replaced, the model's and the decoder's forward wrapped
     ("_install_generate", _fail_after, None),  # all but the controller attribute
     ("_install_offload", _refuse, "cpu"),
     ("_install_offload", _fail_after, "cpu"),  # the experts already in the host store and slots
-], ids=["routers", "hooks-before", "hooks-after", "generate-after", "offload-before", "offload-after"])
+], ids=["routers", "forwards-before", "forwards-after", "generate-after", "offload-before", "offload-after"])
 def test_a_failure_in_the_middle_of_install_leaves_the_model_as_before(step, fail, offload, monkeypatch):
     model = tiny_model("olmoe")
     before, logits = _snapshot(model), _logits(model)

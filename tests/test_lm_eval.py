@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -320,7 +321,18 @@ def test_a_shipped_offline_task_runs_under_psr_hf(lm_eval_api, tiny):
     assert out["config"]["psr_hf"]["stats"]["tokens"] > 0
 
 
-def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval_api):
+@pytest.fixture
+def transformers_log(caplog):
+    """transformers' log records in caplog (its library logger does not propagate by default)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    caplog.set_level(logging.WARNING, logger="transformers")
+    yield caplog
+    hf_logging.disable_propagation()
+
+
+def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval_api, transformers_log):
     from psr_hf.assets import TINY_MOE
 
     lm_eval, TaskManager, PSRLM = lm_eval_api
@@ -334,6 +346,48 @@ def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval
     # a trained model on held-out prose: far below the byte-level perplexity of a uniform guess (8192 tokens)
     assert 1.0 < out["results"]["psr_heldout_ppl"]["byte_perplexity,none"] < 5.0
     assert out["config"]["psr_hf"]["stats"]["replaced_per_token"] > 0  # psr steered the routing
+    # the held-out chapters are far longer than the model's 512 tokens, and lm-eval windows them itself: no warning
+    # of indexing errors (transformers' "Token indices sequence length is longer ...")
+    assert "sequence length is longer" not in transformers_log.text
+
+
+def test_the_long_sequence_warning_is_silenced_only_where_the_text_is_windowed(transformers_log):
+    from psr_hf.assets import TINY_MOE
+    from psr_hf.eval.lm_model import _long_sequences_windowed
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MOE)
+    long_text = "It was the best of times, it was the worst of times. " * 400
+    with _long_sequences_windowed(tokenizer):
+        assert len(tokenizer(long_text)["input_ids"]) > tokenizer.model_max_length
+    assert "sequence length is longer" not in transformers_log.text
+    tokenizer(long_text)  # elsewhere it warns as before
+    assert "sequence length is longer" in transformers_log.text
+
+
+def test_trust_remote_code_is_refused_before_the_remote_code_runs(lm_eval_api, tmp_path):
+    """A model directory whose config names its own code: with trust_remote_code=True transformers would import
+    that code while loading; psr_hf refuses first, so the code never runs."""
+    PSRLM = lm_eval_api[2]
+    path = save_tiny("olmoe", tmp_path / "remote")
+    marker = tmp_path / "remote_code_ran"
+    (path / "configuration_remote.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import OlmoeConfig\n\n\nclass RemoteConfig(OlmoeConfig):\n    pass\n")
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_remote.RemoteConfig"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="trust_remote_code=True: psr_hf patches transformers' native model "
+                                         "classes only"):
+        PSRLM(pretrained=str(path), trust_remote_code=True, device="cpu", residency=0.5)
+    assert not marker.exists()
+
+
+def test_a_misspelt_pretrained_names_the_shipped_model_without_asking_the_hub(lm_eval_api):
+    PSRLM = lm_eval_api[2]
+    with pytest.raises(ValueError, match=r"no model 'tiny_moe': not a shipped model \(tiny-moe\).*did you mean "
+                                         r"tiny-moe\?"):
+        PSRLM(pretrained="tiny_moe", device="cpu", residency=0.5)
 
 
 # ---------------------------------------------------------------------------------------------- model args
@@ -503,7 +557,10 @@ def test_the_wheel_ships_the_startup_hook(tmp_path):
     (wheel,) = tmp_path.glob("psr_hf-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        assert archive.read("psr_hf_lm_eval.pth").decode() == "import _psr_hf_lm_eval\n"
+        line = archive.read("psr_hf_lm_eval.pth").decode()
+        # one import line (Python runs .pth lines that start with "import"), guarded so that a partial uninstall
+        # leaves it silent (tests/test_packaging.py runs it with the module removed)
+        assert line.startswith("import ") and line.count("\n") == 1 and "_psr_hf_lm_eval" in line, line
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
         assert "psr_hf_lm_eval.pth," in archive.read(record).decode()  # so pip uninstall removes it
     assert {"_psr_hf_lm_eval.py", "psr_hf/eval/lm_model.py"} <= names

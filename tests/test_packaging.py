@@ -172,6 +172,11 @@ def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry
     assert re.search(r"^psr-hf\s*=\s*psr_hf\.cli:main\s*$", entry_text, flags=re.M), entry_text
     assert not any(name.startswith("patches/") for name in names), sorted(names)
     assert not any(name.startswith("tests/") for name in names), sorted(names)
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        assert wheel.read("psr_hf_lm_eval.pth").decode() == _pth_line()
+    for required in ("psr_hf/eval/sandbox.py", "psr_hf/eval/_sandbox_child.py"):  # the HumanEval code runner
+        assert required in names, sorted(names)
+    assert not [name for name in names if name.endswith((".nbi", ".nbc"))]  # numba caches stay out of the wheel
 
 
 def test_policy_replay_is_the_function_even_after_every_submodule_is_imported():
@@ -188,3 +193,74 @@ def test_policy_replay_is_the_function_even_after_every_submodule_is_imported():
     import psr_hf
 
     assert psr_hf.replay is psr_hf.policy.replay
+
+
+def _pth_line() -> str:
+    """setup.py's PTH_LINE, read without running setup.py."""
+    import ast
+
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["PTH_LINE"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no PTH_LINE")
+
+
+@pytest.mark.parametrize("module_present", [True, False], ids=["installed", "module_removed"])
+def test_pth_line_is_silent_when_the_startup_module_is_gone(tmp_path, module_present):
+    """A .pth left behind by a partial uninstall must not print a traceback at every Python start."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    line = _pth_line()
+    assert line.startswith("import ") and line.endswith("\n") and line.count("\n") == 1  # one .pth code line
+    (site_dir / "psr_hf_lm_eval.pth").write_text(line)
+    if module_present:
+        shutil.copy(REPO / "startup" / "_psr_hf_lm_eval.py", site_dir)
+    code = (f"import site, sys; site.addsitedir({str(site_dir)!r}); "
+            "print('LOADED', '_psr_hf_lm_eval' in sys.modules)")
+    # -S: no site-packages of this environment, so the editable install's own copy of the module is not found
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == f"LOADED {module_present}"
+    if not module_present:  # the line as it was would have printed an error at start-up: the test can tell
+        (site_dir / "psr_hf_lm_eval.pth").write_text("import _psr_hf_lm_eval\n")
+        proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
+        assert "Error processing line 1" in proc.stderr
+
+
+def test_numba_caches_the_kernels_in_the_users_cache_folder_not_beside_the_package(tmp_path):
+    """cache=True alone writes __pycache__/*.nbi|*.nbc next to the modules (site-packages when installed), which
+    pip uninstall leaves behind; the kernels cache under $XDG_CACHE_HOME/psr_hf/numba instead, or under the
+    user's NUMBA_CACHE_DIR."""
+    import os
+
+    code = textwrap.dedent(
+        """
+        import numba, psr_hf
+        from psr_hf.policy import _kernels, _mass  # the two numba modules of the package, in psr_hf's order
+        from psr_hf.policy.traces import calibration_from_trace, synthetic_trace
+
+        trace = synthetic_trace(12, 2, 8, vocab_size=16, seed=3)
+        calibration = calibration_from_trace(trace, top_k=2, vocab_size=16)
+        psr_hf.policy.replay(psr_hf.RoutingConfig(policy="psr", capacity=4), trace.scores, trace.pregate,
+                             trace.tokens, calibration, 2)
+        print("CACHE_DIR", numba.config.CACHE_DIR)
+        """
+    )
+    def beside_the_package():
+        return {p: p.stat().st_mtime_ns for p in POLICY_DIR.rglob("*") if p.suffix in (".nbi", ".nbc")}
+
+    before = beside_the_package()
+    for user_dir in (None, tmp_path / "mine"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+        env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+        if user_dir is not None:
+            env["NUMBA_CACHE_DIR"] = str(user_dir)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        where = user_dir or tmp_path / "xdg" / "psr_hf" / "numba"
+        assert f"CACHE_DIR {where}" in proc.stdout
+        cached = {p.name for p in where.rglob("*") if p.suffix in (".nbi", ".nbc")}
+        assert any(name.startswith("_kernels.") for name in cached), sorted(cached)
+    assert beside_the_package() == before  # nothing written beside the modules

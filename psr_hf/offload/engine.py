@@ -54,6 +54,12 @@ class OffloadStats:
     def per_token(self, name: str) -> float:
         return float(getattr(self, name)) / max(self.tokens, 1)
 
+    def __repr__(self) -> str:
+        return (f"OffloadStats(tokens={self.tokens}, demand/tok={self.per_token('demand'):.2f}, "
+                f"prefetch/tok={self.per_token('prefetch'):.2f} (in time {self.prefetch_in_time}, late "
+                f"{self.prefetch_late}, unused {self.prefetch_unused}), dropped={self.dropped}, warm={self.warm}, "
+                f"MiB={self.bytes / 2**20:.1f}, wait_ms={self.wait_ms:.1f})")
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = asdict(self)
         for name in ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped",
@@ -145,6 +151,7 @@ class OffloadEngine:
                 )
         self._inner = [_inner_function(m) for m in self.modules]
         self.placement = place(model, self.modules, num_experts, capacity, self.device, config.pin_memory)
+        self._remember_weights()
         self._configs: list[tuple[Any, Any]] = []
         try:
             self._allocate(capacity)
@@ -208,6 +215,70 @@ class OffloadEngine:
         self.placement.restore()
         self.slots = []
         self._proxies = []
+
+    # ------------------------------------------------------------------ weights changed after offloading
+    def _remember_weights(self) -> None:
+        # per expert weight: (layer, the module's parameter dict, name, parameter, data address, version counter)
+        self._seen = [(layer, module._parameters, name, param, param.data_ptr(), param._version)
+                      for layer, (module, params) in enumerate(zip(self.modules, self.placement.expert_params))
+                      for name, param, _ in params]
+
+    def sync_weights(self, resident: Any) -> bool:
+        """Called at the start of every forward pass: make the slots hold the model's current expert weights.
+
+        An in-place change of an expert weight (``param.copy_``, ``load_state_dict``, in-place arithmetic under
+        ``no_grad``; seen by its version counter) changes the host store, which the parameter points into: the
+        layer's slots are copied again. New parameters or new data (``load_state_dict(assign=True)``,
+        ``model.to(dtype)``, ``.half()``, ``.to(device)``) are copied into the host store (a new one in the new
+        dtype, with new slots) and pointed at it again; the slots are filled with ``resident(layer)`` ([E] bool or
+        expert ids: the logical cache). Cost when nothing changed: one identity, address and version comparison
+        per expert weight (a few microseconds per forward). Returns whether anything changed. Edits that bypass
+        the version counter (through ``param.data`` or another alias of the storage) are not seen:
+        :meth:`refresh` copies every slot again."""
+        changed, rebound = set(), []
+        for layer, params, name, param, address, version in self._seen:
+            current = params.get(name)
+            if current is not param or current.data_ptr() != address:
+                if layer not in rebound:
+                    rebound.append(layer)
+            elif current._version != version:
+                changed.add(layer)
+        if not changed and not rebound:
+            return False
+        retyped = False
+        for layer in rebound:
+            retyped |= self.placement.rebind(layer, self.modules[layer])
+        sizes = {sum(t[0].numel() * t.element_size() for t in views.values()) for views in self.placement.store}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"psr_hf offload: the MoE layers' experts now differ in size ({sorted(sizes)} bytes; the dtype of "
+                "some layers changed after offloading); convert the whole model, or unpatch, convert, patch again"
+            )
+        self.placement.bytes_per_expert = sizes.pop()
+        self._remember_weights()
+        if retyped:  # new slot buffers in the new dtype, filled with the logical cache
+            counters = self.scheduler.counters
+            self.link.close()
+            self._allocate(self.capacity)
+            self.scheduler.counters = counters
+            self.scheduler.new_sequence([np.flatnonzero(resident(layer)) for layer in range(self.num_layers)])
+        else:
+            for layer in sorted(changed | set(rebound)):
+                self.scheduler.refresh(layer)
+        logger.info("psr_hf offload: expert weights changed after offloading (layers %s); slots %s",
+                    sorted(changed | set(rebound)), "reallocated" if retyped else "copied again")
+        return True
+
+    def refresh(self) -> None:
+        """Copy every slot of every layer again from the host store (after edits :meth:`sync_weights` cannot see)."""
+        for layer in range(self.num_layers):
+            self.scheduler.refresh(layer)
+
+    def abort(self) -> None:
+        """A forward pass stopped part-way (any exception, ``KeyboardInterrupt`` included): forget the layers'
+        pending selections and make the slots consistent (:meth:`SlotScheduler.recover`)."""
+        self._pending = [None] * self.num_layers
+        self.scheduler.recover()
 
     # ------------------------------------------------------------------ decisions (from the controller)
     def new_sequence(self, warm: list[np.ndarray]) -> None:

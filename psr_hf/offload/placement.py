@@ -56,6 +56,12 @@ class OffloadMemory:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "device_fraction": self.device_fraction}
 
+    def __repr__(self) -> str:
+        return (f"OffloadMemory(device={self.device!r}, capacity={self.capacity}/{self.num_experts} x "
+                f"{self.num_layers} layers, expert GiB {self.expert_bytes_device / _GiB:.3f} of "
+                f"{self.expert_bytes_full / _GiB:.3f}, other GiB {self.non_expert_bytes_device / _GiB:.3f}, "
+                f"host GiB {self.host_store_bytes / _GiB:.3f}, pinned={self.pinned})")
+
     def __str__(self) -> str:
         return (f"experts on {self.device}: {self.expert_bytes_device / _GiB:.2f} GiB of {self.expert_bytes_full / _GiB:.2f}"
                 f" GiB ({self.capacity}/{self.num_experts} slots x {self.num_layers} layers); other weights "
@@ -96,12 +102,44 @@ class Placement:
     def __init__(self) -> None:
         self.store: list[dict[str, torch.Tensor]] = []  # per layer: name -> [E, ...] view into the layer's buffer
         self.buffers: list[torch.Tensor] = []  # per layer: the contiguous host buffer (uint8)
-        self.expert_params: list[list[tuple[str, nn.Parameter, torch.device]]] = []
+        self.expert_params: list[list[tuple[str, nn.Parameter, torch.device]]] = []  # per layer: original devices
         self.moved_params: list[tuple[nn.Parameter, torch.device]] = []
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []
         self.bytes_per_expert = 0
         self.non_expert_bytes = 0
         self.pinned = False
+
+    def rebind(self, layer: int, module: nn.Module) -> bool:
+        """The expert weights of ``layer`` (``module``) no longer point into the host store: new parameters
+        (``load_state_dict(assign=True)``), new data (``model.to(dtype)``, ``.half()``, ``.to(device)``,
+        ``param.data = ...``). Copy their values into the store, in a new buffer when the dtype changed, and point
+        them at it again; they keep their original devices for :meth:`restore`. Returns whether the dtype changed
+        (the slots must be reallocated). ``ValueError`` when a weight was removed or reshaped."""
+        devices = {name: device for name, _, device in self.expert_params[layer]}
+        current = []
+        for name in devices:
+            t = module._parameters.get(name)
+            view = self.store[layer][name]
+            if t is None or t.shape != view.shape or t.device.type == "meta":
+                raise ValueError(
+                    f"MoE layer {layer}: the expert weight {name} was removed, reshaped or moved to the meta device "
+                    f"after offloading (now {None if t is None else (tuple(t.shape), str(t.device))}, offloaded "
+                    f"{tuple(view.shape)}); psr_hf.unpatch(model), change the model, then patch it again"
+                )
+            current.append((name, t))
+        retyped = any(t.dtype != self.store[layer][name].dtype for name, t in current)
+        if retyped:
+            buffer, views = _host_buffer(layer, current, self.pinned, len(self.store))
+            self.buffers[layer], self.store[layer] = buffer, views
+        else:
+            for name, t in current:
+                view = self.store[layer][name]
+                if t.data_ptr() != view.data_ptr():
+                    view.copy_(t.data)
+        for name, t in current:
+            t.data = self.store[layer][name]
+        self.expert_params[layer] = [(name, t, devices[name]) for name, t in current]
+        return retyped
 
     def restore(self) -> None:
         """Put every tensor back on its original device (values unchanged) and release the host store."""
@@ -148,26 +186,10 @@ def place(model: nn.Module, experts_modules: list[nn.Module], num_experts: int, 
         # experts first: on a model that sits on the device, this frees device memory before anything else moves there
         placement.pinned = pin and device.type == "cuda"
         for layer, layer_weights in enumerate(weights):
-            offsets, total = [], 0
-            for _, p in layer_weights:
-                offsets.append(total)
-                total += -(-_nbytes(p) // _ALIGN) * _ALIGN
-            try:
-                buffer = torch.empty(total, dtype=torch.uint8, pin_memory=placement.pinned)
-            except RuntimeError as error:
-                raise OffloadMemoryError(
-                    f"psr_hf offload: could not allocate the {'pinned ' if placement.pinned else ''}host store of MoE "
-                    f"layer {layer} ({total / _GiB:.2f} GiB; {L * total / _GiB:.2f} GiB for all {L} layers): {error}. "
-                    "Free host memory, raise the locked-memory limit, or pass OffloadConfig(pin_memory=False) "
-                    "(slower, synchronous copies)"
-                ) from error
-            views, restore = {}, []
-            for (name, p), offset in zip(layer_weights, offsets):
-                view = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
-                view.copy_(p.data)
-                restore.append((name, p, p.device))
-                p.data = view
-                views[name] = view
+            buffer, views = _host_buffer(layer, layer_weights, placement.pinned, L)
+            restore = [(name, p, p.device) for name, p in layer_weights]
+            for name, p in layer_weights:
+                p.data = views[name]
             placement.buffers.append(buffer)
             placement.store.append(views)
             placement.expert_params.append(restore)
@@ -184,6 +206,31 @@ def place(model: nn.Module, experts_modules: list[nn.Module], num_experts: int, 
         placement.restore()
         raise
     return placement
+
+
+def _host_buffer(layer: int, layer_weights: list, pinned: bool, num_layers: int) -> tuple[torch.Tensor, dict]:
+    """One layer's host store: a contiguous uint8 buffer (pinned or not) holding a copy of each ``(name, tensor)``
+    at an aligned offset, and the views ``{name: tensor}`` into it."""
+    offsets, total = [], 0
+    for _, p in layer_weights:
+        offsets.append(total)
+        total += -(-_nbytes(p) // _ALIGN) * _ALIGN
+    try:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    except RuntimeError as error:
+        L = num_layers
+        raise OffloadMemoryError(
+            f"psr_hf offload: could not allocate the {'pinned ' if pinned else ''}host store of MoE "
+            f"layer {layer} ({total / _GiB:.2f} GiB; {L * total / _GiB:.2f} GiB for all {L} layers): {error}. "
+            "Free host memory, raise the locked-memory limit, or pass OffloadConfig(pin_memory=False) "
+            "(slower, synchronous copies)"
+        ) from error
+    views = {}
+    for (name, p), offset in zip(layer_weights, offsets):
+        view = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        views[name] = view
+    return buffer, views
 
 
 def _check_fit(device: torch.device, arriving: int, slot_bytes: int, leaving: int, non_expert: int, *, free: int,

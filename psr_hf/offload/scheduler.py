@@ -131,6 +131,13 @@ class CudaLink:
     def close(self) -> None:
         self.synchronize()
 
+    def check(self) -> None:
+        """Raise if a copy failed (a CUDA copy fails when it is issued, in :meth:`copy`: nothing to report here)."""
+
+    def take_failures(self) -> list:
+        """The copies that failed since the last call (none on CUDA, see :meth:`check`)."""
+        return []
+
 
 def _sleep_cycles(device: torch.device, delay_ms: float) -> int:
     """GPU clock cycles that ``torch.cuda._sleep`` needs for about ``delay_ms`` (measured once)."""
@@ -153,7 +160,7 @@ class ThreadLink:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._delay = delay_ms / 1e3
         self.wait_s = 0.0
-        self._error: BaseException | None = None
+        self._failures: list[tuple[Copy, BaseException]] = []  # appended by the copy thread, read by the caller
         self._thread = threading.Thread(target=self._run, name="psr_hf-copy", daemon=True)
         self._thread.start()
 
@@ -162,21 +169,21 @@ class ThreadLink:
             item = self._queue.get()
             if item is None:
                 return
-            event, dst, src = item
+            job, event, dst, src = item
             try:
                 if self._delay:
                     time.sleep(self._delay)
                 for d, s in zip(dst, src):
                     d.copy_(s)
-            except BaseException as error:  # surfaced by the next wait
-                self._error = error
+            except BaseException as error:  # surfaced by the next wait (check), the slot emptied by recover()
+                self._failures.append((job, error))
             event.set()
 
     def copy(self, job: Copy, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("psr_hf offload: the copy thread has stopped (the model was unpatched)")
         job.event = threading.Event()
-        self._queue.put((job.event, dst, src))
+        self._queue.put((job, job.event, dst, src))
 
     @staticmethod
     def done(job: Copy) -> bool:
@@ -186,15 +193,32 @@ class ThreadLink:
         start = time.perf_counter()
         job.event.wait()
         self.wait_s += time.perf_counter() - start
-        if self._error is not None:
-            raise RuntimeError(f"psr_hf offload: an expert copy failed: {self._error}") from self._error
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` naming the copy if one failed in the copy thread (kept until :meth:`take_failures`:
+        every wait raises until the scheduler recovers)."""
+        if self._failures:
+            job, error = self._failures[0]
+            raise RuntimeError(
+                f"psr_hf offload: the copy of expert {job.expert} into slot {job.slot} of MoE layer {job.layer} "
+                f"failed ({type(error).__name__}: {error}); the forward pass stopped, its sequence is closed and the "
+                "slot is emptied: start a new sequence (generate() again), which copies the expert again"
+            ) from error
+
+    def take_failures(self) -> list:
+        """The ``(copy, error)`` pairs that failed since the last call; forgets them."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def read_done(self, layer: int) -> None:
         pass  # the computation ran synchronously in this thread
 
     def synchronize(self) -> None:
+        if not self._thread.is_alive():
+            return  # closed: nothing is in flight
         event = threading.Event()
-        self._queue.put((event, (), ()))
+        self._queue.put((None, event, (), ()))
         event.wait()
 
     def close(self) -> None:
@@ -239,7 +263,14 @@ class SlotScheduler:
 
     # ------------------------------------------------------------------ copies
     def _issue(self, job: Copy) -> None:
-        self.link.copy(job, self._dst[job.layer][job.slot], self._src[job.layer][job.expert])
+        try:
+            self.link.copy(job, self._dst[job.layer][job.slot], self._src[job.layer][job.expert])
+        except Exception as error:  # the job stays QUEUED: recover() empties its slot
+            raise RuntimeError(
+                f"psr_hf offload: the copy of expert {job.expert} into slot {job.slot} of MoE layer {job.layer} could "
+                f"not be issued ({type(error).__name__}: {error}); the forward pass stopped, its sequence is closed "
+                "and the slot is emptied: start a new sequence (generate() again), which copies the expert again"
+            ) from error
         job.state = ISSUED
         job.seq = self._issued
         self._issued += 1
@@ -350,6 +381,63 @@ class SlotScheduler:
             st.pending = []
             if not self.link.done(latest):
                 self.link.wait(latest)
+        self.link.check()  # a copy that failed must not be computed with, even one that is done
+
+    @staticmethod
+    def _empty(st: _Layer, slot: int) -> None:
+        expert = st.slot_expert[slot]
+        if expert >= 0 and st.expert_slot[expert] == slot:
+            st.expert_slot[expert] = -1
+        st.slot_expert[slot] = -1
+        st.jobs[slot] = None
+        st.dirty = True
+
+    def refresh(self, layer: int) -> None:
+        """The host store of ``layer`` changed (new values for the same experts): copy every slot whose copy was
+        issued again, in place; the layer's next computation waits for them. Queued copies read the new values
+        when they are issued. Counted as ``warm`` copies (slot fills without a logical insertion)."""
+        st = self.layers[layer]
+        for slot, job in enumerate(st.jobs):
+            if job is None or job.state != ISSUED:
+                continue
+            again = Copy(layer, slot, job.expert, job.kind)
+            again.used = job.used
+            st.jobs[slot] = again
+            self.counters.warm += 1
+            self._issue(again)
+            st.pending.append(again)
+
+    def recover(self) -> None:
+        """Make the slots consistent after a forward pass that stopped anywhere (an exception, ``KeyboardInterrupt``,
+        a failed copy): wait for every issued copy, drop the queued ones, and empty every slot that does not
+        certainly hold its expert (its latest copy never issued, failed, or the maps were left half-updated).
+        The next sequence's warm set fills the slots again. Idempotent."""
+        self.link.synchronize()
+        failed = {id(job) for job, _ in self.link.take_failures() if job is not None}
+        while self.queue:
+            job = self.queue.popleft()
+            if job.state == QUEUED:
+                job.state = DROPPED
+                self.counters.dropped += 1
+        self.in_flight.clear()  # every issued copy is complete
+        for st in self.layers:
+            st.pending = []
+            for slot in range(self.capacity):
+                job, expert = st.jobs[slot], int(st.slot_expert[slot])
+                if job is None or job.state != ISSUED or job.expert != expert or id(job) in failed:
+                    st.slot_expert[slot] = -1
+                    st.jobs[slot] = None
+            st.expert_slot[:] = -1
+            for slot in range(self.capacity):
+                expert = int(st.slot_expert[slot])
+                if expert < 0:
+                    continue
+                if st.expert_slot[expert] >= 0:  # two slots name one expert (maps left half-updated)
+                    st.slot_expert[slot] = -1
+                    st.jobs[slot] = None
+                else:
+                    st.expert_slot[expert] = slot
+            st.dirty = True
 
     # ------------------------------------------------------------------ what the engine calls
     def new_sequence(self, warm: Sequence[np.ndarray]) -> None:
@@ -360,6 +448,9 @@ class SlotScheduler:
             if job.state == QUEUED and not job.used:
                 job.state = DROPPED
                 self.counters.dropped += 1
+            st = self.layers[job.layer]
+            if job.state != ISSUED and st.jobs[job.slot] is job:  # never copied: the slot does not hold the expert
+                self._empty(st, job.slot)
         for st in self.layers:  # prefetches of the sequence that ended and were never used
             for job in st.jobs:
                 if job is not None and job.kind == PREFETCH and not job.used:

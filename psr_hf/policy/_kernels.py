@@ -33,10 +33,38 @@ eviction; the priority is computed lazily at the first eviction, which gives the
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import namedtuple
 
+import numba
 import numpy as np
 from numba import njit, prange
+
+
+def user_cache_dir() -> str:
+    """Where numba caches these kernels: ``NUMBA_CACHE_DIR`` when the user set it, else a per-user cache folder
+    (``$XDG_CACHE_HOME/psr_hf/numba``, default ``~/.cache/psr_hf/numba``; ``~/Library/Caches/psr_hf/numba`` on
+    macOS; ``%LOCALAPPDATA%\\psr_hf\\numba`` on Windows). Never beside the modules: ``cache=True`` alone writes
+    ``__pycache__/*.nbi|.nbc`` into site-packages, which ``pip uninstall`` does not remove."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or os.path.join(os.path.expanduser("~"), "AppData", "Local")
+    elif sys.platform == "darwin":
+        base = os.path.join(os.path.expanduser("~"), "Library", "Caches")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "psr_hf", "numba")
+
+
+# numba picks a function's cache folder when @njit(cache=True) runs (numba.config.CACHE_DIR, read from
+# NUMBA_CACHE_DIR at numba's import), so it is set here, before the decorators below and before those of
+# ._mass, which psr_hf imports after this module. It stays set for the process (numba.config only; the
+# environment is left alone): numba functions defined later elsewhere cache there too, in a subfolder named after
+# their source path, instead of beside their sources. A NUMBA_CACHE_DIR of the user's always wins.
+if not numba.config.CACHE_DIR:
+    numba.config.CACHE_DIR = user_cache_dir()
 
 # evictions
 EVICT_SCORE, EVICT_LRU = 0, 1
@@ -782,3 +810,4 @@ def _step_io(layer, mode, table):
     valid = carray(_voidptr(table[T_IN_VALID]), (R, 1), np.uint8)
     plan = carray(_voidptr(table[T_IN_PLAN]), (R, 1, table[T_IN_W]), np.int64)
     return _step_table(layer, mode, table, scores, pregate, tokens, valid, plan)
+

@@ -61,8 +61,13 @@ class StepPlan:
         self.layout = layout
 
     def __repr__(self) -> str:
-        return f"StepPlan(selected={self.selected.tolist()}, demand={self.demand_count.tolist()}, " \
-               f"prefetch={self.prefetch_count.tolist()})"
+        B, S = self.plan.shape[:2]
+        demand = int(np.maximum(self.demand_count, 0).sum())
+        prefetch = int(np.maximum(self.prefetch_count, 0).sum())
+        replaced = int(np.maximum(self.replaced, 0).sum())
+        # one position: its K selected experts (a few numbers); a block: only its shape and totals
+        what = f"selected={self.selected[0, 0].tolist()}" if B * S == 1 else f"block=[{B}, {S}], K={self.top_k}"
+        return f"StepPlan({what}, demand={demand}, prefetch={prefetch}, replaced={replaced})"
 
     @property
     def top_k(self) -> int:
@@ -141,6 +146,13 @@ class CacheStats:
             "demand_per_token": self.demand.sum(axis=0) / tokens,
             "replaced_per_token": self.replaced.sum(axis=0) / tokens,
         }
+
+    def __repr__(self) -> str:
+        L, R = self.steps.shape
+        tokens = int(self.steps.max(axis=0).sum()) if self.steps.size else 0
+        per = max(tokens, 1)
+        return (f"CacheStats(layers={L}, rows={R}, tokens={tokens}, demand/tok={self.demand.sum() / per:.2f}, "
+                f"prefetch/tok={self.prefetch.sum() / per:.2f}, replaced/tok={self.replaced.sum() / per:.2f})")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ DELTA_MODES = ("fixed", "running")
 # `None` for window means "the architecture's default" (8 where there is none)
 DEFAULT_WINDOW = 8
 
+# The largest value of a field that sizes a buffer (capacity, budget, window, top_j): no layer has more experts
+# than this (a calibration stores expert ids as uint16), and each of these counts experts of one layer. Checked
+# when the config is made; against the layer's own number of experts when the cache is built (capacity_for).
+MAX_EXPERTS = 65536
+YAML_SUFFIXES = (".yaml", ".yml")
+
 
 def _listing(items: list[str], last: str) -> str:
     """``a, b <last> c`` for messages."""
@@ -85,8 +91,11 @@ class RoutingConfig:
                 "give exactly one of capacity= (expert slots per MoE layer, an int >= top_k) "
                 "and residency= (fraction of each layer's experts in (0, 1])"
             )
-        if self.capacity is not None and (not _is_int(self.capacity) or self.capacity < 1):
-            raise ValueError(f"capacity={self.capacity!r} must be an int >= 1 (expert slots per MoE layer)")
+        if self.capacity is not None and (not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_EXPERTS):
+            raise ValueError(
+                f"capacity={self.capacity!r} must be an int >= 1 and <= {MAX_EXPERTS} (expert slots per MoE "
+                "layer, at most the layer's experts)"
+            )
         if self.residency is not None and (
             not _is_real(self.residency) or not (0.0 < float(self.residency) <= 1.0)
         ):
@@ -105,8 +114,11 @@ class RoutingConfig:
             if self.budget is not None and (not _is_int(self.budget) or self.budget < 1):
                 raise ValueError(f"budget={self.budget!r}: policy={policy!r} uses budget = K (leave it unset)")
         else:
-            if not _is_int(self.budget) or self.budget < 0:
-                raise ValueError(f"budget={self.budget!r} must be an int >= 0 (prefetch insertions per layer and token)")
+            if not _is_int(self.budget) or not 0 <= self.budget <= MAX_EXPERTS:
+                raise ValueError(
+                    f"budget={self.budget!r} must be an int >= 0 and <= {MAX_EXPERTS} (prefetch insertions per layer "
+                    "and token, at most the layer's experts)"
+                )
         if "budget" not in entry.options and self.budget != 0:
             # suggest the policies that select the same way but do insert (cache_prior -> psr)
             inserting = users_of("budget")
@@ -115,8 +127,11 @@ class RoutingConfig:
                 f"budget={self.budget} is not allowed with policy={policy!r}, which never inserts predicted "
                 f"experts; use {_policy_names(alike)} for a prefetch budget, or budget=0"
             )
-        if self.window is not None and (not _is_int(self.window) or self.window < 1):
-            raise ValueError(f"window={self.window!r} must be an int >= 1 (pre-gate candidates) or None (architecture default)")
+        if self.window is not None and (not _is_int(self.window) or not 1 <= self.window <= MAX_EXPERTS):
+            raise ValueError(
+                f"window={self.window!r} must be an int >= 1 and <= {MAX_EXPERTS} (pre-gate candidates, at most "
+                "the layer's experts) or None (architecture default)"
+            )
         if self.window is not None and "window" not in entry.options:
             readers = _listing([
                 name + (" with budget > 0" if POLICY_TABLE[name].part1 != PART1_ALWAYS else "")
@@ -127,8 +142,10 @@ class RoutingConfig:
                 f"only {readers} use the window"
             )
         # (psr / exact with budget 0 keep their window: inert until a budget is set, as in a budget sweep)
-        if not _is_int(self.top_j) or self.top_j < 0:
-            raise ValueError(f"top_j={self.top_j!r} must be an int >= 0")
+        if not _is_int(self.top_j) or not 0 <= self.top_j <= MAX_EXPERTS:
+            raise ValueError(
+                f"top_j={self.top_j!r} must be an int >= 0 and <= {MAX_EXPERTS} (at most the layer's experts)"
+            )
         if self.top_j > 0 and "top_j" not in entry.options:
             raise ValueError(f"top_j={self.top_j} is used only by {_policy_names(users_of('top_j'))}, not {policy!r}")
         if self.delta_mode not in DELTA_MODES:
@@ -172,7 +189,9 @@ class RoutingConfig:
         return self.inserts or self.executes_pregate
 
     def capacity_for(self, num_experts: int, top_k: int) -> int:
-        """Slots per layer for a layer of ``num_experts`` experts with top-``top_k`` routing (``top_k <= C <= E``)."""
+        """Slots per layer for a layer of ``num_experts`` experts with top-``top_k`` routing (``top_k <= C <= E``).
+        Also checks the other fields that size a buffer against the layer (:meth:`check_experts`)."""
+        self.check_experts(num_experts)
         if self.capacity is not None:
             capacity = self.capacity
             source = f"capacity={capacity}"
@@ -187,6 +206,18 @@ class RoutingConfig:
         if capacity > num_experts:
             raise ValueError(f"{source} exceeds the number of experts per layer ({num_experts})")
         return capacity
+
+    def check_experts(self, num_experts: int) -> None:
+        """Raise ``ValueError`` when ``budget`` or ``top_j`` exceeds ``num_experts``, the experts of one layer: no
+        step inserts or protects more experts than the layer has, and both size the cache's buffers (the capacity is
+        checked by :meth:`capacity_for`; a window above E ranks all E experts, as the kernels clamp it)."""
+        for name in ("budget", "top_j"):
+            value = getattr(self, name)
+            if value is not None and value > num_experts:
+                raise ValueError(
+                    f"{name}={value} exceeds the model's {num_experts} experts per MoE layer: no step can use more "
+                    f"experts than the layer has; set {name} to at most {num_experts}"
+                )
 
     def window_for(self, top_k: int, default: int = DEFAULT_WINDOW) -> int:
         """Pre-gate candidates per step: K for spec, else ``window`` or the architecture's ``default``."""
@@ -217,8 +248,14 @@ class RoutingConfig:
             return config
         if isinstance(config, Mapping):
             return cls.from_dict(config)
-        if isinstance(config, (str, Path)) and str(config).endswith((".yaml", ".yml")):
-            return cls.load_yaml(config)
+        if isinstance(config, (str, Path)):
+            if Path(config).suffix.lower() in YAML_SUFFIXES:
+                return cls.load_yaml(config)
+            raise ValueError(
+                "config must be a psr_hf.RoutingConfig (e.g. RoutingConfig(policy='psr', residency=0.5)), a dict of "
+                f"its fields or a path to its YAML file, whose name ends in {' or '.join(YAML_SUFFIXES)} (any case); "
+                f"got {type(config).__name__} {str(config)!r}, which does not"
+            )
         raise ValueError(
             "config must be a psr_hf.RoutingConfig (e.g. RoutingConfig(policy='psr', residency=0.5)), a dict of its "
             f"fields or a path to its YAML file; got {type(config).__name__}"
@@ -247,10 +284,14 @@ class RoutingConfig:
 
     @classmethod
     def load_yaml(cls, path: str | Path) -> "RoutingConfig":
-        """Read a YAML file written by :meth:`save_yaml` or by hand (a mapping of field names)."""
+        """Read a YAML file written by :meth:`save_yaml` or by hand (a mapping of field names, each at most once:
+        a key given twice raises ``ValueError`` instead of the last one silently winning)."""
         import yaml
 
-        data = yaml.safe_load(Path(path).read_text())
+        try:
+            data = yaml.load(Path(path).read_text(), Loader=_unique_key_loader())  # a SafeLoader subclass
+        except _DuplicateKey as error:
+            raise ValueError(f"{path}: {error}") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a YAML mapping of RoutingConfig fields, got {type(data).__name__}")
         return cls.from_dict(data)
@@ -267,6 +308,42 @@ class RoutingConfig:
             data["capacity"] = None
         data.update(changes)
         return RoutingConfig(**data)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+_LOADER: Any = None
+
+
+def _unique_key_loader() -> Any:
+    """``yaml.SafeLoader`` that raises on a mapping key given twice (PyYAML keeps the last one silently)."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class UniqueKeySafeLoader(yaml.SafeLoader):
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                seen: set = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # "<<: *base" merges: explicit keys override merged ones by design
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        duplicate = key in seen
+                        seen.add(key)
+                    except TypeError:  # an unhashable key: the base class reports it
+                        continue
+                    if duplicate:
+                        raise _DuplicateKey(
+                            f"key {key!r} appears more than once (line {key_node.start_mark.line + 1}); give each "
+                            "RoutingConfig field once"
+                        )
+                return super().construct_mapping(node, deep=deep)
+
+        _LOADER = UniqueKeySafeLoader
+    return _LOADER
 
 
 # the policy table in the docstring, written from the table itself (None under python -OO)

@@ -32,6 +32,12 @@ class ReplayResult:
             "replaced": float(self.replaced.sum()) / T,
         }
 
+    def __repr__(self) -> str:
+        T, L, K = self.selected.shape
+        c = self.copies_per_token()
+        return (f"ReplayResult(tokens={T}, layers={L}, top_k={K}, copies/tok={c['total']:.2f} (demand "
+                f"{c['demand']:.2f}, prefetch {c['prefetch']:.2f}), replaced/tok={c['replaced']:.2f})")
+
 
 @dataclass(frozen=True)
 class Recording:
@@ -53,6 +59,11 @@ class Recording:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    def __repr__(self) -> str:
+        T, L, E = self.scores.shape
+        return (f"Recording(tokens={T}, layers={L}, experts={E}, top_k={self.top_k}, sequence={self.sequence}, "
+                f"row={self.row})")
 
 
 def replay(

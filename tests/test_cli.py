@@ -1,0 +1,260 @@
+"""The ``psr-hf`` command as a first user meets it: one model-name resolver for every command (shipped names, local
+directories, hub ids, typos, non-MoE models, offline), help texts, progress on stderr, the plots, the thread choice,
+and short reprs of the result objects."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf.assets import TINY_MOE, resolve_model
+from psr_hf.cli import SMALL_HIDDEN, build_parser, main
+from psr_hf.testing import save_tiny, tiny_model
+
+pytestmark = pytest.mark.usefixtures("quiet_psr_hf")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fail the test if anything resolves a host name (every connection to the hub starts with one)."""
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise AssertionError(f"network access attempted: getaddrinfo{args}")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    return attempts
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    """A saved tiny GPT-2 (not a Mixture of Experts), built from a config offline."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32)).save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- resolver
+def test_the_shipped_name_resolves_to_the_packaged_directory(no_network):
+    source = resolve_model("tiny-moe")
+    assert source.kind == "shipped" and source.directory == TINY_MOE
+    assert source.model_type == "olmoe" and source.hidden_size == 128
+    assert source.from_pretrained_kwargs == {"local_files_only": True}
+
+
+def test_a_local_model_directory_resolves_with_its_config(tmp_path, no_network):
+    path = save_tiny("olmoe", tmp_path / "model")
+    source = resolve_model(str(path))
+    assert source.kind == "directory" and source.directory == path and source.model_type == "olmoe"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("tiny_moe", "no model 'tiny_moe': not a shipped model (tiny-moe), not a local directory, not a hub id "
+                 "(owner/name); did you mean tiny-moe?"),
+    ("tinymoe", "did you mean tiny-moe?"),
+    ("/nonexistent/path/model", "no model '/nonexistent/path/model': no such local directory"),
+])
+def test_a_name_that_is_nothing_says_what_was_looked_for(name, message, no_network):
+    with pytest.raises(ValueError) as info:
+        resolve_model(name)
+    assert message in str(info.value)
+
+
+def test_a_misspelt_directory_suggests_the_one_beside_it(tmp_path, no_network):
+    save_tiny("olmoe", tmp_path / "my-model")
+    with pytest.raises(ValueError, match=r"did you mean .*my-model\?"):
+        resolve_model(str(tmp_path / "my-modle"))
+
+
+def test_a_non_moe_model_is_refused_naming_the_supported_types(gpt2_dir, no_network):
+    with pytest.raises(ValueError) as info:
+        resolve_model(str(gpt2_dir))
+    message = str(info.value)
+    assert "gpt2 (GPT2LMHeadModel): not a Mixture-of-Experts model" in message
+    for model_type in psr_hf.testing.FAMILIES:
+        assert model_type in message
+
+
+def test_an_unsupported_moe_architecture_is_named_as_one(tmp_path, no_network):
+    path = tmp_path / "mixtral"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], '
+                                      '"num_local_experts": 8}')
+    with pytest.raises(ValueError, match="a Mixture-of-Experts architecture psr_hf does not support yet"):
+        resolve_model(str(path))
+
+
+def test_offline_a_hub_id_is_looked_up_in_the_local_cache_only(monkeypatch, tmp_path, no_network):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"the hub is offline .* not in the local hub cache"):
+        resolve_model("someone/some-moe")
+    assert time.perf_counter() - start < 2.0  # no retries
+    assert not no_network
+
+
+@pytest.mark.parametrize("command", [
+    ["calibrate", "--text", "x.txt", "--out", "c.safetensors", "--model"],
+    ["demo", "--model"],
+    ["kl", "--model"],
+    ["bench", "--device", "cpu", "--model"],
+])
+def test_every_command_resolves_names_the_same_way_and_fails_fast(command, monkeypatch, capsys, gpt2_dir,
+                                                                  no_network):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    assert main([*command, "tiny_moe"]) == 2
+    err = capsys.readouterr().err
+    assert "no model 'tiny_moe'" in err and "did you mean tiny-moe?" in err
+    assert main([*command, "owner/not-cached-anywhere"]) == 2
+    assert "the hub is offline" in capsys.readouterr().err
+    assert main([*command, str(gpt2_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "not a Mixture-of-Experts model" in err and "Traceback" not in err
+    assert time.perf_counter() - start < 10.0
+    assert not no_network
+
+
+def test_a_typo_names_the_nearest_model_on_stderr(capsys, no_network):
+    assert main(["kl", "--model", "tiny_moe"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("psr-hf kl: error: no model 'tiny_moe'") and "did you mean tiny-moe?" in err
+
+
+# ---------------------------------------------------------------------------------------------------- help
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_option_of_every_command_has_help():
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, parser in _subcommands().items() for action in parser._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not missing, f"options without help: {missing}"
+
+
+def test_the_top_level_help_describes_the_tool(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "The library logs" not in out
+    assert "Mixture-of-Experts" in out and "tiny-moe" in out
+
+
+def test_bench_help_lists_the_shipped_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "tiny-moe" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------- threads
+def test_a_small_model_on_the_cpu_runs_with_one_thread_unless_told(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    text = tmp_path / "t.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 20)
+    command = ["calibrate", "--model", "tiny-moe", "--text", str(text), "--out", str(tmp_path / "c.safetensors"),
+               "--max-tokens", "64"]
+    assert resolve_model("tiny-moe").hidden_size <= SMALL_HIDDEN
+    try:
+        torch.set_num_threads(2)
+        assert main(command) == 0
+        assert torch.get_num_threads() == 1  # the CLI's choice for a small model
+        assert main([*command, "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2  # the user's
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert main(command) == 0
+        assert torch.get_num_threads() == 2  # OMP_NUM_THREADS set: the CLI leaves torch alone
+    finally:
+        torch.set_num_threads(1)
+    assert main([*command, "--threads", "0"]) == 2
+    assert "--threads 0: give at least 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- progress, plots
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
+
+
+def test_kl_shows_progress_on_stderr_and_writes_its_plot(tmp_path, capsys):
+    plot = tmp_path / "kl.png"
+    assert main(["kl", "--windows", "2", "--tokens", "32", "--residencies", "0.5,0.25", "--lams", "0.1,0.3",
+                 "--plot", str(plot)]) == 0
+    captured = capsys.readouterr()
+    assert "excess NLL: 100%" in captured.err and "window" in captured.err  # the tqdm bar, finished
+    assert "excess NLL: " not in captured.out
+    assert f"plot: {plot}" in captured.out and _is_png(plot)
+
+
+def test_demo_shows_progress_on_stderr_and_writes_its_plot(tmp_path, capsys):
+    plot = tmp_path / "demo.png"
+    assert main(["demo", "--new-tokens", "2", "--plot", str(plot)]) == 0
+    captured = capsys.readouterr()
+    assert "generating: 100%" in captured.err and "excess NLL: 100%" in captured.err
+    assert "generating" not in captured.out
+    assert _is_png(plot)
+
+
+def test_the_plot_refuses_no_rows_and_rows_of_something_else(tmp_path):
+    from psr_hf.eval.divergence import plot_divergence
+
+    with pytest.raises(ValueError, match="no divergence rows to plot"):
+        plot_divergence([], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="is not a divergence row"):
+        plot_divergence([{"name": "bench row", "ms_per_token": 1.0}], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- reprs
+def _short(obj: object, name: str) -> str:
+    text = repr(obj)
+    assert text.startswith(name + "(") and "\n" not in text and len(text) <= 200, text
+    assert "array(" not in text and "..." not in text, text
+    return text
+
+
+def test_result_objects_have_short_one_line_reprs():
+    from psr_hf.eval.divergence import divergence
+    from psr_hf.offload.config import OffloadConfig
+
+    model = tiny_model("olmoe")
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    config = psr_hf.RoutingConfig(policy="psr", residency=0.5)
+    with psr_hf.patched(model, config, offload=OffloadConfig(device="cpu")):
+        ctl = psr_hf.controller(model)
+        with ctl.record() as rec:
+            model(input_ids=ids)
+        stats = ctl.stats()
+        assert "tokens=48" in _short(stats, "RoutingStats")
+        _short(stats.offload, "OffloadStats")
+        _short(ctl.memory(), "OffloadMemory")
+        _short(ctl.cache.stats(), "CacheStats")
+    recording = rec.recordings[0]
+    assert _short(recording, "Recording").startswith("Recording(tokens=24, layers=3, experts=16, top_k=4")
+    result = psr_hf.replay(config, recording)
+    assert "tokens=24" in _short(result, "ReplayResult")
+
+    cache = psr_hf.LogicalCache(config, num_layers=2, num_experts=16, top_k=4)
+    rng = np.random.default_rng(0)
+    one = cache.step(0, rng.standard_normal((1, 1, 16)).astype(np.float32))
+    assert _short(one, "StepPlan").startswith("StepPlan(selected=[")
+    block = cache.step(1, rng.standard_normal((1, 50, 16)).astype(np.float32),
+                       rng.standard_normal((1, 50, 16)).astype(np.float32), np.zeros((1, 50), dtype=np.int64))
+    assert "block=[1, 50]" in _short(block, "StepPlan")
+
+    rows = divergence(model, [ids[:1]], {"exact": psr_hf.RoutingConfig(policy="exact", residency=0.5)})
+    assert "excess_nll=0.0000" in _short(rows[0], "DivergenceRow")
