@@ -198,7 +198,12 @@ def enter_namespaces(workdir: str) -> list[str]:
             _mount(libc, ctypes, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
         except OSError:
             writable.append(point)
+    # a folder holding the interpreter or this script (a checkout or venv under /tmp) stays visible, read-only:
+    # hiding it would leave the worker nothing to exec
+    needed = [os.path.realpath(p) for p in (sys.executable, sys.prefix, os.path.abspath(__file__))]
     for point in _HIDDEN:
+        if any(n == point or n.startswith(point.rstrip("/") + "/") for n in needed):
+            continue
         if os.path.isdir(point) and not os.path.islink(point):
             _mount(libc, ctypes, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
     os.makedirs(workdir, exist_ok=True)  # inside a fresh tmpfs when workdir is under /tmp
