@@ -42,6 +42,7 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 		$(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
 	fi
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(VENV)/bin/psr-hf warm-up
 	@touch $(STAMP)
 
 clean:

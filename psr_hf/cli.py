@@ -88,7 +88,7 @@ def _compile_notice() -> Iterator[None]:
             if not self.shown:
                 self.shown = True
                 _err("psr-hf: compiling the policy kernels with numba (first run only: they are cached after; "
-                     "about 30 s on a 2-core machine)")
+                     "about 15 s on a 2-core machine; `psr-hf warm-up`, which make install runs, does it ahead)")
 
         def on_end(self, ev: Any) -> None:
             pass
@@ -143,6 +143,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from .eval.divergence import plot_divergence
 
         print(f"plot: {plot_divergence(result['divergence'], args.plot, title=f'psr-hf demo: {args.model}, ' + result['kl'])}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- warm-up
+def cmd_warm_up(args: argparse.Namespace) -> int:
+    import time
+
+    from .testing import warm_up
+
+    import torch
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    with _compile_notice():
+        runs = warm_up()
+    print(f"psr-hf warm-up: policy kernels compiled and cached ({runs} runs, {time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -389,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--plot", metavar="FILE", help="also write a PNG of excess NLL against copies per token here")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("warm-up", help="compile the policy kernels into numba's cache (make install runs this; "
+                                       "the first demo or generate() then starts without compiling)")
+    p.set_defaults(func=cmd_warm_up)
 
     p = sub.add_parser("calibrate", help="calibrate a model's routing policy on held-out text")
     p.add_argument("--model", required=True, help="tiny-moe, a model directory (transformers format, with its "

@@ -51,3 +51,38 @@ def save_tiny(family: str, path: Any, *, seed: int = 0, **overrides: Any) -> Any
     tiny_model(family, seed=seed, **overrides).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3")) -> int:
+    """Compile the policy kernels into numba's on-disk cache (``make install`` runs this through ``psr-hf
+    warm-up``), so a user's first ``psr-hf demo`` or ``generate()`` loads them instead of compiling for 10-40 s.
+
+    Runs a prompt and two decode steps of a tiny random model of each of ``families`` (softmax and
+    sigmoid-with-bias routers) under every policy of the policy table, resident and on the CPU offload path, so
+    the kernels are compiled for exactly the argument types the controller passes. Returns the number of runs.
+    """
+    from .hf.calibrate import calibrate
+    from .hf.patching import patch, unpatch
+    from .offload.config import OffloadConfig
+    from .policy.config import RoutingConfig
+    from .policy.policies import POLICY_TABLE
+
+    runs = 0
+    for family in families:
+        model = tiny_model(family)
+        E = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.n_routed_experts
+        vocab = model.config.get_text_config().vocab_size
+        ids = torch.arange(24).remainder(vocab).reshape(2, 12)
+        calibration = calibrate(model, ids, max_length=12, progress=False)
+        for policy in POLICY_TABLE:
+            for offload in (None, OffloadConfig(device="cpu")):
+                config = RoutingConfig(policy=policy, capacity=E // 2)
+                patch(model, config, calibration=calibration, offload=offload)
+                try:
+                    with torch.no_grad():
+                        model.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+                        model(ids)  # a block of rows: the prompt path with several rows
+                finally:
+                    unpatch(model)
+                runs += 1
+    return runs

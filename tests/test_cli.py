@@ -258,3 +258,51 @@ def test_result_objects_have_short_one_line_reprs():
 
     rows = divergence(model, [ids[:1]], {"exact": psr_hf.RoutingConfig(policy="exact", residency=0.5)})
     assert "excess_nll=0.0000" in _short(rows[0], "DivergenceRow")
+
+
+# ---------------------------------------------------------------------------------------------------- warm-up
+_COUNT_COMPILES = """
+import sys, torch
+from numba.core import event
+import psr_hf
+from psr_hf.testing import tiny_model
+compiled = []
+class L(event.Listener):
+    def on_start(self, ev): compiled.append(str(ev.data.get("dispatcher", "")))
+    def on_end(self, ev): pass
+event.register("numba:compile", L())
+model = tiny_model(sys.argv[1])
+ids = torch.arange(12).reshape(1, 12)
+psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, capacity=8),
+             calibration=psr_hf.calibrate(model, ids, max_length=12, progress=False))
+model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+print("COMPILED", len(compiled))
+"""
+
+
+def _compiles(family, env):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COUNT_COMPILES, family], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split("COMPILED")[-1])
+
+
+def test_warm_up_fills_the_numba_cache_so_a_first_generate_compiles_nothing(tmp_path, capsys):
+    """`make install` runs `psr-hf warm-up`: afterwards a new process patching a model and generating loads every
+    policy kernel from the on-disk cache (no numba compilation), where an empty cache compiles them."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), OMP_NUM_THREADS="1")
+    assert _compiles("olmoe", env) > 0  # an empty cache compiles
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba2")
+    warm = subprocess.run([sys.executable, "-m", "psr_hf.cli", "warm-up"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    assert "policy kernels compiled and cached" in warm.stdout
+    assert _compiles("olmoe", env) == 0
+    assert _compiles("deepseek_v3", env) == 0  # the sigmoid-with-bias router's argument types too

@@ -322,6 +322,39 @@ def test_generate_refuses_a_right_padded_batch_and_accepts_left_padding():
     psr_hf.unpatch(model)
 
 
+def test_the_byte_tokenizer_of_the_random_models_pads_left_and_keeps_it_when_saved(tmp_path):
+    """The tokenizer saved beside every random tiny model (save_tiny, the benchmarks) pads on the left, so a batch
+    made with it generates correctly."""
+    from transformers import AutoTokenizer
+
+    from psr_hf.testing import byte_tokenizer, save_tiny
+
+    tokenizer = byte_tokenizer()
+    batch = tokenizer(["a", "abc"], padding=True, return_tensors="pt")
+    assert batch["attention_mask"].tolist() == [[0, 0, 1], [1, 1, 1]]
+    save_tiny("olmoe", tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
+
+
+def test_a_parallel_replay_leaves_torchs_thread_count_as_it_was():
+    """numba's OpenMP layer sets the process's OpenMP thread count; torch reads it as its own, so a parallel replay
+    would silently move a one-thread CLI run onto every core."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one core: numba runs one thread and cannot change torch's count")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rng = np.random.default_rng(0)
+        scores = rng.standard_normal((16, 4, 16)).astype(np.float32)
+        psr_hf.replay(psr_hf.RoutingConfig(policy="exact", capacity=8), scores,
+                      tokens=np.zeros(16, dtype=np.int64), top_k=2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------------------- bounds
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=17), r"budget=17 exceeds the model's 16 experts per MoE layer"),

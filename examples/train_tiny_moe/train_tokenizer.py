@@ -51,7 +51,7 @@ def main() -> None:
 
     tokenizer = train(args.corpus, args.vocab)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, pad_token=PAD,
-                                   model_max_length=1024)
+                                   model_max_length=1024, padding_side="left")  # batched generate() needs left
     fast.save_pretrained(args.out)
     sample = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
     ids = fast(sample)["input_ids"]

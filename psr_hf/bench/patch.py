@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
@@ -197,17 +198,23 @@ def bench_patch(
     if calibration is None and any(config is not None for config in configs.values()):
         logger.info("bench_patch: patched runs are uncalibrated (warm set = the first C experts, no token prior, "
                     "running bonus scale)")
-    with quiet_uncalibrated():
+    # a tqdm bar (stderr) over every run of every warm-up and timed round when the caller asks for progress
+    bar = tqdm(total=(warmup + rounds) * len(names), unit="run", desc="bench-patch", disable=progress is None)
+    with quiet_uncalibrated(), bar:
         for w in range(warmup):
             for name in names:
+                bar.set_postfix_str(f"warm-up: {name}")
                 run = decode_run(model, configs[name], ids, new_tokens, calibration)
+                bar.update()
                 if name == baseline:
                     baseline_tokens.append(run.tokens)
             if progress is not None:
                 progress(f"warm-up {w + 1}/{warmup} done")
         for r in range(rounds):
             for name in rotated(names, r):
+                bar.set_postfix_str(f"round {r + 1}: {name}")
                 runs[name].append(decode_run(model, configs[name], ids, new_tokens, calibration))
+                bar.update()
             baseline_tokens.append(runs[baseline][-1].tokens)
             if progress is not None:
                 line = ", ".join(f"{name} {runs[name][-1].ms_per_token:.2f}" for name in names)

@@ -52,7 +52,8 @@ def byte_tokenizer() -> Any:
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([""], vocab_size=256, show_progress=False, special_tokens=[])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    # left padding: batched generate() needs it (psr_hf refuses right-padded generation)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, padding_side="left")
     vocab = tokenizer.convert_ids_to_tokens([0, 1, 2])
     tokenizer.pad_token, tokenizer.eos_token, tokenizer.bos_token = vocab[0], vocab[1], vocab[2]
     return tokenizer

@@ -850,8 +850,9 @@ class Controller:
         raw, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
         host = _host(both.detach() if both.requires_grad else both)  # [N, 2E]: this layer's z | next pre-gate
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
-        z_host = host[:, :E].reshape(B, S, E)
-        g_next = host[:, E:].reshape(B, S, E)
+        # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
+        z_host = np.ascontiguousarray(host[:, :E]).reshape(B, S, E)
+        g_next = np.ascontiguousarray(host[:, E:]).reshape(B, S, E)
         if S == 1:
             # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
             # computes), on the cache's own buffers

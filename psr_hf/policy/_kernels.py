@@ -33,9 +33,11 @@ eviction; the priority is computed lazily at the first eviction, which gives the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import namedtuple
+from typing import Iterator
 
 import numba
 import numpy as np
@@ -771,6 +773,20 @@ def _step_table(layer, mode, table, scores, pregate, tokens, valid, plan):
     int_scratch = carray(_voidptr(table[T_IBUF]), (table[T_IBUF_N],), np.int64)
     return _step_layer(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
                        prior_indptr, prior_experts, prior_values, plan, float_scratch, int_scratch)
+
+
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Around a parallel kernel: numba's OpenMP layer sets the process's OpenMP thread count, which torch reads
+    as its own intra-op count (a CLI that chose one torch thread for a small model would run its next forward on
+    every core). Restores torch's count after the call where torch is loaded; this module never imports it."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 @njit(cache=True, nogil=True, parallel=True)

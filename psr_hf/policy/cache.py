@@ -352,7 +352,7 @@ class LogicalCache:
                 f"policy={self.config.policy!r} needs the pre-gate scores of layer {layer} (part 1 inserts the "
                 "next layer's predicted experts); pass pregate="
             )
-        if type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.shape == (B, S):
+        if type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.shape == (B, S) and tokens.flags.c_contiguous:
             t = tokens
         elif tokens is None:
             if self.calibration.vocab_size and self.config.eviction == "score":
@@ -378,8 +378,9 @@ class LogicalCache:
 
     @staticmethod
     def _scores(name: str, value: Any, E: int) -> np.ndarray:
-        if type(value) is np.ndarray and value.dtype is _F32 and value.ndim == 3 and value.shape[2] == E:
-            return value  # the hot path: nothing to convert (numba handles any memory layout)
+        if (type(value) is np.ndarray and value.dtype is _F32 and value.ndim == 3 and value.shape[2] == E
+                and value.flags.c_contiguous):
+            return value  # the hot path: nothing to convert (the kernels are compiled for C-contiguous arrays)
         a = np.asarray(value)
         if not np.issubdtype(a.dtype, np.floating):
             raise ValueError(f"{name} must be floating point, got dtype {a.dtype}")
@@ -394,9 +395,10 @@ class LogicalCache:
         shapes and values before touching any state. None on any error code: the caller then runs the checked
         path, which raises with a precise message."""
         if not (type(scores) is np.ndarray and scores.dtype is _F32 and scores.ndim == 3 and type(layer) is int
-                and type(tokens) is np.ndarray and tokens.dtype is _I64 and tokens.ndim == 2 and valid is None
+                and scores.flags.c_contiguous and type(tokens) is np.ndarray and tokens.dtype is _I64
+                and tokens.ndim == 2 and tokens.flags.c_contiguous and valid is None
                 and (pregate is None or type(pregate) is np.ndarray and pregate.dtype is _F32
-                     and pregate.ndim == 3)):
+                     and pregate.ndim == 3 and pregate.flags.c_contiguous)):
             return None
         code, plan = self._call(layer, mode, scores, pregate, tokens, self._no_valid)
         return plan if code == K_.OK else None
@@ -509,8 +511,9 @@ class LogicalCache:
         B, S = t.shape
         plan = np.empty((L, B, S, self._plan_width), dtype=np.int64)
         codes = np.zeros(L, dtype=np.int64)
-        K_._step_all_layers(K_.MODE_BOTH, self._mi, self._mf, z, g, t, v, self.state, self.counters,
-                            *self._prior, plan, codes)
+        with K_.keep_torch_threads():
+            K_._step_all_layers(K_.MODE_BOTH, self._mi, self._mf, z, g, t, v, self.state, self.counters,
+                                *self._prior, plan, codes)
         for layer in range(L):
             if codes[layer] != K_.OK:
                 self._raise(int(codes[layer]), layer, z[layer], g[layer], t, v)
