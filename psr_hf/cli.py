@@ -22,7 +22,8 @@ from ._text import text_table as _table
 
 DESCRIPTION = (
     "Cache-aware expert routing for transformers Mixture-of-Experts models: run the demo, measure how far a routing "
-    "policy moves a model from exact routing (kl) and how many expert copies it needs, calibrate a model, benchmark "
+    "policy moves a model from exact routing (kl) and how many expert copies it needs, calibrate a model, grow a "
+    "small trained model to real-size dimensions with the same routing (grow), benchmark "
     "the policy kernels and offloaded decoding, compare lm-eval runs, or run lm-eval with --model psr_hf (eval). "
     "Models are named the same way everywhere: tiny-moe (shipped), a local model directory, or a hub id "
     "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
@@ -188,6 +189,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"calibration of {calibration.num_layers} MoE layers x {calibration.num_experts} experts, "
           f"token prior over {calibration.vocab_size} ids: {args.out}")
     print("delta per layer: " + " ".join(f"{d:.3f}" for d in calibration.delta))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- grow
+GROW_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "float32": "float32", "fp32": "float32"}
+
+
+def _count(n: int) -> str:
+    """A parameter count for people: 8.7 M, 6.92 B."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def cmd_grow(args: argparse.Namespace) -> int:
+    import torch
+
+    from .assets import resolve_model
+    from .assets.grow import default_target, grow_pretrained, target_by_name
+
+    source = resolve_model(args.model)  # a typo or a model psr_hf cannot patch fails here, before loading
+    if source.directory is None:
+        raise ValueError(f"--model {args.model}: grow needs a local model directory; download it first "
+                         f"(huggingface-cli download {args.model}) and give the directory")
+    target = target_by_name(args.target) if args.target else default_target(source.model_type)
+    changes = {}
+    for item in args.override:
+        field, sep, value = item.partition("=")
+        if not sep or not field.strip():
+            raise ValueError(f"--override {item!r}: give FIELD=VALUE, e.g. hidden_size=512")
+        changes[field.strip().replace("-", "_")] = value
+    target = target.with_dims(**changes)
+    dtype = getattr(torch, GROW_DTYPES[args.dtype])
+    out = grow_pretrained(source.directory, args.out, target, dtype=dtype, device=args.device)
+    record = json.loads((out / "grown_from.json").read_text(encoding="utf-8"))
+    print(f"grew {args.model} ({record['model_type']}, {_count(record['parameters_before'])} parameters) to "
+          f"{target.name} ({_count(record['parameters_after'])} parameters, {record['dtype']}): {out}")
     return 0
 
 
@@ -423,6 +460,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights' dtype (default auto: as saved)")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("grow", help="grow a small trained MoE model to real-size dimensions (OLMoE-1B-7B, "
+                                    "Moonlight-16B-A3B) that compute exactly its function: same routing, real-size "
+                                    "experts for latency benchmarks")
+    p.add_argument("--model", required=True, help="tiny-moe, a model directory (transformers format, with its "
+                                                   "tokenizer) or a hub id owner/name in the local hub cache")
+    p.add_argument("--target", help="olmoe-1b-7b or moonlight-16b-a3b (default: the preset of the model's family)")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="replace one dimension of the target (repeatable), e.g. a reduced target of the same code "
+                        "path for tests: --override hidden_size=512 --override num_attention_heads=8 "
+                        "--override num_key_value_heads=8 --override head_dim=64 --override "
+                        "expert_intermediate_size=96; fields: hidden_size, num_attention_heads, num_key_value_heads, "
+                        "expert_intermediate_size, head_dim (OLMoE), dense_intermediate_size, kv_lora_rank, "
+                        "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (DeepSeek-V3)")
+    p.add_argument("--out", required=True, help="directory to write the grown model to (new or empty)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(GROW_DTYPES),
+                   help="dtype of the grown model's weights (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="torch device to build the grown model on (default cpu; cuda "
+                                                   "builds a real-size model faster)")
+    p.set_defaults(func=cmd_grow)
 
     p = sub.add_parser("bench-policy", help="per-call cost of the policy kernel and replay throughput")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
