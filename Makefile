@@ -14,7 +14,7 @@ EXTRAS ?= dev,eval
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench-policy clean
+.PHONY: demo test install bench-policy moonlight-routing clean
 
 demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
@@ -44,6 +44,11 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	$(VENV)/bin/psr-hf warm-up
 	@touch $(STAMP)
+
+# the small trained Moonlight-routing model is built, not shipped: trains it on a GPU (about 8 minutes on an H200)
+# into ~/.cache/psr_hf/models/moonlight-routing (or $$PSR_HF_MODELS), where `--model moonlight-routing` finds it
+moonlight-routing: $(STAMP)
+	PYTHON=$(PY) bash examples/train_tiny_moe/build_routing_model.sh moonlight-routing
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -71,9 +71,10 @@ def _hidden_size(model: str, built: dict[str, int]) -> int | None:
 
 def _bench_models() -> dict[str, int]:
     """The benchmarks' random models and their hidden sizes."""
-    from .bench.workloads import OLMOE_1B_7B, RANDOM_OLMOE, TINY, TINY_SHAPE
+    from .bench.workloads import GROWN, OLMOE_1B_7B, RANDOM_OLMOE, TINY, TINY_SHAPE
 
-    return {RANDOM_OLMOE: OLMOE_1B_7B["hidden_size"], TINY: TINY_SHAPE["hidden_size"]}
+    return {RANDOM_OLMOE: OLMOE_1B_7B["hidden_size"], TINY: TINY_SHAPE["hidden_size"],
+            **{name: OLMOE_1B_7B["hidden_size"] for name in GROWN}}
 
 
 @contextlib.contextmanager
@@ -318,18 +319,17 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
-    from .assets import HELD_OUT_TEXT
-    from .bench.workloads import TINY_MOE, WINDOW_MODULES, load_model, module_sources, text_windows
+    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources, text_windows
     from .eval.divergence import divergence, format_rows, sweep_configs
-    from .demo import held_out_text
     from .policy.calibration import Calibration
 
     _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
     _err(f"psr-hf kl: loading {args.model}")
     model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
     beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
-    if args.model == TINY_MOE and not args.text:  # it never saw this text; the standard library is in its training
-        texts, text_names = [held_out_text()], [f"held-out: {HELD_OUT_TEXT.name}"]
+    held_out = default_texts(args.model)  # a shipped trained model never saw it; the standard library is in its training
+    if held_out and not args.text:
+        texts, text_names = [t for _, t in held_out], [n for n, _ in held_out]
     else:
         texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [
             t for _, t in module_sources(WINDOW_MODULES)]
@@ -348,7 +348,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
                                 max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=True)
         calibrated_on = f"{args.calibration_tokens} tokens of stdlib {', '.join(CALIBRATION_MODULES)}"
     print(f"psr-hf kl: {info['name']}, {len(windows)} window(s) x {args.tokens + 1} tokens, excess NLL over exact "
-          f"routing (nats per token; 95% interval over windows); calibration: {calibrated_on}")
+          f"routing (nats per token; 95% interval over windows); text: {', '.join(text_names)}; calibration: "
+          f"{calibrated_on}")
     with _compile_notice():
         rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget), calibration=calibration,
                           progress=True)
@@ -511,10 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="offload latency: teacher-forced decode ms/token and copies per token of "
                                      "resident, accelerate and routed rows (the paper's Section 6.1)")
-    p.add_argument("--model", default="random-olmoe-1b-7b",
-                   help="random-olmoe-1b-7b (random weights, bf16; the default), tiny (random, CPU-sized, float32), "
-                        "tiny-moe (the shipped trained tiny OLMoE with its calibration, float32), a model directory "
-                        "or a hub id owner/name")
+    p.add_argument("--model", default="grown-olmoe-routing",
+                   help="grown-olmoe-routing (the default: the shipped trained olmoe-routing grown exactly to "
+                        "OLMoE-1B-7B's size, bf16 on a GPU; trained routing, real-size experts), "
+                        "grown-moonlight-routing (the same for Moonlight-16B-A3B), random-olmoe-1b-7b (random "
+                        "weights, bf16), tiny (random, CPU-sized, float32), a shipped model (tiny-moe, "
+                        "olmoe-routing, moonlight-routing: float32), a model directory or a hub id owner/name")
     p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu with --model tiny)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, at least 3 (default 3)")
     p.add_argument("--windows", type=int, default=2, help="text windows per round (default 2)")
@@ -548,8 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("kl", help="excess NLL over exact routing (a KL diagnostic) and copies per token of exact+LRU, "
                                   "cache_prior and psr over a lam grid at each residency, on text windows")
     p.add_argument("--model", default="tiny-moe",
-                   help="tiny-moe (default: the shipped trained tiny OLMoE), tiny (random, CPU-sized), "
-                        "random-olmoe-1b-7b, a model directory or a hub id owner/name")
+                   help="tiny-moe (default: the shipped trained tiny OLMoE), olmoe-routing or moonlight-routing "
+                        "(shipped, trained, with OLMoE-1B-7B's and Moonlight-16B-A3B's routing shapes), their "
+                        "grown-* versions (real-size; for a GPU), tiny (random, CPU-sized), random-olmoe-1b-7b, a "
+                        "model directory or a hub id owner/name; shipped and grown models default to held-out text")
     p.add_argument("--device", default="cpu", help="torch device to run the model on (default cpu)")
     p.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="text to cut windows from (repeatable; default: the held-out Persuasion text for tiny-moe, "

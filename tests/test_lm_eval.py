@@ -332,6 +332,16 @@ def transformers_log(caplog):
     hf_logging.disable_propagation()
 
 
+def test_pretrained_olmoe_routing_loads_the_shipped_model_with_its_calibration(lm_eval_api):
+    from psr_hf.assets import OLMOE_ROUTING
+
+    _, _, PSRLM = lm_eval_api
+    lm = PSRLM(pretrained="olmoe-routing", device="cpu", dtype="float32", batch_size=2, policy="psr", lam=0.3,
+               budget=1, residency=0.5)
+    assert lm.calibration_path == str(OLMOE_ROUTING / "calibration.safetensors")
+    assert psr_hf.controller(lm.model).capacity == 32 and lm.model.config.num_hidden_layers == 16
+
+
 def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval_api, transformers_log):
     from psr_hf.assets import TINY_MOE
 
@@ -385,7 +395,7 @@ def test_trust_remote_code_is_refused_before_the_remote_code_runs(lm_eval_api, t
 
 def test_a_misspelt_pretrained_names_the_shipped_model_without_asking_the_hub(lm_eval_api):
     PSRLM = lm_eval_api[2]
-    with pytest.raises(ValueError, match=r"no model 'tiny_moe': not a shipped model \(tiny-moe\).*did you mean "
+    with pytest.raises(ValueError, match=r"no model 'tiny_moe': not a named model \(tiny-moe, olmoe-routing, moonlight-routing\).*did you mean "
                                          r"tiny-moe\?"):
         PSRLM(pretrained="tiny_moe", device="cpu", residency=0.5)
 

@@ -1,15 +1,20 @@
-"""Calibrate the trained tiny MoE and measure what its model card reports (CPU is enough).
+"""Calibrate a trained small MoE of ``train.py`` and measure what its model card reports (CPU is enough).
 
     python examples/train_tiny_moe/model_card.py --model RUN_DIR/model --shards SHARDS_DIR --out CARD_DIR \
         [--windows 16] [--tokens 512] [--calibration-tokens 500000]
+
+Any family psr_hf patches works (tiny-moe and olmoe-routing: OLMoE; moonlight-routing: DeepSeek-V3): the number of
+experts E and the top-K come from the model, and the tables count MoE layers only (``MoE layer (decoder layer)``;
+DeepSeek-V3's first decoder layer is dense, so its MoE layer 0 is decoder layer 1).
 
 0. **Held-out loss** of the model, per source, over the whole held-out split.
 1. **Calibration** on the calib split only (``psr_hf.calibrate``: delta, warm set, token prior), saved as
    ``CARD_DIR/calibration.safetensors``.
 2. **Did the router specialise?** On held-out windows (spread evenly over the split, so over every source), with exact routing (the router's own top-K), recorded by
-   the controller: per layer the entropy of expert usage against the uniform ``ln 64``; the reuse of the top-8
-   between consecutive tokens (mean ``|S_t & S_t-1| / 8``; a random router gives about 8/64); and the accuracy of
-   the next layer's router applied one layer early (the pre-gate: mean ``|top8(g) & top8(z)| / 8``).
+   the controller: per MoE layer the entropy of expert usage against the uniform ``ln E``; the reuse of the top-K
+   between consecutive tokens (mean ``|S_t & S_t-1| / K``; a random router gives about K/E); and the accuracy of
+   the next MoE layer's router applied one layer early (the pre-gate: mean ``|topK(g) & topK(z)| / K``; none for
+   the first MoE layer).
 3. **Distance from exact routing and copies** of exact+LRU, and of cache_prior and psr (budget 1) for lam in
    {0.1, 0.2, 0.3} at 50% and 25% residency: ``psr_hf.eval.divergence`` on the same held-out windows.
 
@@ -40,15 +45,19 @@ def windows_from(tokens: np.ndarray, count: int, length: int) -> list[torch.Tens
 
 
 @torch.no_grad()
-def heldout_loss_by_source(model, tokens: np.ndarray, by_source: dict, length: int = 512) -> dict:
+def heldout_loss_by_source(model, tokens: np.ndarray, by_source: dict, length: int = 512,
+                           max_tokens: int | None = None) -> dict:
     """Next-token loss (nats) of the unpatched model over the whole split, per source and overall, in
-    non-overlapping windows of ``length`` (``by_source`` is meta.json's record, in the split's order)."""
+    non-overlapping windows of ``length`` (``by_source`` is meta.json's record, in the split's order);
+    ``max_tokens``: only the first windows of each source, at most that many tokens (a quick check)."""
     out, offset, total_nll, total_n = {}, 0, 0.0, 0
     for source, record in by_source.items():
         part = tokens[offset : offset + record["tokens"]]
         offset += record["tokens"]
         nll, n = 0.0, 0
         rows = part[: part.size // length * length].reshape(-1, length).astype(np.int64)
+        if max_tokens is not None:
+            rows = rows[: max(max_tokens // length, 1)]
         for i in range(0, len(rows), 32):
             ids = torch.from_numpy(rows[i : i + 32])
             logits = model(input_ids=ids).logits.float()
@@ -133,6 +142,8 @@ def main() -> None:
     p.add_argument("--calibration", type=Path, help="use this calibration instead of computing one")
     p.add_argument("--plot-only", action="store_true", help="redraw CARD_DIR/card.png from CARD_DIR/card.json")
     p.add_argument("--train-log", type=Path, help="train.py's train_log.json: adds the loss curve to the figure")
+    p.add_argument("--loss-tokens", type=int, help="score the held-out loss on at most this many tokens of each "
+                                                   "source (default: the whole split; for quick checks)")
     args = p.parse_args()
     if args.plot_only:
         plot(json.loads((args.out / "card.json").read_text()),
@@ -156,10 +167,16 @@ def main() -> None:
         calibration.save(args.out / "calibration.safetensors")
     heldout = np.fromfile(args.shards / "heldout.bin", dtype=np.uint16)
     meta = json.loads((args.shards / "meta.json").read_text())
-    losses = heldout_loss_by_source(model, heldout, meta["splits"]["heldout"]["by_source"])
+    losses = heldout_loss_by_source(model, heldout, meta["splits"]["heldout"]["by_source"],
+                                    max_tokens=args.loss_tokens)
+    # the routed MoE layers' decoder indices (a dense layer's MLP has no router): psr_hf's layers are these
+    moe_layers = [i for i, layer in enumerate(model.model.layers)
+                  if hasattr(getattr(getattr(layer, "mlp", None), "gate", None), "top_k")]
     windows = windows_from(heldout, args.windows, args.tokens)
     labels = source_at(window_starts(heldout, args.windows, args.tokens), meta["splits"]["heldout"]["by_source"])
     metrics = router_stats(recordings(model, windows, calibration), labels).to_dict()
+    if len(metrics["usage_entropy"]) != len(moe_layers):
+        raise SystemExit(f"psr_hf recorded {len(metrics['usage_entropy'])} MoE layers, the model has {moe_layers}")
     # the same measurements on an untrained model of the same config (seeded): what a router that never learned
     # anything gives on the same windows
     torch.manual_seed(0)
@@ -178,7 +195,9 @@ def main() -> None:
         ordering.append({"residency": r.routing["residency"], "lam": r.routing["lam"], "psr": r.name,
                          "cache_prior": cp.name, "excess_nll_difference": diff, "ci95": ci,
                          "demand_psr": r.demand_per_token, "demand_cache_prior": cp.demand_per_token})
-    card = {"model": str(args.model), "heldout_windows": args.windows, "tokens_per_window": args.tokens,
+    card = {"model": str(args.model), "model_type": model.config.model_type, "moe_decoder_layers": moe_layers,
+            "num_experts": metrics["num_experts"], "top_k": metrics["top_k"],
+            "heldout_windows": args.windows, "tokens_per_window": args.tokens,
             "window_sources": labels, "heldout_loss": losses, "routing": metrics, "routing_untrained": baseline,
             "divergence": [r.to_dict() for r in rows], "ordering": ordering}
     (args.out / "card.json").write_text(json.dumps(card, indent=2))
@@ -186,14 +205,18 @@ def main() -> None:
     for source, r in losses.items():
         print(f"| {source} | {r['tokens']:,} | {r['loss']:.3f} |")
     print()
-    print(f"| layer | usage entropy (uniform {metrics['uniform_entropy']:.3f}) | top-8 reuse (random "
-          f"{metrics['random_reuse']:.3f}) | pre-gate accuracy | I(expert; source) |")
+    K, E = metrics["top_k"], metrics["num_experts"]
+    print(f"{model.config.model_type}: {len(moe_layers)} MoE layers of {len(model.model.layers)}, {E} experts, "
+          f"top-{K}")
+    print(f"| MoE layer (decoder layer) | usage entropy (uniform ln {E} = {metrics['uniform_entropy']:.3f}) | "
+          f"top-{K} reuse (random {K}/{E} = {metrics['random_reuse']:.3f}) | pre-gate accuracy | "
+          f"I(expert; source) |")
     print("|---|---|---|---|---|")
     keys = ("usage_entropy", "top_k_reuse", "pregate_accuracy", "source_information")
     for layer in range(len(metrics["usage_entropy"])):
         cells = ["-" if metrics[k][layer] is None else f"{metrics[k][layer]:.3f} ({baseline[k][layer]:.3f})"
                  for k in keys]
-        print(f"| {layer} | " + " | ".join(cells) + " |")
+        print(f"| {layer} ({moe_layers[layer]}) | " + " | ".join(cells) + " |")
     print(f"(in parentheses: an untrained model of the same config, seed 0; windows per source: "
           f"{ {s: labels.count(s) for s in dict.fromkeys(labels)} })")
     print()

@@ -19,28 +19,71 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-TINY_MOE = Path(__file__).resolve().parent / "tiny_moe"
+_HERE = Path(__file__).resolve().parent
+TINY_MOE = _HERE / "tiny_moe"
 TINY_MOE_NAME = "tiny-moe"  # its name wherever a model is named: psr-hf --model, lm-eval pretrained=
+# the small trained models with real models' routing geometry (examples/train_tiny_moe, --arch); psr_hf.assets.grow
+# grows them exactly to the real models' sizes. olmoe-routing (OLMoE-1B-7B's routing: 16 MoE layers, 64 experts,
+# top-8, softmax) is shipped; moonlight-routing (Moonlight-16B-A3B's: 27 layers with a dense first one, 64 experts
+# top-6, 2 shared, sigmoid + bias) is built on the user's machine with one command (its 27 MB would push the
+# repository past what a lent GPU machine accepts), into the per-user cache
+OLMOE_ROUTING = _HERE / "olmoe_routing"
+OLMOE_ROUTING_NAME = "olmoe-routing"
+MOONLIGHT_ROUTING_NAME = "moonlight-routing"
+#: name -> directory of every model shipped in the package
+SHIPPED: dict[str, Path] = {TINY_MOE_NAME: TINY_MOE, OLMOE_ROUTING_NAME: OLMOE_ROUTING}
+#: name -> the command that builds it (into :func:`built_dir`), for the models built on the user's machine
+BUILT: dict[str, str] = {
+    MOONLIGHT_ROUTING_NAME: "make moonlight-routing (trains it on a GPU for about 8 minutes: "
+                            "examples/train_tiny_moe/build_routing_model.sh)",
+}
 # Volume I of Jane Austen's *Persuasion* (public domain): the held-out text of the demo, psr-hf kl and the
 # psr_heldout_ppl task; the tiny MoE never saw any of it (eval_configs/data/extract_persuasion.py rebuilds it)
-HELD_OUT_TEXT = Path(__file__).resolve().parent / "persuasion_vol1.txt"
+HELD_OUT_TEXT = _HERE / "persuasion_vol1.txt"
 CALIBRATION = "calibration.safetensors"
 
 
-def tiny_moe_dir() -> Path:
-    """The shipped model's directory; a clear error where the installation lacks its files."""
-    weights = sorted(TINY_MOE.glob("*.safetensors"))
-    if not (TINY_MOE / "config.json").is_file() or not any(p.name != CALIBRATION for p in weights):
+def built_dir(name: str) -> Path:
+    """Where the model ``name`` of :data:`BUILT` lives once built: ``$PSR_HF_MODELS/<name>``, default the per-user
+    cache folder's ``psr_hf/models/<name>`` (``~/.cache/psr_hf/models`` on Linux)."""
+    from .._paths import user_cache_dir
+
+    return Path(os.environ.get("PSR_HF_MODELS") or user_cache_dir("models")) / name
+
+
+def shipped_dir(name: str) -> Path:
+    """The directory of the named model ``name`` (a key of :data:`SHIPPED` or :data:`BUILT`); a clear error for
+    another name, where the installation lacks a shipped model's files, or where a built one is not built yet
+    (naming the command that builds it)."""
+    if name in BUILT:
+        directory = built_dir(name)
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"model {name!r} is not built on this machine (looked in {directory}); it is not shipped "
+                             f"in the package: build it with {BUILT[name]}, or set PSR_HF_MODELS to the folder "
+                             f"that holds {name}/")
+        return directory
+    if name not in SHIPPED:
+        raise ValueError(f"no named model {name!r}; the shipped models are {', '.join(SHIPPED)}, and "
+                         f"{', '.join(BUILT)} once built")
+    directory = SHIPPED[name]
+    weights = sorted(directory.glob("*.safetensors"))
+    if not (directory / "config.json").is_file() or not any(p.name != CALIBRATION for p in weights):
         raise FileNotFoundError(
-            f"the shipped tiny MoE is not installed at {TINY_MOE} (config.json and weights missing); reinstall "
-            "psr_hf from a complete checkout or wheel (its package data includes psr_hf/assets/tiny_moe)")
-    return TINY_MOE
+            f"the shipped model {name} is not installed at {directory} (config.json and weights missing); "
+            f"reinstall psr_hf from a complete checkout or wheel (its package data includes "
+            f"psr_hf/assets/{directory.name})")
+    return directory
+
+
+def tiny_moe_dir() -> Path:
+    """The shipped tiny MoE's directory; a clear error where the installation lacks its files."""
+    return shipped_dir(TINY_MOE_NAME)
 
 
 def model_dir(name_or_path: str | Path) -> Path:
-    """The directory of a model named on a command line: ``tiny-moe`` is the shipped one, anything else a path
+    """The directory of a model named on a command line: a shipped name (:data:`SHIPPED`) or a path
     (:func:`resolve_model` also checks it and explains what is wrong with a name)."""
-    return tiny_moe_dir() if str(name_or_path) == TINY_MOE_NAME else Path(name_or_path)
+    return shipped_dir(str(name_or_path)) if str(name_or_path) in NAMED_MODELS else Path(name_or_path)
 
 
 def calibration_beside(directory: str | Path) -> Path | None:
@@ -53,12 +96,18 @@ def load_tiny_moe(dtype: Any = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, calibration)`` of the shipped trained tiny OLMoE, in eval mode (``dtype``: default
     float32; the weights are stored in bfloat16). The calibration was computed on the training corpus's
     calibration split."""
+    return load_shipped(TINY_MOE_NAME, dtype)
+
+
+def load_shipped(name: str, dtype: Any = None) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, calibration)`` of the shipped model ``name`` (:data:`SHIPPED`), in eval mode
+    (``dtype``: default float32; the weights are stored in bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..policy.calibration import Calibration
 
-    path = tiny_moe_dir()
+    path = shipped_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer, Calibration.load(path / CALIBRATION)
@@ -69,7 +118,8 @@ def load_tiny_moe(dtype: Any = None) -> tuple[Any, Any, Any]:
 # benchmarks): the shipped name, a local directory, or a hub id (owner/name). The hub is asked only for hub ids,
 # and never when offline (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, or the hub's host does not resolve): then an id
 # is looked up in the local hub cache only, so a typo fails at once instead of after transformers' retries.
-SHIPPED_MODELS = (TINY_MOE_NAME,)
+SHIPPED_MODELS = tuple(SHIPPED)
+NAMED_MODELS = (*SHIPPED, *BUILT)  # every name the resolver knows besides directories and hub ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 # config.json fields that name a routed-expert count: a model without any of them is not a Mixture of Experts
@@ -79,7 +129,7 @@ _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_n
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model named on a command line is: ``location`` is what ``from_pretrained`` gets (a directory, or a
-    hub id when online), ``kind`` one of ``shipped``, ``directory``, ``hub`` (online) or ``hub-cache`` (a hub id
+    hub id when online), ``kind`` one of ``shipped``, ``built`` (a named model built on this machine), ``directory``, ``hub`` (online) or ``hub-cache`` (a hub id
     found in the local hub cache: ``location`` is then the cached snapshot directory, so nothing asks the hub);
     ``model_type`` and ``hidden_size`` are the config's (None where it was not read); ``from_pretrained_kwargs``
     carries ``local_files_only=True`` for everything but a hub id loaded online."""
@@ -188,16 +238,17 @@ def resolve_model(name: str | Path, *, also: Sequence[str] = (), check: bool = T
     Raises ``ValueError`` naming what was looked for (and the nearest known name), ``FileNotFoundError`` where
     the installation lacks the shipped model's files."""
     text = str(name)
-    if text in SHIPPED_MODELS:
-        directory = tiny_moe_dir()
-        return _source(text, str(directory), "shipped", _read_config(directory / "config.json"), check)
+    if text in NAMED_MODELS:
+        directory = shipped_dir(text)
+        kind = "shipped" if text in SHIPPED else "built"
+        return _source(text, str(directory), kind, _read_config(directory / "config.json"), check)
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model {text!r}: the directory {path} has no config.json; give a transformers model "
-                             f"directory (save_pretrained writes one) or a shipped model ({', '.join(SHIPPED_MODELS)})")
+                             f"directory (save_pretrained writes one) or a named model ({', '.join(NAMED_MODELS)})")
         return _source(text, str(path), "directory", _read_config(path / "config.json"), check)
-    known = [*SHIPPED_MODELS, *also]
+    known = [*NAMED_MODELS, *also]
     if path.exists():
         raise ValueError(f"model {text!r} is a file; give a model directory (with config.json) or one of "
                          f"{', '.join(known)}")
@@ -205,7 +256,7 @@ def resolve_model(name: str | Path, *, also: Sequence[str] = (), check: bool = T
         raise ValueError(f"no model {text!r}: no such local directory (and not a shipped model: "
                          f"{', '.join(known)}){_suggest(text, known)}")
     if not _HUB_ID.match(text):
-        raise ValueError(f"no model {text!r}: not a shipped model ({', '.join(SHIPPED_MODELS)}), "
+        raise ValueError(f"no model {text!r}: not a named model ({', '.join(NAMED_MODELS)}), "
                          + (f"not one of {', '.join(also)}, " if also else "")
                          + f"not a local directory, not a hub id (owner/name){_suggest(text, known)}")
     return _resolve_hub_id(text, known, check)
@@ -222,7 +273,7 @@ def _resolve_hub_id(repo_id: str, known: Sequence[str], check: bool) -> ModelSou
                 f"no model {repo_id!r}: not a local directory, and the hub is offline (HF_HUB_OFFLINE=1 or no "
                 f"network) and it is not in the local hub cache; download it where there is network "
                 f"(huggingface-cli download {repo_id}), or give a local directory or a shipped model "
-                f"({', '.join(SHIPPED_MODELS)}){_suggest(repo_id, known)}")
+                f"({', '.join(NAMED_MODELS)}){_suggest(repo_id, known)}")
         return _source(repo_id, str(Path(cached).parent), "hub-cache", _read_config(Path(cached)), check,
                        offline=True)
     from huggingface_hub import hf_hub_download

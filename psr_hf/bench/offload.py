@@ -50,7 +50,8 @@ from tqdm.auto import tqdm
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .common import device_sync, machine, paired_summary, quiet_uncalibrated, rotated, summarize, versions
-from .workloads import CALIBRATION_MODULES, RANDOM_OLMOE, WINDOW_MODULES, load_model, module_sources, text_windows
+from .workloads import (CALIBRATION_MODULES, GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, module_sources,
+                        text_windows)
 
 logger = logging.getLogger(__name__)
 
@@ -637,7 +638,7 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def run_bench(
-    *, model: str = RANDOM_OLMOE, device: str = "cuda:0", rounds: int = MIN_ROUNDS, windows: int = 2,
+    *, model: str = GROWN_OLMOE, device: str = "cuda:0", rounds: int = MIN_ROUNDS, windows: int = 2,
     tokens: int = 128, capacities: Sequence[float] = DEFAULT_CAPACITIES, configs: Sequence[str] | None = None,
     max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
@@ -663,8 +664,8 @@ def run_bench(
             if not path.is_file():
                 raise ValueError(f"--text {name}: no such file")
             sources.append((str(path), path.read_text(encoding="utf-8", errors="replace")))
-    else:
-        sources = module_sources(WINDOW_MODULES)
+    else:  # the held-out text of a trained model psr_hf ships, else standard-library sources
+        sources = default_texts(model) or module_sources(WINDOW_MODULES)
     sources = sources[:windows]  # the texts windows are cut from (window i: text i % n; fewer windows, fewer texts)
     if progress is not None:
         progress(f"loading {model} on {device}")

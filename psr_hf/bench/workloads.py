@@ -22,7 +22,14 @@ import torch
 RANDOM_OLMOE = "random-olmoe-1b-7b"
 TINY = "tiny"
 TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf.assets.TINY_MOE_NAME)
-BUILT_MODELS = (RANDOM_OLMOE, TINY)  # built here with random weights; every other name goes to resolve_model
+# the shipped small trained models grown exactly to a real model's dimensions (psr_hf.assets.grow) when loaded:
+# trained routing, real-size experts; name -> (shipped model, grow preset)
+GROWN: dict[str, tuple[str, str]] = {
+    "grown-olmoe-routing": ("olmoe-routing", "olmoe-1b-7b"),
+    "grown-moonlight-routing": ("moonlight-routing", "moonlight-16b-a3b"),
+}
+GROWN_OLMOE = "grown-olmoe-routing"  # the GPU benchmarks' default model
+BUILT_MODELS = (RANDOM_OLMOE, TINY, *GROWN)  # built here; every other name goes to resolve_model
 
 # allenai/OLMoE-1B-7B-0924's shape; no end-of-sequence or pad token, so generation never stops early
 OLMOE_1B_7B: dict[str, Any] = dict(
@@ -131,6 +138,8 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
+    if model in GROWN:
+        return _load_grown(model, target)
     if model in (RANDOM_OLMOE, TINY):
         tiny = model == TINY
         dtype = torch.float32 if tiny else torch.bfloat16
@@ -145,8 +154,8 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.location, **source.from_pretrained_kwargs)
-    # the shipped model is small: float32 (its bf16 weights upcast), the precision a CPU runs best
-    dtype = torch.float32 if model == TINY_MOE else "auto"
+    # the shipped models are small: float32 (their bf16 weights upcast), the precision a CPU runs best
+    dtype = torch.float32 if source.kind in ("shipped", "built") else "auto"
     loaded = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, experts_implementation="grouped_mm",
                                                   **source.from_pretrained_kwargs)
     path = source.directory
@@ -156,9 +165,35 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     if beside is not None:  # a calibration saved beside the model is its default
         info["calibration_file"] = str(beside)
         # how records name it: the shipped one by its place in the package, never by this machine's path
-        info["calibration"] = ("psr_hf/assets/tiny_moe/calibration.safetensors" if model == TINY_MOE
+        info["calibration"] = (f"psr_hf/assets/{path.name}/calibration.safetensors" if source.kind == "shipped"
+                               else f"{model}/calibration.safetensors (built)" if source.kind == "built"
                                else info["calibration_file"])
     return loaded.to(target).eval(), tokenizer, info
+
+
+def _load_grown(model: str, target: torch.device) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """A shipped small trained model grown to its real model's dimensions on ``target`` (bf16 on a GPU, float32
+    on a CPU), with the small model's tokenizer and calibration (routing is unchanged by growing)."""
+    from ..assets import shipped_dir
+    from ..assets.grow import grow, target_by_name
+
+    small_name, preset = GROWN[model]
+    small, tokenizer, info = load_model(small_name, "cpu")
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    grown = grow(small, target_by_name(preset), device=target, dtype=dtype).eval()
+    info.update(name=model, weights=f"{small_name} (trained; {shipped_dir(small_name).name}) grown "
+                                    f"exactly to {preset}'s dimensions by psr_hf.assets.grow")
+    return grown, tokenizer, info
+
+
+def default_texts(model: str) -> list[tuple[str, str]] | None:
+    """``(name, text)`` of the held-out text for a trained model that psr_hf ships (or grows): Volume I of
+    *Persuasion*, which none of them saw; None for other models (the caller's own default)."""
+    from ..assets import HELD_OUT_TEXT, NAMED_MODELS
+
+    if model in NAMED_MODELS or model in GROWN:
+        return [(f"held-out: {HELD_OUT_TEXT.name}", HELD_OUT_TEXT.read_text(encoding="utf-8"))]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- text

@@ -49,15 +49,9 @@ def user_cache_dir() -> str:
     (``$XDG_CACHE_HOME/psr_hf/numba``, default ``~/.cache/psr_hf/numba``; ``~/Library/Caches/psr_hf/numba`` on
     macOS; ``%LOCALAPPDATA%\\psr_hf\\numba`` on Windows). Never beside the modules: ``cache=True`` alone writes
     ``__pycache__/*.nbi|.nbc`` into site-packages, which ``pip uninstall`` does not remove."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return os.environ["NUMBA_CACHE_DIR"]
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or os.path.join(os.path.expanduser("~"), "AppData", "Local")
-    elif sys.platform == "darwin":
-        base = os.path.join(os.path.expanduser("~"), "Library", "Caches")
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "psr_hf", "numba")
+    from .._paths import user_cache_dir as cache
+
+    return os.environ.get("NUMBA_CACHE_DIR") or cache("numba")
 
 
 # numba picks a function's cache folder when @njit(cache=True) runs (numba.config.CACHE_DIR, read from
