@@ -159,7 +159,7 @@ def cmd_warm_up(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     with _compile_notice():
-        runs = warm_up()
+        runs = warm_up(progress=True)
     print(f"psr-hf warm-up: policy kernels compiled and cached ({runs} runs, {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -53,14 +53,17 @@ def save_tiny(family: str, path: Any, *, seed: int = 0, **overrides: Any) -> Any
     return path
 
 
-def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3")) -> int:
+def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3"), progress: bool = False) -> int:
     """Compile the policy kernels into numba's on-disk cache (``make install`` runs this through ``psr-hf
     warm-up``), so a user's first ``psr-hf demo`` or ``generate()`` loads them instead of compiling for 10-40 s.
 
     Runs a prompt and two decode steps of a tiny random model of each of ``families`` (softmax and
     sigmoid-with-bias routers) under every policy of the policy table, resident and on the CPU offload path, so
-    the kernels are compiled for exactly the argument types the controller passes. Returns the number of runs.
+    the kernels are compiled for exactly the argument types the controller passes. ``progress``: a tqdm bar on
+    stderr. Returns the number of runs.
     """
+    from tqdm.auto import tqdm
+
     from .hf.calibrate import calibrate
     from .hf.patching import patch, unpatch
     from .offload.config import OffloadConfig
@@ -68,6 +71,7 @@ def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3")) -> int:
     from .policy.policies import POLICY_TABLE
 
     runs = 0
+    bar = tqdm(total=len(families) * len(POLICY_TABLE) * 2, unit="run", desc="warm-up", disable=not progress)
     for family in families:
         model = tiny_model(family)
         E = model.config.num_experts if hasattr(model.config, "num_experts") else model.config.n_routed_experts
@@ -85,4 +89,6 @@ def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3")) -> int:
                 finally:
                     unpatch(model)
                 runs += 1
+                bar.update()
+    bar.close()
     return runs
