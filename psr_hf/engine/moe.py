@@ -1,0 +1,394 @@
+"""The batch-1 MoE over expert slots: one token, its K selected experts read from a layer's slot buffers.
+
+``out = sum_k weights[k] * down[s_k] @ (silu(gate[s_k] @ x) * (up[s_k] @ x))`` with ``s_k = slots[k]``
+(``+ residual`` when one is given).
+
+Slot layout (matched exactly, so the engine reads the offload engine's slots in place): the slot buffers are the
+experts module's own fused weights with the experts dimension cut to ``C`` slots, as
+:meth:`psr_hf.offload.engine.OffloadEngine._allocate` allocates them (``self.slots[layer]``: name ->
+``torch.empty((C, *param.shape[1:]))``, contiguous, one buffer per weight name) from the host store that
+:func:`psr_hf.offload.placement.place` builds from the parameters. In transformers 5.x the experts classes
+(``OlmoeExperts``, ``DeepseekV3Experts``, ... decorated by ``transformers.integrations.moe
+.use_experts_implementation`` with its defaults ``is_transposed=False``, ``is_concatenated=True``,
+``has_gate=True``, ``has_bias=False``) hold
+
+- ``gate_up_proj`` ``[E, 2I, H]``: rows ``0:I`` the gate projection, rows ``I:2I`` the up projection, each row a
+  ``[H]`` input vector (``F.linear(x, gate_up_proj[e]).chunk(2)``);
+- ``down_proj`` ``[E, H, I]`` (``F.linear(h, down_proj[e])``).
+
+For a resident model the parameters themselves are the slot buffers (``C = E``, slot = expert id).
+:func:`check_experts_module` refuses a module with another layout or activation.
+
+Three entry points, one signature ``(x, slots, weights, gate_up, down, out, residual=None, workspace=None)``:
+
+- :func:`moe_slots_reference`: pure torch (``index_select`` of the K slots, batched matmuls); no host syncs and
+  fixed shapes, so it can be captured in a CUDA graph; the correctness reference and the CPU path;
+- :func:`moe_slots_triton`: two Triton kernels that read every selected expert weight once (kernel 1: gate and up
+  rows for a block of ``I`` per expert, ``h[k] = weights[k] * silu(gate) * up`` in float32; kernel 2: a block of
+  ``H`` outputs, summed over ``k`` and ``I`` in float32). The slot ids and routing weights are read from device
+  memory, so it is capturable (compile it once before capture: the first call JIT-compiles);
+- :func:`moe_slots`: the dispatcher (Triton for CUDA tensors when triton imports, the reference otherwise; the
+  reason is logged once).
+
+Nothing is checked per call: :func:`check_shapes` (and :func:`check_experts_module`) run once when the engine is
+built and raise ``ValueError`` with the shapes. ``triton`` is imported lazily: the package imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+#: ``hidden_act`` values whose function is SiLU (``ACT2FN["silu"]`` and ``ACT2FN["swish"]`` in transformers)
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+BACKENDS = ("auto", "triton", "torch")
+
+
+# ---------------------------------------------------------------------------------------------- checks (once)
+@dataclass(frozen=True)
+class MoeShape:
+    """The sizes one layer's MoE call runs with: hidden ``H``, expert intermediate ``I``, slots ``C``, top ``K``."""
+
+    hidden: int
+    intermediate: int
+    capacity: int
+    top_k: int
+
+
+def check_activation(config_or_name: Any) -> str:
+    """The activation name of a model config (its ``hidden_act``) or of a string; ``ValueError`` unless it is SiLU
+    (the only activation the slot MoE computes)."""
+    name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "hidden_act", None)
+    if not isinstance(name, str) or name.lower() not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"psr_hf engine MoE: hidden_act={name!r} is not supported; the slot MoE computes "
+            f"silu(gate) * up (hidden_act one of {', '.join(SUPPORTED_ACTIVATIONS)})"
+        )
+    return name.lower()
+
+
+def check_experts_module(module: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers 5.x experts module whose weights the slot MoE can read: ``(gate_up_proj, down_proj)``.
+
+    ``ValueError`` when the module's layout is not the one described in this module's docstring (transposed or
+    interleaved gate/up, biases, no gate, a post-expert norm) or its config's ``hidden_act`` is not SiLU."""
+    name = type(module).__name__
+    flags = dict(is_transposed=False, is_concatenated=True, has_gate=True, has_bias=False,
+                 has_post_expert_norm=False)
+    wrong = {flag: getattr(module, flag) for flag, want in flags.items()
+             if hasattr(module, flag) and bool(getattr(module, flag)) != want}
+    if wrong:
+        raise ValueError(
+            f"psr_hf engine MoE: {name} has {', '.join(f'{k}={v}' for k, v in wrong.items())}; the slot MoE reads "
+            "gate_up_proj [E, 2I, H] (gate rows then up rows, no bias) and down_proj [E, H, I] "
+            f"({', '.join(f'{k}={v}' for k, v in flags.items())})"
+        )
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError(
+            f"psr_hf engine MoE: {name} has no stacked gate_up_proj / down_proj tensors (found "
+            f"{type(gate_up).__name__}, {type(down).__name__}); this transformers version or architecture is not "
+            "supported by the slot MoE"
+        )
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(f"psr_hf engine MoE: {name} has no config to read hidden_act from")
+    check_activation(config)
+    _check_weights(gate_up, down)
+    return gate_up, down
+
+
+def _shape(t: Any) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int]:
+    for what, t in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 3:
+            raise ValueError(f"psr_hf engine MoE: {what} must be a 3D tensor [C, ...]; got {_shape(t)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"psr_hf engine MoE: {what} has dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
+    C, two_i, H = gate_up.shape
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"psr_hf engine MoE: gate_up {_shape(gate_up)} must be [C, 2I, H] (an even, nonzero 2I)")
+    I = two_i // 2
+    if tuple(down.shape) != (C, H, I):
+        raise ValueError(
+            f"psr_hf engine MoE: down {_shape(down)} does not match gate_up {_shape(gate_up)}: expected "
+            f"[C, H, I] = {(C, H, I)} (transformers' non-transposed layout)"
+        )
+    if down.dtype != gate_up.dtype:
+        raise ValueError(f"psr_hf engine MoE: gate_up is {gate_up.dtype} but down is {down.dtype}; expected one dtype")
+    if gate_up.device != down.device:
+        raise ValueError(f"psr_hf engine MoE: gate_up is on {gate_up.device} but down on {down.device}")
+    return C, H, I
+
+
+def check_shapes(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                 workspace: torch.Tensor | None = None, hidden_act: Any = "silu") -> MoeShape:
+    """Check the buffers of one layer's MoE call (host side, once, when the engine is built; the per-step
+    functions check nothing). ``hidden_act``: the name or the model config. ``ValueError`` naming the argument,
+    its shape/dtype/device and what was expected."""
+    check_activation(hidden_act)
+    C, H, I = _check_weights(gate_up, down)
+    device = gate_up.device
+    for what, t in (("x", x), ("slots", slots), ("weights", weights), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 1:
+            raise ValueError(f"psr_hf engine MoE: {what} must be a 1D tensor; got {_shape(t)}")
+    if x.shape[0] != H:
+        raise ValueError(f"psr_hf engine MoE: x {_shape(x)} must be [H] = [{H}] (gate_up is {_shape(gate_up)})")
+    if out.shape[0] != H:
+        raise ValueError(f"psr_hf engine MoE: out {_shape(out)} must be [H] = [{H}]")
+    K = slots.shape[0]
+    if K < 1:
+        raise ValueError("psr_hf engine MoE: slots is empty; expected [K] slot ids, K >= 1")
+    if weights.shape[0] != K:
+        raise ValueError(f"psr_hf engine MoE: weights {_shape(weights)} must be [K] = [{K}] like slots")
+    if slots.dtype not in INDEX_DTYPES:
+        raise ValueError(f"psr_hf engine MoE: slots has dtype {slots.dtype}; expected int32 or int64 slot ids")
+    for what, t in (("x", x), ("weights", weights), ("out", out)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"psr_hf engine MoE: {what} has dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
+    if residual is not None and (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (H,)
+                                 or residual.dtype not in FLOAT_DTYPES):
+        got = f"{_shape(residual)} {residual.dtype}" if isinstance(residual, torch.Tensor) else _shape(residual)
+        raise ValueError(f"psr_hf engine MoE: residual must be a float [H] = [{H}] tensor; got {got}")
+    if workspace is not None:
+        if (not isinstance(workspace, torch.Tensor) or tuple(workspace.shape) != (K, I)
+                or workspace.dtype != torch.float32 or not workspace.is_contiguous()):
+            raise ValueError(f"psr_hf engine MoE: workspace must be a contiguous float32 [K, I] = [{K}, {I}] tensor "
+                             f"(new_workspace()); got {_shape(workspace)}")
+    named = [("x", x), ("slots", slots), ("weights", weights), ("out", out), ("residual", residual),
+             ("workspace", workspace)]
+    elsewhere = [f"{what} on {t.device}" for what, t in named if t is not None and t.device != device]
+    if elsewhere:
+        raise ValueError(f"psr_hf engine MoE: every tensor must be on the weights' device {device}; "
+                         f"{', '.join(elsewhere)}")
+    return MoeShape(hidden=H, intermediate=I, capacity=C, top_k=K)
+
+
+def new_workspace(top_k: int, intermediate: int, device: torch.device | str) -> torch.Tensor:
+    """The Triton path's scratch ``h`` ``[K, I]`` float32 (allocate once per engine, pass as ``workspace=``)."""
+    return torch.empty((top_k, intermediate), dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def moe_slots_reference(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                        workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure torch: ``index_select`` the K slots, batched matmuls in the weights' dtype (as transformers'
+    experts run), SiLU, the product and the weighted sum over ``k`` in float32. No host syncs, fixed shapes
+    (CUDA-graph capturable). Writes ``out`` (``residual + moe`` when ``residual`` is given; ``residual`` may be
+    ``out`` itself) and returns it. ``workspace`` is accepted for the common signature and not used."""
+    del workspace
+    dtype = gate_up.dtype
+    I = gate_up.shape[1] // 2
+    gu = torch.matmul(gate_up.index_select(0, slots), x.to(dtype))  # [K, 2I]
+    gate, up = gu[:, :I].float(), gu[:, I:].float()
+    h = (F.silu(gate) * up).to(dtype)  # [K, I], rounded to the weights' dtype like transformers' experts
+    y = torch.matmul(down.index_select(0, slots), h.unsqueeze(-1)).squeeze(-1)  # [K, H]
+    moe = torch.matmul(weights.float(), y.float())  # [H] float32, a fixed-order reduction over k
+    if residual is not None:
+        moe = moe + residual.float()
+    return out.copy_(moe)
+
+
+# ---------------------------------------------------------------------------------------------- triton
+@functools.lru_cache(maxsize=None)
+def triton_available() -> tuple[bool, str]:
+    """``(True, "triton X.Y")`` when triton imports, else ``(False, why)`` (cached)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    return True, f"triton {getattr(triton, '__version__', '?')}"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    """The two jitted kernels, built on first use. ``triton.jit`` decides at decoration time whether a kernel
+    runs in the interpreter (``TRITON_INTERPRET=1``), so the kernels are built once per mode.
+
+    The kernels call only triton's builtins (``tl.full``, ``tl.exp``, ``tl.reduce`` with the standard library's
+    sum combine function, which the interpreter recognises by identity), not the ``@jit`` functions of
+    ``triton.language.standard`` (``tl.zeros``, ``tl.sum``, ``tl.sigmoid``): those are compiled-only objects when
+    triton was imported without ``TRITON_INTERPRET=1``, so the interpreter could not call them, and a test
+    session that switches the interpreter on after importing triton would fail. They name nothing from this
+    function's scope but ``tl`` (the interpreter runs a kernel's rewritten source in the module's globals, to
+    which it adds its own ``tl``, so closure variables are not visible there)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gu_ptr, h_ptr, H, I, stride_x, stride_s, stride_w, stride_ge,
+                       stride_gr, stride_gc, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (k, block of I): h[k, rows] = weights[k] * silu(gate_rows . x) * (up_rows . x), float32
+        k = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        row_ok = rows < I
+        slot = tl.load(slots_ptr + k * stride_s).to(tl.int64)
+        gate_rows = gu_ptr + slot * stride_ge + rows.to(tl.int64)[:, None] * stride_gr
+        up_rows = gate_rows + I * stride_gr
+        acc_g = tl.full((BLOCK_I, BLOCK_H), 0.0, tl.float32)
+        acc_u = tl.full((BLOCK_I, BLOCK_H), 0.0, tl.float32)
+        for start in range(0, H, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            col_ok = cols < H
+            xv = tl.load(x_ptr + cols * stride_x, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            ok = row_ok[:, None] & col_ok[None, :]
+            g = tl.load(gate_rows + cols[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(up_rows + cols[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
+            acc_g += g * xv
+            acc_u += u * xv
+        gate = tl.reduce(acc_g, 1, tl.standard._sum_combine)
+        up = tl.reduce(acc_u, 1, tl.standard._sum_combine)
+        w = tl.load(weights_ptr + k * stride_w).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up * w  # silu(gate) * up * weight
+        tl.store(h_ptr + k * I + rows, h, mask=row_ok)
+
+    @triton.jit
+    def down_kernel(h_ptr, slots_ptr, dn_ptr, out_ptr, res_ptr, H, I, K, stride_s, stride_de, stride_dr, stride_dc,
+                    stride_o, stride_r, HAS_RESIDUAL: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        # program (block of H): out[rows] = (residual[rows] +) sum_k down[s_k, rows, :] . h[k, :], float32
+        rows = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+        row_ok = rows < H
+        acc = tl.full((BLOCK_O, BLOCK_I), 0.0, tl.float32)
+        for k in range(0, K):
+            slot = tl.load(slots_ptr + k * stride_s).to(tl.int64)
+            base = dn_ptr + slot * stride_de + rows.to(tl.int64)[:, None] * stride_dr
+            for start in range(0, I, BLOCK_I):
+                cols = start + tl.arange(0, BLOCK_I)
+                col_ok = cols < I
+                hv = tl.load(h_ptr + k * I + cols, mask=col_ok, other=0.0)
+                d = tl.load(base + cols[None, :] * stride_dc, mask=row_ok[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc += d * hv[None, :]
+        y = tl.reduce(acc, 1, tl.standard._sum_combine)
+        if HAS_RESIDUAL:
+            y += tl.load(res_ptr + rows * stride_r, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows * stride_o, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return gate_up_kernel, down_kernel
+
+
+def _cdiv(n: int, block: int) -> int:
+    return -(-int(n) // int(block))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
+    """Block sizes, fixed (no autotuning; not yet measured on a GPU), chosen for H=2048 with I=1024 (OLMoE-1B-7B)
+    or I=1408 (Moonlight), K 6-8, bf16 weights, so that both kernels have 500+ programs (about 4 per SM of an
+    H100/H200, all resident at once) and each program keeps 8-16 KiB of weight loads in flight per step:
+
+    - kernel 1 (gate/up): ``BLOCK_I1`` = 16 rows of gate and of up per program times ``BLOCK_H1`` = 256 columns
+      per step (grid K x I/16: 512 programs for OLMoE, 528 for Moonlight; 8 KiB of bf16 per matrix per step);
+    - kernel 2 (down): ``BLOCK_O2`` = 4 output rows per program times ``BLOCK_I2`` = 1024 columns per step
+      (grid H/4 = 512 programs; 8 KiB of bf16 per step; I=1408 takes two steps, the second 3/8 used).
+
+    Smaller dimensions (tiny test models) get the next power of two above them."""
+    H, I = int(hidden), int(intermediate)
+    return dict(BLOCK_I1=min(16, _pow2(I)), BLOCK_H1=min(256, _pow2(H)), BLOCK_O2=min(4, _pow2(H)),
+                BLOCK_I2=min(1024, _pow2(I)), num_warps=4)
+
+
+def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Two Triton kernels (see the module docstring); float32 accumulation throughout, every selected weight read
+    once. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``:
+    the float32 ``[K, I]`` scratch (:func:`new_workspace`; allocated per call when None). Writes and returns
+    ``out``. ``ImportError`` when triton is not installed."""
+    ok, why = triton_available()
+    if not ok:
+        raise ImportError(f"psr_hf engine MoE: {why}; install triton or use moe_slots_reference")
+    interpret = _interpreting()
+    if not (x.is_cuda or interpret):
+        raise ValueError(f"psr_hf engine MoE: the Triton kernels need CUDA tensors (got {x.device}; on the CPU they "
+                         "run only in triton's interpreter, TRITON_INTERPRET=1); use moe_slots_reference")
+    gate_up_kernel, down_kernel = _kernels(interpret)
+    C, two_i, H = gate_up.shape
+    I, K = two_i // 2, slots.shape[0]
+    h = workspace if workspace is not None else new_workspace(K, I, x.device)
+    b = triton_blocks(H, I)
+    res = residual if residual is not None else out  # not read when HAS_RESIDUAL is False
+    # triton launches on the current CUDA device: make it the tensors' (no-op on CPU and on the current device)
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with guard:
+        gate_up_kernel[(K, _cdiv(I, b["BLOCK_I1"]))](
+            x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
+            gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+            BLOCK_I=b["BLOCK_I1"], BLOCK_H=b["BLOCK_H1"], num_warps=b["num_warps"], enable_fp_fusion=True)
+        down_kernel[(_cdiv(H, b["BLOCK_O2"]),)](
+            h, slots, down, out, res, H, I, K, slots.stride(0), down.stride(0), down.stride(1), down.stride(2),
+            out.stride(0), res.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK_O=b["BLOCK_O2"], BLOCK_I=b["BLOCK_I2"], num_warps=b["num_warps"],
+            enable_fp_fusion=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- dispatcher
+_LOGGED: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+def choose_backend(device: torch.device | str, backend: str = "auto") -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device`` (the engine may call this once at build and then
+    call the chosen function directly). ``backend="auto"``: Triton on CUDA when triton imports, else the torch
+    reference, the reason logged once; ``"triton"`` / ``"torch"`` force one (``ValueError`` for ``"triton"``
+    without triton)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"psr_hf engine MoE: backend={backend!r}; expected one of {BACKENDS}")
+    ok, why = triton_available()
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not ok:
+            raise ValueError(f"psr_hf engine MoE: backend='triton' but {why}")
+        return "triton"
+    if torch.device(device).type != "cuda":
+        _log_once(logging.INFO, f"psr_hf engine MoE: torch reference on {torch.device(device).type} "
+                                "(the Triton kernels run on CUDA)")
+        return "torch"
+    if not ok:
+        _log_once(logging.WARNING, f"psr_hf engine MoE: torch reference on CUDA because {why} (slower: it copies "
+                                   "the selected experts' weights every step)")
+        return "torch"
+    _log_once(logging.INFO, f"psr_hf engine MoE: Triton slot kernels ({why})")
+    return "triton"
+
+
+_FUNCTIONS = {"torch": moe_slots_reference, "triton": moe_slots_triton}
+
+
+def moe_slots(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+              workspace: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """The batch-1 slot MoE by :func:`choose_backend`; writes and returns ``out``."""
+    return _FUNCTIONS[choose_backend(x.device, backend)](x, slots, weights, gate_up, down, out, residual, workspace)
