@@ -31,6 +31,7 @@ _LAZY = {
     "moe_slots_reference": "psr_hf.engine.moe",
     "moe_slots_triton": "psr_hf.engine.moe",
     "check_shapes": "psr_hf.engine.moe",
+    "Decoder": "psr_hf.engine.decoder",
 }
 
 __all__ = list(_LAZY)

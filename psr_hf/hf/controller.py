@@ -13,7 +13,10 @@ It is the torch side of the one decision path (DESIGN.md, "One decode step throu
    layer and the pre-gate of the next, moves both to the host in **one** transfer, and asks the
    :class:`~psr_hf.policy.LogicalCache` for the selection;
 3. where the selection equals the router's own top-K the router's own outputs are returned untouched (so exact
-   routing is bitwise the unpatched model); elsewhere the selected experts with weights from the unmodified scores.
+   routing is bitwise the unpatched model); elsewhere the selected experts with weights from the unmodified scores;
+4. a batch-1 decoder that runs the layers itself (:class:`psr_hf.engine.Decoder`) drives the same decode path
+   through :meth:`Controller.step` (or ``begin_step``/``end_step``), :meth:`Controller.select` and
+   :meth:`Controller.prefetch`, which share their helpers with the wrapped forward and the router forwards.
 
 Policy rules live only in the kernels; nothing here decides which expert runs. The controller is also the one
 owner of what is installed on the model (:meth:`Controller.install`, :meth:`Controller.uninstall`).
@@ -79,6 +82,21 @@ class RoutingStats:
         if self.offload is not None:
             out["offload"] = self.offload.to_dict()
         return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What :meth:`Controller.select` decided for one MoE layer of a batch-1 decode step.
+
+    ``experts``: the ``K`` executed expert ids (host int64, the logical cache's order); ``tensor``: the same
+    memory as a ``[1, K]`` int64 tensor (the host staging buffer, pinned and reused for a CUDA device: copy it to
+    the device before the next :meth:`Controller.select` of a layer on that device); ``own``: whether the
+    selection is the router's own top-K (nothing replaced, no tie across its top-K boundary): then the HF path
+    returns the router's own outputs."""
+
+    experts: np.ndarray
+    tensor: torch.Tensor
+    own: bool
 
 
 @dataclass
@@ -418,6 +436,110 @@ class Controller:
         finally:
             self._bypass -= 1
 
+    # ------------------------------------------------------------------ batch-1 external decoder
+    # The decode (one row, one position) path of the wrapped forward, for a decoder that runs the layers itself
+    # (psr_hf.engine.Decoder). Per token: ``with ctl.step(token_id, position):`` (or begin_step ... end_step),
+    # then for each MoE layer in order ``select(layer, z, g_next)`` and, where the layer has a next MoE layer,
+    # ``prefetch(layer + 1)`` before the layer's experts run. The router forwards of the HF path run the same
+    # helpers (_start, _decode_select, _decide, _decode_prefetch, _close), so both make the same decisions and
+    # count the same statistics; the rules stay in the LogicalCache.
+    @property
+    def needs_pregate(self) -> bool:
+        """Whether the policy reads the next layer's pre-gate (pass ``pregate`` to :meth:`select`)."""
+        return self._needs_pregate
+
+    def begin_step(self, token_id: int, position: int) -> None:
+        """Open a one-token forward pass of one row, as the wrapped forward does for ``input_ids`` ``[1, 1]``
+        with ``position`` cached positions before it: position 0 starts a new sequence (closing the recording's
+        previous one and, offloaded, copying the warm set into the slots), a later one continues the current
+        sequence (``RuntimeError`` if the previous forward stopped part-way, or the sequence has several rows).
+        The offloaded model's slots are synchronised with its weights (:meth:`OffloadEngine.sync_weights`).
+
+        Takes the controller's lock until :meth:`end_step` or :meth:`abort_step` (the same thread may nest);
+        :meth:`step` pairs them."""
+        position = int(position)
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        self._lock.acquire()
+        try:
+            if self._fwd is not None:
+                raise RuntimeError("psr_hf: begin_step() while a forward pass of the patched model is open")
+            if self._bypass:
+                raise RuntimeError("psr_hf: begin_step() inside bypassed(): the routing state must not change")
+            self._check_continuation(position, 1)
+            self._start(None, np.array([[int(token_id)]], dtype=np.int64), None, position, 1, 1)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def end_step(self) -> None:
+        """Close the step :meth:`begin_step` opened (its layers go to the recording); releases the lock."""
+        self._require_step("end_step")
+        try:
+            self._close()
+        finally:
+            self._lock.release()
+
+    def abort_step(self, error: BaseException) -> None:
+        """The step stopped part-way with ``error``: close it and its sequence (as an exception inside the wrapped
+        forward does; :meth:`reset` or position 0 starts again) and make the offload's slots consistent;
+        releases the lock."""
+        self._require_step("abort_step")
+        try:
+            self._abort(error)
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def step(self, token_id: int, position: int) -> Iterator[None]:
+        """:meth:`begin_step`, then :meth:`end_step` when the block ends, :meth:`abort_step` on any exception."""
+        self.begin_step(token_id, position)
+        try:
+            yield
+        except BaseException as error:  # KeyboardInterrupt too: the sequence holds a partial step
+            self.abort_step(error)
+            raise
+        self.end_step()
+
+    def select(self, layer: int, scores: Any, pregate: Any = None) -> Selection:
+        """MoE layer ``layer``'s selection in the open step: ``scores`` ``[E]`` (or ``[1, E]``) are the family's
+        selection scores of this layer (``router_scores[:E]``), ``pregate`` those of the next MoE layer on this
+        layer's input (``router_scores[E:]``; kept only when :attr:`needs_pregate` and a next layer exists).
+
+        Runs part 2 of the layer (parts 1 and 2 where the policy has no pre-gate) on the cache's own buffers,
+        the recording, the statistics (copies, replaced slots, displaced mass) and, offloaded, the slot
+        scheduler's demand copies (``route(..., mirror=True)``). Exactly the HF router forward's decode path."""
+        self._require_step("select")
+        E = self.num_experts
+        z = np.ascontiguousarray(np.asarray(scores, dtype=np.float32).reshape(1, 1, E))
+        mode = "select" if self._needs_pregate and (layer or layer + 1 < self.num_layers) else "both"
+        plan = self._decode_select(layer, z[:, 0], mode)
+        count, tensor, _ = self._decide(layer, plan, z)
+        if pregate is not None and self._needs_pregate and layer + 1 < self.num_layers:
+            # a copy: the caller's buffer is rewritten by the next layer before this pre-gate is read
+            self._pregate[layer + 1] = np.array(pregate, dtype=np.float32, order="C").reshape(1, 1, E)
+        return Selection(experts=tensor.numpy()[0], tensor=tensor, own=count == 0)
+
+    def prefetch(self, layer: int) -> bool:
+        """Part 1 of MoE layer ``layer`` (>= 1) from the pre-gate the previous layer's :meth:`select` stored, and,
+        offloaded, its prefetch copies: call it after the previous layer's selection, before that layer's experts
+        run (its copies overlap with them). Does nothing (returns False) when the policy has no pre-gate, as in
+        the HF path."""
+        self._require_step("prefetch")
+        if not self._needs_pregate:
+            return False
+        g = self._pregate[layer] if 0 < layer < self.num_layers else None
+        if g is None:
+            raise RuntimeError(f"psr_hf: prefetch({layer}) before select({layer - 1}) gave its pre-gate")
+        self._decode_prefetch(layer, g[:, 0])
+        return True
+
+    def _require_step(self, what: str) -> _Forward:
+        fwd = self._fwd
+        if fwd is None or fwd.owner is not None or fwd.thread != threading.get_ident():
+            raise RuntimeError(f"psr_hf: {what}() outside a step opened by begin_step() in this thread")
+        return fwd
+
     # ------------------------------------------------------------------ installation
     @property
     def installed(self) -> bool:
@@ -550,9 +672,7 @@ class Controller:
                 except BaseException as error:  # KeyboardInterrupt, SystemExit, GeneratorExit too
                     self._abort(error)
                     raise
-                fwd, self._fwd = self._fwd, None
-                if self._recorder is not None:
-                    self._recorder._end_forward(fwd)
+                self._close()
                 return output
 
         return forward
@@ -581,6 +701,12 @@ class Controller:
         if self._recorder is not None:
             self._recorder._layers.clear()  # the stopped forward's layers are not recorded
         self._recover()
+
+    def _close(self) -> None:
+        """The open forward pass ended normally: close it (its layers go to the recording)."""
+        fwd, self._fwd = self._fwd, None
+        if self._recorder is not None:
+            self._recorder._end_forward(fwd)
 
     def _recover(self) -> None:
         if not self._recover_offload:
@@ -631,6 +757,14 @@ class Controller:
             B, S = int(embeds.shape[0]), int(embeds.shape[1])
             tokens = np.zeros((B, S), dtype=np.int64)
         past = self._past_length(kwargs)
+        self._check_continuation(past, B)
+        valid = self._valid_positions(mask, B, S, mask_host)
+        if mask is None and self._right_padded is not None:
+            valid = self._valid_from_lengths(self._right_padded, B, S, past)
+        self._start(module, tokens, valid, past, B, S)
+
+    def _check_continuation(self, past: int, B: int) -> None:
+        """A forward of ``B`` rows after ``past`` cached positions may continue the current sequence."""
         if past > 0 and self._interrupted is not None:
             raise RuntimeError(
                 f"psr_hf: the previous forward pass of this model stopped part-way ({self._interrupted}), so the "
@@ -643,9 +777,10 @@ class Controller:
                 f"psr_hf: a batch of {B} rows continues a cached sequence of {self.cache.rows} rows; start a new "
                 "sequence (empty cache) or reorder the rows with the KV cache"
             )
-        valid = self._valid_positions(mask, B, S, mask_host)
-        if mask is None and self._right_padded is not None:
-            valid = self._valid_from_lengths(self._right_padded, B, S, past)
+
+    def _start(self, module: Any, tokens: np.ndarray, valid: np.ndarray | None, past: int, B: int, S: int) -> None:
+        """Open the forward pass of ``tokens`` [B, S] (``valid``: its real positions, None: all) after ``past``
+        cached positions: a new sequence when ``past`` is 0, else the current one continues."""
         if self.offload is not None:
             self._check_offload_device()
         try:  # from here on the state changes: a stop part-way closes the sequence
@@ -831,12 +966,8 @@ class Controller:
             z = z.detach()
         z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
         if fwd.positions == 1:
-            io = self.cache.io
-            io.scores[:, 0] = z_host[:, 0]
-            if self._spec and layer:
-                io.pregate[:, 0] = self._pregate[layer][:, 0]
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
-            plan = self.cache.step_io(layer, "select" if self._needs_pregate and layer else "both")
+            plan = self._decode_select(layer, z_host[:, 0], "select" if self._needs_pregate and layer else "both")
         else:
             plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
         return self._execute(layer, router, plan, z_host, own[0], own, None)
@@ -856,16 +987,9 @@ class Controller:
         if S == 1:
             # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
             # computes), on the cache's own buffers
-            io = self.cache.io
-            io.scores[:, 0] = host[:, :E]
-            if self._spec and layer:
-                io.pregate[:, 0] = self._pregate[layer][:, 0]
-            plan = self.cache.step_io(layer, "select")
+            plan = self._decode_select(layer, host[:, :E], "select")
             result = self._execute(layer, router, plan, z_host, logits, None, run_own)
-            io.pregate[:, 0] = host[:, E:]
-            plan = self.cache.step_io(layer + 1, "prefetch")
-            if self.offload is not None and self._mirrors():
-                self.offload.prefetch(layer + 1, plan, self._resident(layer + 1))
+            self._decode_prefetch(layer + 1, host[:, E:])
         else:
             # a block of positions: parts 1 and 2 of this layer for each position in order
             plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
@@ -891,6 +1015,44 @@ class Controller:
         scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
         pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
         logical cache's."""
+        count, chosen_dev_view, flags = self._decide(layer, plan, z_host)
+        device = self._devices[layer]
+        N = self._fwd.rows * self._fwd.positions
+        if count == 0:
+            return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
+        if isinstance(logits, _Lazy):
+            logits = logits.value()
+        chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
+        if count == N:
+            return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
+        _, weights, indices = own if own is not None else run_own()
+        mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
+        new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
+        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+
+    def _decode_select(self, layer: int, z: np.ndarray, mode: str) -> StepPlan:
+        """One position per row (decoding): part 2 of ``layer`` (``mode`` "select"), or parts 1 and 2 ("both"),
+        on the cache's own buffers for the scores ``z`` [B, E]; spec executes the pre-gate that the previous layer
+        stored for this one."""
+        io = self.cache.io
+        io.scores[:, 0] = z
+        if self._spec and layer:
+            io.pregate[:, 0] = self._pregate[layer][:, 0]
+        return self.cache.step_io(layer, mode)
+
+    def _decode_prefetch(self, layer: int, g: np.ndarray) -> None:
+        """One position per row (decoding): part 1 of ``layer`` from its pre-gate ``g`` [B, E] (the previous
+        layer's input through this layer's router), and the offload's prefetch copies of its insertions."""
+        self.cache.io.pregate[:, 0] = g
+        plan = self.cache.step_io(layer, "prefetch")
+        if self.offload is not None and self._mirrors():
+            self.offload.prefetch(layer, plan, self._resident(layer))
+
+    def _decide(self, layer: int, plan: StepPlan, z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray]:
+        """What every caller does with a layer's plan: record it, count its statistics (:func:`_finish_layer`),
+        write the selected experts into the host staging buffer and tell the offload. Returns the number of
+        positions whose selection is not the router's own top-K, the staging tensor ``[N, K]`` (host; pinned
+        for a CUDA device) and the per-position flags (1: not the router's own)."""
         fwd = self._fwd
         N, K = fwd.rows * fwd.positions, self.top_k
         if self._recorder is not None:
@@ -905,17 +1067,7 @@ class Controller:
         if self.offload is not None:
             mirror = self._mirrors()
             self.offload.route(layer, plan, chosen, mirror, self._resident(layer) if fwd.rows == 1 else None)
-        if count == 0:
-            return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
-        if isinstance(logits, _Lazy):
-            logits = logits.value()
-        chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
-        if count == N:
-            return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
-        _, weights, indices = own if own is not None else run_own()
-        mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
-        new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
-        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+        return count, chosen_dev_view, flags
 
     def _mirrors(self) -> bool:
         """One row and one real position: the offload's slots follow this step's plan exactly."""

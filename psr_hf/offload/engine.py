@@ -300,6 +300,30 @@ class OffloadEngine:
         """Part 1 of ``layer`` ran (one row, one position): queue its prefetch copies."""
         self.scheduler.decode_prefetch(layer, plan, resident)
 
+    # ------------------------------------------------------------------ execution by an external decoder
+    def decode_slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """For a decoder that computes the MoE itself (``psr_hf.engine``): the decode selection of ``layer`` made by
+        the controller is consumed (as :meth:`run` does), its copies waited for, and the slot of each of
+        ``experts`` returned ([K] int64). Call :meth:`decode_done` once the computation reading the slots has been
+        issued."""
+        self._pending[layer] = None  # consumed: a later run() of the layer asks the device instead
+        sched = self.scheduler
+        sched.wait(layer)
+        slot_map = sched.layers[layer].expert_slot
+        slots = slot_map[experts]
+        if (slots < 0).any():
+            raise RuntimeError(f"psr_hf offload: layer {layer} executes experts {experts.tolist()} but the slots hold "
+                               f"{slot_map.tolist()} (-1: none)")
+        if self.config.check_slots:
+            self._check(layer, torch.from_numpy(np.ascontiguousarray(experts)))
+        return np.ascontiguousarray(slots, dtype=np.int64)
+
+    def decode_done(self, layer: int) -> None:
+        """The computation reading ``layer``'s slots is issued: they may be overwritten after it; the queued
+        prefetches are issued."""
+        self.link.read_done(layer)
+        self.scheduler.pump()
+
     # ------------------------------------------------------------------ execution (from the experts modules)
     def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         pending, self._pending[layer] = self._pending[layer], None

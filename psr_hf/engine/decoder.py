@@ -1,0 +1,213 @@
+"""The engine's eager batch-1 decoder: the building blocks of :mod:`psr_hf.engine.layers` and
+:mod:`psr_hf.engine.moe` chained per token, routed by the patched model's own
+:class:`~psr_hf.hf.controller.Controller`.
+
+Per step (one token at one position), for each decoder layer: the attention block; a dense layer's MLP; for a
+MoE layer the router logits (this layer's and the next MoE layer's pre-gate from one matmul) and the family's
+scores, moved to the host in one transfer, then the controller's :meth:`~Controller.select` (part 2 of the
+policy, recording, statistics, the offload's demand copies), its :meth:`~Controller.prefetch` of the next MoE
+layer (part 1, the offload's prefetch copies, issued before this layer's experts run), the execution weights of
+the selected experts from the unmodified logits, and the MoE over expert slots (plus the shared experts) into
+the residual. Every routing decision is the controller's: this module decides nothing about which expert runs.
+
+This eager version is the reference of the CUDA-graph decoder to come. The places the graph version changes are
+marked ``GRAPH:``. Not implemented yet: a ``copies_skipped=True`` mode (run the selection without the offload's
+physical copies, for measuring); TODO, with the graph version.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from psr_hf.hf.patching import controller as _controller
+from .layers import DecodeLayers, build_layers
+from .moe import check_experts_module, check_shapes, moe_slots
+
+logger = logging.getLogger(__name__)
+
+
+def _token_list(input_ids: Any) -> list[int]:
+    """``input_ids`` as a list of ints: a list, a ``[S]`` or ``[1, S]`` tensor or array."""
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.detach().to("cpu")
+        if input_ids.ndim == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"the engine decodes batch 1; got input_ids of shape {tuple(input_ids.shape)}")
+            input_ids = input_ids[0]
+        return [int(t) for t in input_ids.tolist()]
+    ids = np.asarray(input_ids)
+    if ids.ndim == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"the engine decodes batch 1; got input_ids of shape {ids.shape}")
+        ids = ids[0]
+    return [int(t) for t in ids.reshape(-1).tolist()]
+
+
+class Decoder:
+    """Batch-1 eager decoder of a model patched by :func:`psr_hf.patch` (resident, or offloaded with
+    ``offload=OffloadConfig(...)``), with a static KV cache of ``max_len`` positions.
+
+    ``step(token)`` decodes the next position and returns the ``[1, V]`` logits buffer (rewritten by the next
+    step); :meth:`prefill` runs a prompt through the same step (a new sequence); :meth:`generate_greedy`
+    prefills and decodes greedily; :meth:`reset` starts a new sequence. The routing state, statistics and
+    recording are the controller's (``psr_hf.controller(model)``): the decoder is one more caller of it.
+    ``backend``: the slot MoE's (:func:`psr_hf.engine.moe.choose_backend`); ``absorb_mla``: DeepSeek-V3
+    attention (:func:`psr_hf.engine.layers.build_layers`).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto"):
+        self.model = model
+        self.controller = _controller(model)
+        self.layers: DecodeLayers = build_layers(model, max_len, absorb_mla=absorb_mla)
+        self.backend = backend
+        L = self.layers
+        ctl = self.controller
+        self.moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]  # decoder indices of the MoE layers
+        if len(self.moe_layers) != ctl.num_layers or [L.moe_index(d) for d in self.moe_layers] != list(
+                range(ctl.num_layers)):
+            raise ValueError(f"the engine finds {len(self.moe_layers)} MoE layers, the controller routes "
+                             f"{ctl.num_layers}: they must be the same layers in the same order")
+        if L.num_experts != ctl.num_experts or L.top_k != ctl.top_k:
+            raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
+                             f"controller's ({ctl.num_experts}, {ctl.top_k})")
+        # the model's own expert weights: the slot buffers of a resident model (slot = expert id); checked once
+        self._experts = [check_experts_module(ctl.layers[m].block.experts) for m in range(ctl.num_layers)]
+        b = L.buffers
+        for m, d in enumerate(self.moe_layers):
+            gate_up, down = self._experts[m]
+            if ctl.offload is None and gate_up.device != L.device:
+                raise ValueError(f"MoE layer {m}: the experts are on {gate_up.device}, the model on {L.device}")
+            if ctl.offload is not None:
+                gate_up, down = ctl.offload.slots[m]["gate_up_proj"], ctl.offload.slots[m]["down_proj"]
+            check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
+                         residual=b.hidden[0], hidden_act=self.layers.config)
+        self.position = 0  # the next position to decode
+
+    # ------------------------------------------------------------------ sequences
+    def reset(self) -> None:
+        """Start a new sequence: the next step decodes position 0 (which starts the controller's new sequence)."""
+        self.position = 0
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer."""
+        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        position = self.position
+        L.check_position(position)
+        token = int(token)
+        b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
+        b.position.fill_(position)
+        with ctl.step(token, position):  # opens the one-token forward (a new sequence at position 0)
+            L.embed(b.token, b.hidden)
+            for d in range(L.num_layers):
+                L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)  # GRAPH: graph A
+                if L.is_moe(d):
+                    self._moe_layer(d)
+                else:
+                    L.dense_mlp(d, b.normed, b.mlp_out)
+                    b.hidden.add_(b.mlp_out)
+            L.final(b.hidden, b.logits)
+        self.position = position + 1
+        return b.logits
+
+    def _moe_layer(self, d: int) -> None:
+        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        m = L.moe_index(d)
+        E = L.num_experts
+        width = L.router_width(d)
+        logits, scores = b.router_logits[:, :width], b.router_scores[:, :width]
+        L.router_logits(d, b.normed, logits)  # GRAPH: graph A, with the scores
+        L.router_scores(d, logits, scores)
+        # the one device-to-host transfer of the layer (it synchronises). GRAPH: graph A copies the scores into a
+        # pinned host buffer and records an event; the host waits on that event only
+        host = scores.float().cpu().numpy().copy()  # [1, width]: z | the next MoE layer's pre-gate (a copy: on
+        # the CPU, .cpu() of a float32 tensor is the static buffer itself)
+        pregate = host[0, E:] if width > E and ctl.needs_pregate else None
+        selection = ctl.select(m, host[0, :E], pregate)
+        if pregate is not None:
+            ctl.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
+        # the selected experts to the device (from the controller's staging buffer, pinned on CUDA)
+        b.expert_ids.copy_(selection.tensor, non_blocking=True)
+        L.execution_weights(d, logits, b.expert_ids, b.expert_weights)  # from the unmodified logits
+        shared = L.has_shared_experts(d)
+        out, residual = (b.mlp_out, None) if shared else (b.hidden, b.hidden)
+        if ctl.offload is None:  # resident: the model's own fused weights are the slots, slot = expert id
+            gate_up, down = self._experts[m]
+            self._moe(b.expert_ids[0], gate_up, down, out, residual)  # GRAPH: graph B
+        else:
+            self._moe_offloaded(m, selection.experts, out, residual)
+        if shared:  # transformers: routed + shared, then the residual
+            L.shared_expert(d, b.normed, b.shared_out)
+            b.mlp_out.add_(b.shared_out)
+            b.hidden.add_(b.mlp_out)
+
+    def _moe(self, slots: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
+             residual: torch.Tensor | None) -> None:
+        b = self.layers.buffers
+        moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
+                  None if residual is None else residual[0], backend=self.backend)
+
+    def _moe_offloaded(self, m: int, experts: np.ndarray, out: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """The decode branch of :meth:`OffloadEngine.run` on the engine's buffers: the copies of the layer's
+        selection (issued by ``select``) are waited for, the experts mapped to their slots, the MoE computed on
+        the layer's slot buffers, the slots released for reuse and the queued prefetches issued."""
+        offload = self.controller.offload
+        slots = offload.decode_slots(m, experts)
+        # GRAPH: the layer's persistent device slot map, uploaded from a pinned buffer when it changed
+        # (OffloadEngine._compute), gathered by the selected expert ids inside graph B
+        slot_ids = torch.from_numpy(slots).to(self.layers.device)
+        buffers = offload.slots[m]
+        self._moe(slot_ids, buffers["gate_up_proj"], buffers["down_proj"], out, residual)
+        offload.decode_done(m)  # GRAPH: after graph B's replay is enqueued (an event on the compute stream)
+
+    # ------------------------------------------------------------------ sequences of steps
+    @torch.no_grad()
+    def prefill(self, input_ids: Any) -> torch.Tensor:
+        """Start a new sequence and run the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through
+        :meth:`step` token by token (exact; the batched prefill is to come). Returns the last position's ``[1, V]``
+        logits buffer."""
+        ids = _token_list(input_ids)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        self.reset()
+        logits = None
+        for token in ids:
+            logits = self.step(token)
+        return logits
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
+                        return_logits: bool = False) -> Any:
+        """Greedy decoding of a new sequence, as ``model.generate(input_ids, do_sample=False,
+        max_new_tokens=...)`` for one row without logits processors: returns the ``[1, S + n]`` int64 sequence
+        (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
+        fed back, nor is the last token). ``eos_token_id``: default the model's generation config's.
+        ``return_logits``: also the ``[n, V]`` float32 logits of every new token."""
+        ids = _token_list(input_ids)
+        if eos_token_id is None:
+            config = getattr(self.model, "generation_config", None)
+            eos_token_id = getattr(config, "eos_token_id", None)
+        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
+                                                   else {int(t) for t in eos_token_id})
+        new: list[int] = []
+        scores: list[torch.Tensor] = []
+        if max_new_tokens > 0:
+            logits = self.prefill(ids)
+            while True:
+                if return_logits:
+                    scores.append(logits[0].float().cpu().clone())
+                token = int(torch.argmax(logits[0]))
+                new.append(token)
+                if token in stop or len(new) == max_new_tokens:
+                    break
+                logits = self.step(token)
+        sequence = torch.tensor([ids + new], dtype=torch.int64)
+        if return_logits:
+            V = self.layers.buffers.logits.shape[-1]
+            return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
+        return sequence
