@@ -1,6 +1,6 @@
-"""The engine room: the fast batch-1 decoder of ARCHITECTURE.md (rank 4; its pieces are here, the decoder that
-replays them as CUDA graphs is still to come), built from a loaded
-transformers model whose weights it uses in place.
+"""The engine room: the fast batch-1 decoder of ARCHITECTURE.md (rank 4), built from a loaded transformers model
+whose weights it uses in place. Its pieces are here and tested on the CPU; the CUDA-graph replay
+(:mod:`psr_hf.engine.graphs`) is written but has not run on a GPU yet, and ``generate()`` does not use it yet.
 
 A decode step is meant to be replayed as CUDA graphs, two per MoE layer: graph A (input norm, attention over a
 static KV cache, post-attention norm, this layer's router logits and the next layer's pre-gate from one matmul)
@@ -32,6 +32,7 @@ _LAZY = {
     "moe_slots_triton": "psr_hf.engine.moe",
     "check_shapes": "psr_hf.engine.moe",
     "Decoder": "psr_hf.engine.decoder",
+    "GraphDecoder": "psr_hf.engine.graphs",
 }
 
 __all__ = list(_LAZY)

@@ -1,0 +1,379 @@
+"""The engine's batch-1 decoder replayed as CUDA graphs: :class:`GraphDecoder`, the same decode step as the eager
+:class:`~psr_hf.engine.decoder.Decoder` (the same functions of :mod:`psr_hf.engine.layers` and
+:mod:`psr_hf.engine.moe` in the same order on the same static buffers, routed by the same controller calls).
+
+Per step (one token, batch 1), with ``d_0 < d_1 < ...`` the decoder indices of the MoE layers:
+
+* the host writes the token and the position into their static device tensors (``fill_``, outside every graph:
+  a graph reads them from device memory, never as captured constants);
+* per MoE layer ``m``, **graph A_m**: (for ``m = 0`` the embedding) every dense layer between the previous MoE
+  layer and ``d_m`` (attention block, dense MLP, residual), the attention block of ``d_m``, its router logits and
+  scores, and the copy of the ``[1, W]`` scores (as float32) into layer ``m``'s pinned host buffer
+  (``copy_(non_blocking=True)`` captured: the pinned address is fixed). After the replay an event is recorded on
+  the current stream and the host waits on that event only (no device synchronisation). The host then does
+  exactly what ``Decoder`` does: ``controller.select(m, z, pregate)`` and ``controller.prefetch(m + 1)``, writes the
+  K selected expert ids into layer ``m``'s pinned int64 buffer and, offloaded, calls ``offload.decode_slots`` (on
+  CUDA it makes the current stream wait for the layer's copies) and writes the K slot ids into a second pinned
+  buffer;
+* **graph B_m**: the H2D copies of the pinned expert ids (and slot ids) into static device buffers, the execution
+  weights from the unmodified logits, the slot MoE (Triton on CUDA when available, the torch reference otherwise),
+  the shared experts and the residual. Offloaded, ``offload.decode_done(m)`` follows once the replay is enqueued
+  (its event is recorded after graph B on the same stream, so the copy stream overwrites the slots only after
+  graph B has read them);
+* **graph C**: the dense layers after the last MoE layer, the final norm and the lm_head into the static logits
+  buffer.
+
+All graphs are replayed on the caller's current stream (``CudaLink.wait`` / ``read_done`` order the offload's copy
+stream against that stream), in the order they were captured (they share one memory pool, which is safe only in
+capture order).
+
+Capture (``graphs=True``, at construction): the offload's copy stream and the device are synchronised, then every
+graph body runs ``warmup`` times on a side stream with dummy inputs (token 0, position 0, expert ids ``0..K-1``,
+slot ids ``0..K-1`` modulo the slots), then each body is captured on that side stream into one shared pool. What
+this touches: the static buffers of :class:`~psr_hf.engine.layers.DecodeBuffers`, this decoder's own pinned
+buffers and workspaces, and slot 0 of this decoder's own KV cache (written at the dummy position 0). It touches
+neither the controller (no ``select``/``prefetch``/``step``: its routing state, recording and statistics are
+unchanged) nor the offload's slots or maps (graph B only reads the slot buffers). Every sequence starts at
+position 0, whose step rewrites KV slot 0 of every layer before attention reads it, and attention at position
+``p`` reads slots ``<= p`` only (the layers' mask), so nothing the warm-up wrote is ever read. The decoder starts
+a new sequence after capture (the next step is position 0, which starts the controller's new sequence); calling
+``controller.reset()`` is not needed and is not done.
+
+``graphs=False`` runs the same bodies eagerly in the same order on the same static buffers (on the CPU the host
+buffers are plain CPU tensors and there are no events), which is what the CPU tests compare with ``Decoder``.
+
+The offload's slot buffers are bound into graph B at capture: if the offload reallocates them (the model's
+expert weights changed dtype or device) the step raises ``RuntimeError``; build a new decoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from psr_hf.hf.patching import controller as _controller
+from .decoder import _token_list
+from .layers import DecodeLayers, build_layers
+from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace
+
+logger = logging.getLogger(__name__)
+
+
+class GraphDecoder:
+    """Batch-1 decoder of a model patched by :func:`psr_hf.patch` (resident or offloaded) replayed as CUDA graphs
+    (``graphs=True``, CUDA only) or run eagerly with the same buffers and order (``graphs=False``). Same public
+    methods as :class:`~psr_hf.engine.decoder.Decoder`: :meth:`step`, :meth:`prefill`, :meth:`generate_greedy`,
+    :meth:`reset`. ``warmup``: eager runs of every graph body on the capture stream before capture."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
+                 backend: str = "auto", warmup: int = 2):
+        self.model = model
+        self.controller = ctl = _controller(model)
+        L = build_layers(model, max_len, absorb_mla=absorb_mla)
+        self.layers: DecodeLayers = L
+        self.device = L.device
+        self.graphs = bool(graphs)
+        self.cuda = self.device.type == "cuda"
+        if self.graphs and not self.cuda:
+            raise ValueError(f"GraphDecoder(graphs=True) needs a model on a CUDA device, this one is on {self.device}; "
+                             "use graphs=False (the same step, eager) or the eager Decoder")
+        self.moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]
+        if not self.moe_layers:
+            raise ValueError("GraphDecoder needs a model with MoE layers")
+        if len(self.moe_layers) != ctl.num_layers or [L.moe_index(d) for d in self.moe_layers] != list(
+                range(ctl.num_layers)):
+            raise ValueError(f"the engine finds {len(self.moe_layers)} MoE layers, the controller routes "
+                             f"{ctl.num_layers}: they must be the same layers in the same order")
+        if L.num_experts != ctl.num_experts or L.top_k != ctl.top_k:
+            raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
+                             f"controller's ({ctl.num_experts}, {ctl.top_k})")
+        self.backend = choose_backend(self.device, backend)
+        b = L.buffers
+        K, E = L.top_k, L.num_experts
+        self.offloaded = ctl.offload is not None
+        # the slot buffers each graph B reads (bound at capture), per MoE layer
+        self._slot_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for m, d in enumerate(self.moe_layers):
+            gate_up, down = check_experts_module(ctl.layers[m].block.experts)
+            if not self.offloaded and gate_up.device != self.device:
+                raise ValueError(f"MoE layer {m}: the experts are on {gate_up.device}, the model on {self.device}")
+            if self.offloaded:
+                gate_up, down = ctl.offload.slots[m]["gate_up_proj"], ctl.offload.slots[m]["down_proj"]
+            check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
+                         residual=b.hidden[0], hidden_act=L.config)
+            self._slot_buffers.append((gate_up, down))
+        self._slot_addresses = self._addresses()
+        # workspaces of the Triton path ([K, I] float32, one per intermediate size)
+        self._workspaces: dict[int, torch.Tensor] = {}
+        if self.backend == "triton":
+            for gate_up, _ in self._slot_buffers:
+                I = gate_up.shape[1] // 2
+                if I not in self._workspaces:
+                    self._workspaces[I] = new_workspace(K, I, self.device)
+        # host <-> device round trips: pinned host buffers on CUDA (fixed addresses, captured), CPU tensors else
+        pin = self.cuda
+        self._widths = [L.router_width(d) for d in self.moe_layers]
+        self._scores_f32 = torch.zeros(1, max(self._widths), dtype=torch.float32, device=self.device)
+        self._host_scores = [torch.zeros(1, w, dtype=torch.float32, pin_memory=pin) for w in self._widths]
+        self._host_ids = [torch.zeros(1, K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
+        self._host_slots = [torch.zeros(K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
+        self._slot_ids = torch.zeros(K, dtype=torch.int64, device=self.device)  # offloaded: graph B's slots
+        self._event = torch.cuda.Event() if self.cuda else None
+        # the graph bodies, in replay order: A_0, B_0, A_1, B_1, ..., C
+        self._bodies: list[tuple[str, Callable[[], None]]] = []
+        previous = -1
+        for m, d in enumerate(self.moe_layers):
+            self._bodies.append((f"A{m}", self._body_a(m, range(previous + 1, d), d)))
+            self._bodies.append((f"B{m}", self._body_b(m, d)))
+            previous = d
+        self._bodies.append(("C", self._body_c(range(previous + 1, L.num_layers))))
+        self._run: dict[str, Callable[[], None]] = dict(self._bodies)
+        # MoE layers whose graph A could not capture the D2H copy of the scores: copied eagerly after the replay
+        self._d2h_outside: set[int] = set()
+        self._graphs: dict[str, Any] = {}
+        self.pool = None
+        if self.graphs:
+            self._capture(max(int(warmup), 1))
+        self.position = 0  # the next position to decode (a new sequence)
+
+    # ------------------------------------------------------------------ graph bodies
+    def _dense(self, d: int) -> None:
+        L, b = self.layers, self.layers.buffers
+        L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)
+        L.dense_mlp(d, b.normed, b.mlp_out)
+        b.hidden.add_(b.mlp_out)
+
+    def _body_a(self, m: int, dense: range, d: int, d2h: bool = True) -> Callable[[], None]:
+        L, b = self.layers, self.layers.buffers
+        width = self._widths[m]
+        logits, scores = b.router_logits[:, :width], b.router_scores[:, :width]
+        scores_f32, host = self._scores_f32[:, :width], self._host_scores[m]
+        first = m == 0
+
+        def body() -> None:
+            if first:
+                L.embed(b.token, b.hidden)
+            for i in dense:
+                self._dense(i)
+            L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)
+            L.router_logits(d, b.normed, logits)
+            L.router_scores(d, logits, scores)
+            scores_f32.copy_(scores)  # as Decoder's scores.float()
+            if d2h:
+                host.copy_(scores_f32, non_blocking=True)  # D2H into the pinned buffer (captured)
+
+        return body
+
+    def _body_b(self, m: int, d: int) -> Callable[[], None]:
+        L, b = self.layers, self.layers.buffers
+        width = self._widths[m]
+        logits = b.router_logits[:, :width]
+        gate_up, down = self._slot_buffers[m]
+        shared = L.has_shared_experts(d)
+        out, residual = (b.mlp_out, None) if shared else (b.hidden, b.hidden)
+        host_ids, host_slots = self._host_ids[m], self._host_slots[m]
+        slots = self._slot_ids if self.offloaded else b.expert_ids[0]
+        workspace = self._workspaces.get(gate_up.shape[1] // 2)
+        backend = self.backend
+
+        def body() -> None:
+            b.expert_ids.copy_(host_ids, non_blocking=True)  # H2D from the pinned buffer (captured)
+            if self.offloaded:
+                self._slot_ids.copy_(host_slots, non_blocking=True)
+            L.execution_weights(d, logits, b.expert_ids, b.expert_weights)
+            moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
+                      None if residual is None else residual[0], workspace=workspace, backend=backend)
+            if shared:
+                L.shared_expert(d, b.normed, b.shared_out)
+                b.mlp_out.add_(b.shared_out)
+                b.hidden.add_(b.mlp_out)
+
+        return body
+
+    def _body_c(self, dense: range) -> Callable[[], None]:
+        L, b = self.layers, self.layers.buffers
+
+        def body() -> None:
+            for i in dense:
+                self._dense(i)
+            L.final(b.hidden, b.logits)
+
+        return body
+
+    # ------------------------------------------------------------------ capture
+    def _addresses(self) -> list[tuple[int, int]]:
+        return [(g.data_ptr(), d.data_ptr()) for g, d in self._slot_buffers]
+
+    def _dummy_inputs(self) -> None:
+        """Valid dummy inputs for warm-up and capture: token 0, position 0, expert ids 0..K-1, slots 0..K-1 mod C."""
+        b, K = self.layers.buffers, self.layers.top_k
+        b.token.fill_(0)
+        b.position.fill_(0)
+        for m in range(len(self.moe_layers)):
+            self._host_ids[m].copy_(torch.arange(K, dtype=torch.int64).view(1, K))
+            capacity = self._slot_buffers[m][0].shape[0]
+            self._host_slots[m].copy_(torch.arange(K, dtype=torch.int64) % capacity)
+
+    @torch.no_grad()
+    def _capture(self, warmup: int) -> None:
+        device = self.device
+        offload = self.controller.offload
+        link = getattr(offload, "link", None) if offload is not None else None
+        if link is not None and hasattr(link, "synchronize"):
+            link.synchronize()  # no copy into the slots runs while the warm-up reads them
+        torch.cuda.synchronize(device)
+        self._dummy_inputs()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                for _, body in self._bodies:
+                    body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        for name, body in self._bodies:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                    body()
+            except RuntimeError as error:
+                if not name.startswith("A"):
+                    raise
+                # fallback: graph A without its D2H copy, which the host then enqueues after each replay
+                m = int(name[1:])
+                logger.warning("GraphDecoder: graph %s could not capture the D2H copy of the scores (%s); it is "
+                               "issued after the replay instead", name, error)
+                torch.cuda.synchronize(device)
+                prev = -1 if m == 0 else self.moe_layers[m - 1]
+                body = self._body_a(m, range(prev + 1, self.moe_layers[m]), self.moe_layers[m], d2h=False)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                    body()
+                self._d2h_outside.add(m)
+            self._graphs[name] = graph
+        torch.cuda.synchronize(device)
+        self._run = {name: graph.replay for name, graph in self._graphs.items()}
+        logger.debug("GraphDecoder: captured %d graphs (%d MoE layers)", len(self._graphs), len(self.moe_layers))
+
+    # ------------------------------------------------------------------ sequences
+    def reset(self) -> None:
+        """Start a new sequence: the next step decodes position 0 (which starts the controller's new sequence)."""
+        self.position = 0
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self, token: Any) -> torch.Tensor:
+        """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer (rewritten by the
+        next step)."""
+        token = self._one_token(token)
+        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        position = self.position
+        L.check_position(position)
+        b.token.fill_(token)  # before graph A_0; device memory the graphs read, not a captured constant
+        b.position.fill_(position)
+        with ctl.step(token, position):
+            if self.offloaded and self._addresses() != self._slot_addresses:
+                raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
+                                   "changed dtype or device); build a new GraphDecoder")
+            for m in range(len(self.moe_layers)):
+                self._moe_layer(m)
+            self._run["C"]()
+        self.position = position + 1
+        return b.logits
+
+    @staticmethod
+    def _one_token(token: Any) -> int:
+        if isinstance(token, (torch.Tensor, np.ndarray)):
+            n = token.size if isinstance(token, np.ndarray) else token.numel()
+            if n != 1:
+                raise ValueError(f"the engine decodes batch 1, one token per step; got {n} token ids")
+            return int(token.reshape(-1)[0])
+        if isinstance(token, (list, tuple)):
+            if len(token) != 1:
+                raise ValueError(f"the engine decodes batch 1, one token per step; got {len(token)} token ids")
+            return int(token[0])
+        return int(token)
+
+    def _moe_layer(self, m: int) -> None:
+        ctl, E = self.controller, self.layers.num_experts
+        self._run[f"A{m}"]()
+        if m in self._d2h_outside:
+            width = self._widths[m]
+            self._host_scores[m].copy_(self._scores_f32[:, :width], non_blocking=True)
+        if self._event is not None:
+            self._event.record()  # on the current stream, after graph A_m
+            self._event.synchronize()  # the host waits for this event only
+        host = self._host_scores[m].numpy().copy()  # [1, width] (a copy: the buffer is rewritten next step)
+        pregate = host[0, E:] if host.shape[1] > E and ctl.needs_pregate else None
+        selection = ctl.select(m, host[0, :E], pregate)
+        if pregate is not None:
+            ctl.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
+        # graph B_m of the previous step (the last reader of this buffer) is complete: graph A_m came after it
+        np.copyto(self._host_ids[m].numpy()[0], selection.experts)
+        offload = ctl.offload
+        if offload is not None:
+            slots = offload.decode_slots(m, selection.experts)  # on CUDA: the current stream waits for the copies
+            np.copyto(self._host_slots[m].numpy(), slots)
+        self._run[f"B{m}"]()
+        if offload is not None:
+            offload.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
+
+    # ------------------------------------------------------------------ sequences of steps
+    @torch.no_grad()
+    def prefill(self, input_ids: Any) -> torch.Tensor:
+        """Start a new sequence and run ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through :meth:`step` token by
+        token. Returns the last position's ``[1, V]`` logits buffer."""
+        ids = _token_list(input_ids)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        self.reset()
+        logits = None
+        for token in ids:
+            logits = self.step(token)
+        return logits
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
+                        return_logits: bool = False) -> Any:
+        """Greedy decoding of a new sequence, exactly as :meth:`Decoder.generate_greedy`."""
+        ids = _token_list(input_ids)
+        if eos_token_id is None:
+            config = getattr(self.model, "generation_config", None)
+            eos_token_id = getattr(config, "eos_token_id", None)
+        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
+                                                   else {int(t) for t in eos_token_id})
+        new: list[int] = []
+        scores: list[torch.Tensor] = []
+        if max_new_tokens > 0:
+            logits = self.prefill(ids)
+            while True:
+                if return_logits:
+                    scores.append(logits[0].float().cpu().clone())
+                token = int(torch.argmax(logits[0]))
+                new.append(token)
+                if token in stop or len(new) == max_new_tokens:
+                    break
+                logits = self.step(token)
+        sequence = torch.tensor([ids + new], dtype=torch.int64)
+        if return_logits:
+            V = self.layers.buffers.logits.shape[-1]
+            return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
+        return sequence
+
+    # ------------------------------------------------------------------ measuring
+    @torch.no_grad()
+    def time_steps(self, tokens: Sequence[int]) -> float:
+        """Mean wall milliseconds per :meth:`step` over ``tokens`` (continuing the current sequence)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for token in tokens:
+            self.step(token)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) * 1e3 / max(len(tokens), 1)

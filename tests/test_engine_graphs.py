@@ -1,0 +1,217 @@
+"""psr_hf.engine.GraphDecoder: the decode step split into graphs A_m / host / B_m per MoE layer and C.
+
+CPU (``graphs=False``): the same functions in the same order on the same buffers as the eager Decoder, so tokens,
+logits and recorded selections are bitwise equal (tiny OLMoE, tiny DeepSeek-V3, the shipped OLMoE; exact and psr;
+resident and offloaded to CPU slots). CUDA (marked ``cuda``, skipped without a GPU): the captured graphs against
+the eager bodies in float32, a bf16 smoke run, timing independence of the offload's outputs, and a ms/token print.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf import RoutingConfig
+from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
+from psr_hf.engine import Decoder, GraphDecoder
+from psr_hf.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
+
+NEW = 5
+MAX_LEN = 48
+TEXT = "The engine decodes one token at a time"
+POLICIES = {
+    "exact": dict(policy="exact", residency=0.5),
+    "psr": dict(policy="psr", lam=0.2, budget=1, residency=0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_shipped(OLMOE_ROUTING_NAME)
+
+
+@pytest.fixture(scope="module")
+def case(request):
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            if name == "shipped":
+                model, tokenizer, calibration = request.getfixturevalue("shipped")
+                cache[name] = (model, torch.tensor([tokenizer(TEXT)["input_ids"]]), calibration)
+            else:
+                ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+                cache[name] = (tiny_model(name), ids, None)
+        return cache[name]
+
+    return get
+
+
+def _run(model, ids, decoder):
+    ctl = psr_hf.controller(model)
+    ctl.reset()
+    ctl.reset_stats()
+    with ctl.record() as recorder:
+        sequences, logits = decoder.generate_greedy(ids, NEW, return_logits=True)
+    return sequences, logits, recorder.recordings, ctl.stats()
+
+
+def _assert_bitwise(actual, expected) -> None:
+    seq, logits, rec, stats = actual
+    e_seq, e_logits, e_rec, e_stats = expected
+    torch.testing.assert_close(seq, e_seq, rtol=0, atol=0)
+    torch.testing.assert_close(logits, e_logits, rtol=0, atol=0)
+    assert len(rec) == len(e_rec) == 1
+    np.testing.assert_array_equal(rec[0].tokens, e_rec[0].tokens)
+    np.testing.assert_array_equal(rec[0].selected, e_rec[0].selected)
+    np.testing.assert_array_equal(rec[0].scores, e_rec[0].scores)
+    for name in ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token"):
+        np.testing.assert_array_equal(getattr(stats, name), getattr(e_stats, name), err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- CPU: bitwise
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("policy", ["exact", "psr"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
+def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloaded):
+    model, ids, calibration = case(name)
+    offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None
+    with psr_hf.patched(model, RoutingConfig(**POLICIES[policy]), calibration=calibration, offload=offload):
+        expected = _run(model, ids, Decoder(model, MAX_LEN))
+        decoder = GraphDecoder(model, MAX_LEN, graphs=False)
+        actual = _run(model, ids, decoder)
+        _assert_bitwise(actual, expected)
+        # a second sequence on the same decoder (stale KV slots are masked) gives the same again
+        _assert_bitwise(_run(model, ids, decoder), expected)
+        if offloaded:
+            assert all(p is None for p in psr_hf.controller(model).offload._pending)
+    if policy == "psr":
+        assert expected[3].total["replaced_per_token"] > 0  # the policy did route
+
+
+def test_graph_bodies_and_order(case):
+    model, _, _ = case("deepseek_v3")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        decoder = GraphDecoder(model, MAX_LEN, graphs=False)
+        names = [name for name, _ in decoder._bodies]
+        M = len(decoder.moe_layers)
+        assert names == [x for m in range(M) for x in (f"A{m}", f"B{m}")] + ["C"]
+        assert decoder.moe_layers[0] > 0  # the dense first layers run inside graph A_0
+        assert decoder.pool is None and not decoder._graphs
+
+
+def test_construction_does_not_touch_the_controller(case):
+    model, ids, _ = case("olmoe")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        ctl = psr_hf.controller(model)
+        Decoder(model, MAX_LEN).prefill(ids)
+        before = ctl.stats()
+        GraphDecoder(model, MAX_LEN, graphs=False)
+        after = ctl.stats()
+        np.testing.assert_array_equal(after.tokens, before.tokens)
+        np.testing.assert_array_equal(after.copies_per_token, before.copies_per_token)
+
+
+def test_errors(case):
+    model, ids, _ = case("olmoe")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["exact"])):
+        with pytest.raises(ValueError, match="CUDA"):
+            GraphDecoder(model, MAX_LEN, graphs=True)
+        decoder = GraphDecoder(model, MAX_LEN, graphs=False)
+        with pytest.raises(ValueError, match="batch 1"):
+            decoder.generate_greedy(torch.cat([ids, ids]), 2)
+        with pytest.raises(ValueError, match="batch 1"):
+            decoder.step(torch.tensor([1, 2]))
+        with pytest.raises(ValueError, match="max_len"):
+            GraphDecoder(model, 2, graphs=False).prefill([1, 2, 3])
+        with pytest.raises(ValueError, match="at least one token"):
+            decoder.prefill([])
+
+
+# ------------------------------------------------------------------------------------- CUDA (written, not yet run)
+def _cuda_model(name: str, dtype: torch.dtype = torch.float32):
+    return tiny_model(name, dtype=dtype).to("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("policy", ["exact", "psr"])
+def test_cuda_graphs_match_eager_float32(name, policy, offloaded):
+    model = _cuda_model(name)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    with psr_hf.patched(model, RoutingConfig(**POLICIES[policy]), offload=offload):
+        eager = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=False))
+        graphed = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True))
+    torch.testing.assert_close(graphed[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(graphed[1], eager[1], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(graphed[2][0].selected, eager[2][0].selected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_cuda_bf16_smoke(name):
+    model = _cuda_model(name, torch.bfloat16)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        seq, logits, rec, _ = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True))
+    assert seq.shape == (1, ids.shape[1] + NEW)
+    assert torch.isfinite(logits).all()
+    assert rec[0].selected.shape[0] == ids.shape[1] + NEW - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_cuda_timing_never_changes_outputs(name):
+    model = _cuda_model(name)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    results = []
+    settings = [dict(max_in_flight=1), dict(max_in_flight=2), dict(max_in_flight=4),
+                dict(max_in_flight=2, copy_delay_ms=2.0)]
+    for setting in settings:
+        with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]),
+                            offload=psr_hf.OffloadConfig(device="cuda", **setting)):
+            results.append(_run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True)))
+    for setting, result in zip(settings[1:], results[1:]):
+        torch.testing.assert_close(result[0], results[0][0], rtol=0, atol=0, msg=str(setting))
+        torch.testing.assert_close(result[1], results[0][1], rtol=0, atol=0, msg=str(setting))
+        np.testing.assert_array_equal(result[2][0].selected, results[0][2][0].selected, err_msg=str(setting))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_cuda_ms_per_token(offloaded, capsys):
+    model = _cuda_model("olmoe", torch.bfloat16)
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    tokens = list(range(3, 3 + 32))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=offload):
+        times = {}
+        for graphs in (False, True):
+            decoder = GraphDecoder(model, MAX_LEN, graphs=graphs)
+            decoder.prefill([1, 2])
+            decoder.time_steps(tokens[:4])  # warm
+            decoder.reset()
+            decoder.prefill([1])
+            times[graphs] = decoder.time_steps(tokens)
+        eager = Decoder(model, MAX_LEN)
+        eager.prefill([1])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for t in tokens:
+            eager.step(t)
+        torch.cuda.synchronize()
+        times["Decoder"] = (time.perf_counter() - t0) * 1e3 / len(tokens)
+    with capsys.disabled():
+        print(f"\nGraphDecoder ms/token ({'offloaded' if offloaded else 'resident'}, tiny olmoe bf16): "
+              f"graphs {times[True]:.3f}, eager bodies {times[False]:.3f}, Decoder {times['Decoder']:.3f}")
