@@ -188,26 +188,33 @@ class Decoder:
         (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
         fed back, nor is the last token). ``eos_token_id``: default the model's generation config's.
         ``return_logits``: also the ``[n, V]`` float32 logits of every new token."""
-        ids = _token_list(input_ids)
-        if eos_token_id is None:
-            config = getattr(self.model, "generation_config", None)
-            eos_token_id = getattr(config, "eos_token_id", None)
-        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
-                                                   else {int(t) for t in eos_token_id})
-        new: list[int] = []
-        scores: list[torch.Tensor] = []
-        if max_new_tokens > 0:
-            logits = self.prefill(ids)
-            while True:
-                if return_logits:
-                    scores.append(logits[0].float().cpu().clone())
-                token = int(torch.argmax(logits[0]))
-                new.append(token)
-                if token in stop or len(new) == max_new_tokens:
-                    break
-                logits = self.step(token)
-        sequence = torch.tensor([ids + new], dtype=torch.int64)
-        if return_logits:
-            V = self.layers.buffers.logits.shape[-1]
-            return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
-        return sequence
+        return greedy(self, input_ids, max_new_tokens, eos_token_id, return_logits)
+
+
+@torch.no_grad()
+def greedy(decoder: Any, input_ids: Any, max_new_tokens: int, eos_token_id: Any = None,
+           return_logits: bool = False) -> Any:
+    """:meth:`Decoder.generate_greedy` for any decoder with ``prefill``, ``step``, ``model`` and ``layers``."""
+    ids = _token_list(input_ids)
+    if eos_token_id is None:
+        config = getattr(decoder.model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
+                                               else {int(t) for t in eos_token_id})
+    new: list[int] = []
+    scores: list[torch.Tensor] = []
+    if max_new_tokens > 0:
+        logits = decoder.prefill(ids)
+        while True:
+            if return_logits:
+                scores.append(logits[0].float().cpu().clone())
+            token = int(torch.argmax(logits[0]))
+            new.append(token)
+            if token in stop or len(new) == max_new_tokens:
+                break
+            logits = decoder.step(token)
+    sequence = torch.tensor([ids + new], dtype=torch.int64)
+    if return_logits:
+        V = decoder.layers.buffers.logits.shape[-1]
+        return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
+    return sequence

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import _token_list
+from .decoder import _token_list, greedy
 from .layers import DecodeLayers, build_layers
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace
 
@@ -341,29 +341,7 @@ class GraphDecoder:
     def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
                         return_logits: bool = False) -> Any:
         """Greedy decoding of a new sequence, exactly as :meth:`Decoder.generate_greedy`."""
-        ids = _token_list(input_ids)
-        if eos_token_id is None:
-            config = getattr(self.model, "generation_config", None)
-            eos_token_id = getattr(config, "eos_token_id", None)
-        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
-                                                   else {int(t) for t in eos_token_id})
-        new: list[int] = []
-        scores: list[torch.Tensor] = []
-        if max_new_tokens > 0:
-            logits = self.prefill(ids)
-            while True:
-                if return_logits:
-                    scores.append(logits[0].float().cpu().clone())
-                token = int(torch.argmax(logits[0]))
-                new.append(token)
-                if token in stop or len(new) == max_new_tokens:
-                    break
-                logits = self.step(token)
-        sequence = torch.tensor([ids + new], dtype=torch.int64)
-        if return_logits:
-            V = self.layers.buffers.logits.shape[-1]
-            return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
-        return sequence
+        return greedy(self, input_ids, max_new_tokens, eos_token_id, return_logits)
 
     # ------------------------------------------------------------------ measuring
     @torch.no_grad()
