@@ -1,6 +1,7 @@
 """The engine room: the fast batch-1 decoder of ARCHITECTURE.md (rank 4), built from a loaded transformers model
-whose weights it uses in place. Its pieces are here and tested on the CPU; the CUDA-graph replay
-(:mod:`psr_hf.engine.graphs`) is written but has not run on a GPU yet, and ``generate()`` does not use it yet.
+whose weights it uses in place. Its pieces are here and tested on the CPU; ``compile(model)``
+makes a patched model's batch-1 ``generate()`` run it (:mod:`psr_hf.engine.generate`); the CUDA-graph replay
+(:mod:`psr_hf.engine.graphs`) is written but has not run on a GPU yet.
 
 A decode step is meant to be replayed as CUDA graphs, two per MoE layer: graph A (input norm, attention over a
 static KV cache, post-attention norm, this layer's router logits and the next layer's pre-gate from one matmul)
@@ -33,6 +34,9 @@ _LAZY = {
     "check_shapes": "psr_hf.engine.moe",
     "Decoder": "psr_hf.engine.decoder",
     "GraphDecoder": "psr_hf.engine.graphs",
+    "compile": "psr_hf.engine.generate",
+    "uncompile": "psr_hf.engine.generate",
+    "compiled": "psr_hf.engine.generate",
 }
 
 __all__ = list(_LAZY)

@@ -1,0 +1,346 @@
+"""``model.generate()`` through the engine: :func:`compile` / :func:`uncompile`.
+
+:func:`compile` wraps the forward of a model patched by :func:`psr_hf.patch` (an instance attribute over the
+controller's own forward wrapper). ``generate()`` is unchanged: its logits processors, sampling, stopping criteria
+and outputs are its own; only the calls of the forward it makes are served by the engine's batch-1 decoder
+(:class:`~psr_hf.engine.decoder.Decoder`, or :class:`~psr_hf.engine.graphs.GraphDecoder` replayed as CUDA graphs).
+
+How the wrapper decides, per call:
+
+* **prefill** (served): one row of ``input_ids`` (no ``inputs_embeds``), no cache or an empty transformers cache,
+  the attention mask (if any) all ones, ``position_ids`` (if any) ``0..S-1``, only the last position's logits
+  asked for (``logits_to_keep=1``, as ``generate()`` asks, or ``S == 1``), no attentions, hidden states, router
+  logits or labels, ``S <= max_len``. The prompt runs through ``decoder.prefill`` (a new sequence) and the call
+  returns a ``CausalLMOutputWithPast`` with the ``[1, 1, V]`` logits and an :class:`EngineCache`: a
+  ``DynamicCache`` that holds no tensors and reports the engine's sequence length;
+* **continuation** (served): a call that carries the current :class:`EngineCache`, whose ``k >= 1`` tokens
+  continue the engine's sequence (positions, cache positions and mask length consistent), only the last logits
+  asked for and the sequence staying within ``max_len``: ``decoder.step`` per token;
+* **everything else** goes to the model's own (patched) forward, the reason logged once per reason (INFO on the
+  ``psr_hf.engine.generate`` logger): several rows (batch > 1, beam search), padding, more logits than the
+  last position's (assisted decoding's verification), outputs the engine does not compute, a longer sequence than
+  ``max_len``, a cache the engine did not make. A call that carries the engine's cache but cannot be served
+  (assisted decoding, ``max_len`` reached) **re-synchronises**: the model's own forward runs the engine's whole
+  sequence plus the new tokens from an empty cache, and returns the logits of the new positions with a real
+  transformers cache, from which ``generate()`` continues on the HF path. A stale :class:`EngineCache` (from an
+  earlier sequence) raises ``RuntimeError``.
+
+:func:`psr_hf.unpatch` removes the wrapper with the rest of the patch (it restores the forward the model had
+before :func:`psr_hf.patch`); :func:`uncompile` afterwards only forgets the engine. Calling :func:`uncompile`
+first is the clean order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from psr_hf.hf.controller import _ATTR as _PATCH_ATTR
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_psr_hf_engine"  # the model's instance attribute holding its _Compiled while compiled
+DEFAULT_MAX_LEN = 4096
+# arguments the engine understands; any other one with a value other than None / False is a reason to fall back
+_KNOWN = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
+          "logits_to_keep", "return_dict"}
+
+
+def _output_class() -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast
+
+
+def _cache_field() -> str:
+    """The cache's name in the forward's arguments and outputs: ``cache`` (recent transformers) or
+    ``past_key_values``."""
+    fields = {f.name for f in dataclasses.fields(_output_class())}
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def _engine_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class EngineCache(DynamicCache):
+        """The cache ``generate()`` carries between the engine's calls: no tensors (the KV cache is the engine's
+        static one); ``get_seq_length()`` is the engine's sequence length. Stale once the engine starts another
+        sequence."""
+
+        def __init__(self, owner: "_Compiled"):
+            super().__init__()
+            self._psr_owner = owner
+            self._psr_length = 0
+            self._psr_stale = False
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return self._psr_length
+
+    return EngineCache
+
+
+_CACHE_CLASS: type | None = None
+
+
+def EngineCache(owner: "_Compiled") -> Any:  # noqa: N802 (a class built lazily: transformers loads on first use)
+    global _CACHE_CLASS
+    if _CACHE_CLASS is None:
+        _CACHE_CLASS = _engine_cache_class()
+    return _CACHE_CLASS(owner)
+
+
+class _Compiled:
+    """The state of a compiled model: its decoder, the wrapper, the engine's current sequence."""
+
+    def __init__(self, model: torch.nn.Module, decoder: Any, max_len: int):
+        self.model = model
+        self.decoder = decoder
+        self.max_len = max_len
+        self.controller = getattr(model, _PATCH_ATTR)
+        self.had_forward = "forward" in vars(model)
+        self.previous_forward = vars(model).get("forward")
+        self.original = model.forward  # the controller's wrapper (bound callable)
+        self.cache: Any = None  # the EngineCache of the sequence the engine holds
+        self.tokens: list[int] = []  # that sequence's tokens
+        self.logged: set[str] = set()
+        self.served = 0  # forward calls served by the engine (for tests and benchmarks)
+        self.fallbacks = 0
+        self.wrapper = self._make_wrapper()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _log(self, reason: str) -> None:
+        self.fallbacks += 1
+        if reason not in self.logged:
+            self.logged.add(reason)
+            logger.info("psr_hf.engine: this forward runs on the HF path: %s (logged once)", reason)
+
+    def _drop_sequence(self) -> None:
+        if self.cache is not None:
+            self.cache._psr_stale = True
+        self.cache = None
+        self.tokens = []
+
+    # ------------------------------------------------------------------ the wrapper
+    def _make_wrapper(self) -> Any:
+        original = self.original
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.forward(args, kwargs)
+
+        return forward
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        if getattr(self.model, _PATCH_ATTR, None) is not self.controller:
+            raise RuntimeError("psr_hf.engine: the model was unpatched (or patched again) while compiled; call "
+                               "psr_hf.engine.uncompile(model) before psr_hf.unpatch(model)")
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                return self._fallback("positional arguments", args, kwargs)
+            kwargs = dict(kwargs, input_ids=args[0])
+            args = ()
+        name = "cache" if "cache" in kwargs else ("past_key_values" if "past_key_values" in kwargs else None)
+        cache = kwargs.get(name) if name else None
+        ours = _CACHE_CLASS is not None and isinstance(cache, _CACHE_CLASS)
+        if ours and (cache._psr_owner is not self or cache._psr_stale or cache is not self.cache):
+            raise RuntimeError("psr_hf.engine: this cache belongs to a sequence the engine no longer holds (a later "
+                               "generate() or forward started another one); start again from the prompt")
+        ids = kwargs.get("input_ids")
+        if ids is not None and (ids.ndim != 2 or ids.shape[0] != 1):
+            reason = "several rows (batch > 1, beam search)" if ids.ndim == 2 else "input_ids not 2D"
+        elif cache is not None and not ours and not self._empty(cache):
+            reason = "the call continues a transformers cache the engine did not make"
+        else:
+            reason = self._refuse(kwargs)
+        if reason is None and ids is not None and ids.ndim == 2 and ids.shape[0] == 1:
+            S = int(ids.shape[1])
+            reason = self._refuse_positions(kwargs, 0 if not ours else len(self.tokens), S)
+            if reason is None and ours:
+                if len(self.tokens) + S > self.max_len:
+                    reason = f"the sequence would exceed the engine's max_len={self.max_len}"
+                else:
+                    return self._serve(kwargs, ids, name, continuation=True)
+            elif reason is None:
+                if S > self.max_len:
+                    reason = f"the prompt is longer than the engine's max_len={self.max_len}"
+                elif S == 0:
+                    reason = "no input tokens"
+                else:
+                    return self._serve(kwargs, ids, name, continuation=False)
+        if ours and reason is not None and reason.startswith(("position_ids", "cache_position", "the attention mask's")):
+            # the positions do not continue the engine's sequence: e.g. a cache returned by one generate() passed to
+            # another, which replays the sequence from the start; re-synchronising would count it twice
+            raise RuntimeError(f"psr_hf.engine: {reason}; the cache a compiled generate() returns cannot be passed to "
+                               "another generate() or forward: start again from the whole sequence without a cache")
+        if ours:
+            return self._resync(reason, kwargs, name)
+        return self._fallback(reason, args, kwargs)
+
+    @staticmethod
+    def _empty(cache: Any) -> bool:
+        try:
+            return int(cache.get_seq_length()) == 0
+        except Exception:
+            return False
+
+    def _refuse(self, kwargs: dict) -> str | None:
+        """Why the call's arguments cannot be served whatever its shape (None: they can)."""
+        if kwargs.get("input_ids") is None:
+            return "inputs_embeds instead of input_ids"
+        for key, value in kwargs.items():
+            if key in _KNOWN or value is None or value is False:
+                continue
+            return f"argument {key!r}"
+        if kwargs.get("use_cache") is False:
+            return "use_cache=False"
+        config = self.model.config
+        if getattr(config, "output_attentions", False) or getattr(config, "output_hidden_states", False):
+            return "the config asks for attentions or hidden states"
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return "a non-tensor attention mask"
+        if mask is not None and (mask.ndim != 2 or not bool((mask != 0).all())):
+            return "an attention mask with padding (or not 2D)"
+        return None
+
+    def _refuse_positions(self, kwargs: dict, start: int, S: int) -> str | None:
+        """The positions of the call's ``S`` tokens must be ``start .. start + S - 1``; one logits row asked for."""
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor):
+            return "logits_to_keep as a tensor"
+        if not (keep == 1 or S == 1):
+            return "logits of more positions than the last one"
+        expected = torch.arange(start, start + S)
+        for key in ("position_ids", "cache_position"):
+            value = kwargs.get(key)
+            if value is not None and not torch.equal(value.detach().reshape(-1).cpu().long(), expected):
+                return f"{key} do not continue the engine's sequence"
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.shape[-1] != start + S:
+            return "the attention mask's length is not the engine's sequence length"
+        return None
+
+    # ------------------------------------------------------------------ serving
+    @torch.no_grad()
+    def _serve(self, kwargs: dict, ids: torch.Tensor, name: str | None, continuation: bool) -> Any:
+        tokens = [int(t) for t in ids[0].tolist()]
+        if continuation:
+            logits = None
+            for token in tokens:
+                logits = self.decoder.step(token)
+            self.tokens.extend(tokens)
+        else:
+            self._drop_sequence()
+            self.tokens = list(tokens)  # before the steps: an error below drops the sequence cleanly
+            try:
+                logits = self.decoder.prefill(tokens)
+            except BaseException:
+                self._drop_sequence()
+                raise
+            self.cache = EngineCache(self)
+        self.cache._psr_length = len(self.tokens)
+        self.served += 1
+        field = _cache_field()
+        out = _output_class()(logits=logits.detach().clone().reshape(1, 1, -1), **{field: self.cache})
+        if kwargs.get("return_dict") is False:
+            return out.to_tuple()
+        return out
+
+    def _fallback(self, reason: str, args: tuple, kwargs: dict) -> Any:
+        self._log(reason)
+        self._drop_sequence()  # the HF path runs through the controller: the engine's sequence is over
+        return self.original(*args, **kwargs)
+
+    def _resync(self, reason: str, kwargs: dict, name: str) -> Any:
+        """The call carries the engine's cache but cannot be served: the model's own forward runs the whole sequence
+        from an empty cache, returning the logits of the call's positions and a real cache."""
+        self._log(f"{reason} (re-synchronised on the HF path)")
+        ids = kwargs["input_ids"]
+        prefix = torch.tensor([self.tokens], dtype=ids.dtype, device=ids.device)
+        full = torch.cat([prefix, ids], dim=1)
+        S = int(ids.shape[1])
+        call = {k: v for k, v in kwargs.items() if k not in ("position_ids", "cache_position", name)}
+        call["input_ids"] = full
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor):
+            raise RuntimeError("psr_hf.engine: cannot re-synchronise a call with logits_to_keep as a tensor")
+        if "logits_to_keep" in kwargs or keep == 0:
+            call["logits_to_keep"] = S if keep == 0 else min(int(keep), S)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.shape[-1] != full.shape[1]:
+            call.pop("attention_mask")
+        call["use_cache"] = True
+        self._drop_sequence()
+        return self.original(**call)
+
+
+# ---------------------------------------------------------------------------------------------- public API
+def compile(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool | None = None,
+            **decoder_kwargs: Any) -> torch.nn.Module:  # noqa: A001 (the name of the API)
+    """Serve ``model.generate()`` at batch 1 by the engine; returns the same model.
+
+    ``model`` must be patched by :func:`psr_hf.patch` (resident or offloaded). ``max_len``: the engine's static KV
+    cache (positions per sequence), default the config's ``max_position_embeddings`` capped at 4096; a generate()
+    that goes past it continues on the HF path. ``graphs``: replay CUDA graphs (default: on CUDA; eager on the
+    CPU). Further keyword arguments go to the decoder (``backend``, ``absorb_mla``). Undo with :func:`uncompile`.
+    """
+    if getattr(model, _PATCH_ATTR, None) is None:
+        raise ValueError("psr_hf.engine.compile needs a model patched by psr_hf.patch(model, config) first")
+    if compiled(model) is not None:
+        raise ValueError("this model is already compiled; psr_hf.engine.uncompile(model) first")
+    uncompile(model)  # the state left by a compile whose wrapper psr_hf.unpatch removed
+    if max_len is None:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_len = min(int(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_LEN), DEFAULT_MAX_LEN)
+    device = next(model.parameters()).device
+    if graphs is None:
+        graphs = device.type == "cuda"
+    if graphs:
+        from .graphs import GraphDecoder
+
+        decoder = GraphDecoder(model, int(max_len), graphs=True, **decoder_kwargs)
+    else:
+        from .decoder import Decoder
+
+        decoder = Decoder(model, int(max_len), **decoder_kwargs)
+    _engine_cache_class_ready()
+    state = _Compiled(model, decoder, int(max_len))
+    object.__setattr__(model, "forward", state.wrapper)
+    object.__setattr__(model, _ATTR, state)
+    logger.info("psr_hf.engine: %s compiled (max_len %d, %s)", type(model).__name__, max_len,
+                "CUDA graphs" if graphs else "eager")
+    return model
+
+
+def _engine_cache_class_ready() -> None:
+    global _CACHE_CLASS
+    if _CACHE_CLASS is None:
+        _CACHE_CLASS = _engine_cache_class()
+
+
+def uncompile(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`compile`: the model's forward is the one it had before (the patched one), the engine's buffers are
+    released. Idempotent; also after :func:`psr_hf.unpatch` (which already removed the wrapper)."""
+    state = vars(model).get(_ATTR)
+    if state is None:
+        return model
+    if vars(model).get("forward") is state.wrapper:
+        if state.had_forward:
+            object.__setattr__(model, "forward", state.previous_forward)
+        else:
+            object.__delattr__(model, "forward")
+    state._drop_sequence()
+    object.__delattr__(model, _ATTR)
+    return model
+
+
+def compiled(model: torch.nn.Module) -> Any:
+    """The compile state of ``model`` (``decoder``, ``served``, ``fallbacks``, ``max_len``), or None."""
+    state = vars(model).get(_ATTR)
+    if state is not None and vars(model).get("forward") is not state.wrapper:
+        return None  # unpatched meanwhile: the wrapper is gone
+    return state

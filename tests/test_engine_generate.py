@@ -1,0 +1,197 @@
+"""psr_hf.engine.compile: model.generate() served by the engine's batch-1 decoder (CPU, float32, eager).
+
+After compile, generate() must give what the patched HF path gives: the same greedy and sampled tokens (same
+logits -> same argmax / same multinomial draws under one seed), scores within 1e-4, the same routing selections
+and statistics, eos stopping; batch 2 and beam search fall back to the HF path (logged once per reason), a
+sequence past max_len re-synchronises on the HF path; uncompile (and unpatch) restore the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf import RoutingConfig, engine
+from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
+from psr_hf.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW = 12
+TEXT = "The engine decodes one token at a time, and every step"
+PSR = dict(policy="psr", lam=0.2, budget=1, residency=0.5)
+EXACT = dict(policy="exact", residency=0.5)
+LOGGER = "psr_hf.engine.generate"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model, tokenizer, calibration = load_shipped(OLMOE_ROUTING_NAME)
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    return model, tokenizer, calibration, ids
+
+
+@contextlib.contextmanager
+def _patched(model, policy, calibration=None, compile=True, **kwargs):
+    with psr_hf.patched(model, RoutingConfig(**policy), calibration=calibration):
+        if compile:
+            engine.compile(model, **kwargs)
+        try:
+            yield psr_hf.controller(model)
+        finally:
+            engine.uncompile(model)
+
+
+def _generate(model, ids, seed=None, **kwargs):
+    """generate() from a fresh routing state: (output, recordings, stats)."""
+    ctl = psr_hf.controller(model)
+    ctl.reset()
+    ctl.reset_stats()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad(), ctl.record() as recorder:
+        out = model.generate(ids, **kwargs)
+    return out, recorder.recordings, ctl.stats()
+
+
+def _both(model, ids, policy, calibration=None, seed=None, compile_kwargs=None, **kwargs):
+    """The same generate() uncompiled and compiled, in the same patch: (hf, engine, compile state)."""
+    with _patched(model, policy, calibration, **(compile_kwargs or {})):
+        state = engine.compiled(model)
+        engine.uncompile(model)
+        hf = _generate(model, ids, seed, **kwargs)
+        engine.compile(model, **(compile_kwargs or {}))
+        state = engine.compiled(model)
+        ours = _generate(model, ids, seed, **kwargs)
+    return hf, ours, state
+
+
+def _same_routing(a, b) -> None:
+    (ra,), (rb,) = a[1], b[1]
+    np.testing.assert_array_equal(ra.tokens, rb.tokens)
+    np.testing.assert_array_equal(ra.selected, rb.selected)
+    sa, sb = a[2], b[2]
+    for name in ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token"):
+        assert sa.total[name] == sb.total[name], name
+    np.testing.assert_allclose(sa.total["displaced_mass"], sb.total["displaced_mass"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("policy", [PSR, EXACT], ids=["psr", "exact"])
+def test_greedy_equals_the_hf_path_with_the_same_routing(shipped, policy):
+    model, _, calibration, ids = shipped
+    hf, ours, state = _both(model, ids, policy, calibration, max_new_tokens=NEW, do_sample=False)
+    assert ours[0].shape[1] == ids.shape[1] + NEW
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == NEW and state.fallbacks == 0  # the prompt, then every decode step but the last
+    _same_routing(hf, ours)
+    if policy is PSR:
+        assert ours[2].total["replaced_per_token"] > 0
+
+
+def test_sampling_with_one_seed_draws_the_same_tokens(shipped):
+    model, _, calibration, ids = shipped
+    hf, ours, state = _both(model, ids, PSR, calibration, seed=1234, max_new_tokens=NEW, do_sample=True, top_k=20)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == NEW
+
+
+def test_scores_and_eos(shipped):
+    model, _, calibration, ids = shipped
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    hf, ours, _ = _both(model, ids, PSR, calibration, **kwargs)
+    torch.testing.assert_close(ours[0].sequences, hf[0].sequences, rtol=0, atol=0)
+    assert len(ours[0].scores) == len(hf[0].scores) == NEW
+    for a, b in zip(ours[0].scores, hf[0].scores):
+        finite = torch.isfinite(b)
+        assert torch.equal(finite, torch.isfinite(a))
+        assert float((a[finite] - b[finite]).abs().max()) < 1e-4
+    # stop at the 4th new token, as eos
+    eos = int(hf[0].sequences[0, ids.shape[1] + 3])
+    first = int((hf[0].sequences[0, ids.shape[1]:] == eos).nonzero()[0])
+    hf, ours, _ = _both(model, ids, PSR, calibration, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                        pad_token_id=0)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert ours[0].shape[1] == ids.shape[1] + first + 1 and int(ours[0][0, -1]) == eos
+
+
+def test_batch_two_and_beams_fall_back_logging_once(shipped, caplog):
+    model, tokenizer, calibration, ids = shipped
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch = torch.cat([ids, torch.cat([torch.full((1, 3), pad), ids[:, :-3]], dim=1)])
+    mask = torch.cat([torch.ones_like(ids), torch.cat([torch.zeros(1, 3), torch.ones(1, ids.shape[1] - 3)], 1)
+                      ]).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad)
+    hf, ours, state = _both(model, batch, EXACT, calibration, **kwargs)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == 0 and state.fallbacks == 6
+    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER and "HF path" in r.getMessage()]
+    assert len(messages) == 1 and "several rows" in messages[0]
+    hf, ours, state = _both(model, ids, EXACT, calibration, max_new_tokens=4, do_sample=False, num_beams=2)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == 0 and state.fallbacks > 0
+
+
+def test_past_max_len_continues_on_the_hf_path(shipped):
+    model, _, calibration, ids = shipped
+    limit = ids.shape[1] + 5
+    hf, ours, state = _both(model, ids, EXACT, calibration, compile_kwargs=dict(max_len=limit),
+                            max_new_tokens=NEW, do_sample=False)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == 1 + 5 and state.fallbacks == NEW - 6  # the prompt and 5 steps fill max_len
+
+
+def test_uncompile_and_unpatch_restore_the_forward(shipped):
+    model, _, calibration, ids = shipped
+    before_patch = vars(model).get("forward")
+    with psr_hf.patched(model, RoutingConfig(**EXACT), calibration=calibration):
+        patched_forward = vars(model)["forward"]
+        engine.compile(model)
+        assert model.forward is not patched_forward and engine.compiled(model).max_len == min(model.config.max_position_embeddings, 4096)
+        with pytest.raises(ValueError, match="already compiled"):
+            engine.compile(model)
+        engine.uncompile(model)
+        assert vars(model)["forward"] is patched_forward and engine.compiled(model) is None
+        engine.uncompile(model)  # idempotent
+        engine.compile(model, max_len=64)
+    # unpatch before uncompile: the patch's removal restores the model's own forward, the engine is gone
+    assert vars(model).get("forward") is before_patch and engine.compiled(model) is None
+    engine.uncompile(model)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="patched"):
+        engine.compile(model)
+
+
+def test_tiny_deepseek_v3_greedy():
+    model = tiny_model("deepseek_v3")
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    hf, ours, state = _both(model, ids, EXACT, None, compile_kwargs=dict(max_len=64), max_new_tokens=8,
+                            do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert state.served == 8
+    _same_routing(hf, ours)
+
+
+def test_a_returned_cache_passed_to_another_generate_is_refused():
+    """A compiled generate() returns a cache without tensors; handing it to a second generate() (which replays the
+    sequence from position 0) must fail clearly instead of counting the sequence twice."""
+    import psr_hf.engine as engine
+    from psr_hf.assets import load_shipped
+
+    model, tokenizer, calibration = load_shipped("olmoe-routing")
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy="exact", residency=0.5), calibration=calibration)
+    try:
+        engine.compile(model)
+        ids = tokenizer("It was a truth", return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        with pytest.raises(RuntimeError, match="cannot be passed to another generate"):
+            model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=3, do_sample=False)
+    finally:
+        engine.uncompile(model)
+        psr_hf.unpatch(model)
