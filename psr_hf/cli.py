@@ -292,7 +292,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
-        progress=lambda msg: _err("  " + msg),
+        engine=args.engine, progress=lambda msg: _err("  " + msg),
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))
@@ -531,6 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerate-tokens", type=int, default=8,
                    help="timed positions of the accelerate row per round (default 8)")
     p.add_argument("--no-accelerate", action="store_true", help="skip the accelerate dispatch_model row")
+    p.add_argument("--engine", action="store_true",
+                   help="also time psr_hf's batch-1 decoder (GraphDecoder: CUDA graphs on CUDA, eager on the CPU) "
+                        "on the same windows: engine_resident (every expert cached, not offloaded) and "
+                        "engine_<row> for every routed row (same routing, offloaded); engine goals need a GPU")
     p.add_argument("--calibration", help="a saved calibration (.safetensors); default: calibrate on stdlib sources")
     p.add_argument("--calibration-tokens", type=int, default=8192,
                    help="tokens of the default calibration (default 8192)")

@@ -266,3 +266,64 @@ def test_a_goal_is_met_only_when_its_whole_interval_is_on_its_side(ratios, statu
                 and g["denominator"] == offload.RESIDENT)
     assert goal["status"] == status, goal
     assert goal["point"] == ("met" if goal["ratio"] <= 1.15 else "not met")
+
+
+# ---------------------------------------------------------------------------------------------------- engine rows
+def test_default_configs_engine_rows_mirror_the_routed_rows():
+    rows = default_configs((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)
+    assert [row.name for row in rows] == ["resident", "exact_lru_res50", "psr_lam0.3_n1_res50", "engine_resident",
+                                          "engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50"]
+    by_name = {row.name: row for row in rows}
+    assert by_name["engine_psr_lam0.3_n1_res50"].routing == by_name["psr_lam0.3_n1_res50"].routing
+    assert by_name["engine_resident"].kind == "engine_resident" and by_name["engine_exact_lru_res50"].kind == "engine"
+    assert "engine_resident" not in [row.name for row in default_configs((0.5,), accelerate=False)]
+
+
+def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quiet_psr_hf):
+    from psr_hf.cli import main
+
+    record_path = tmp_path / "bench.json"
+    tokens, rounds = 6, 3
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", str(rounds), "--windows", "1",
+                 "--tokens", str(tokens), "--calibration-tokens", "512", "--no-accelerate", "--engine",
+                 "--json", str(record_path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(record_path.read_text())
+    rows = {row["configuration"]: row for row in record["results"]}
+    assert list(rows) == [row.name for row in default_configs((0.5, 0.25), accelerate=False, engine=True)]
+    assert record["settings"]["engine"] is True and record["settings"]["engine_graphs"] is False
+    engine_rows = [name for name in rows if name.startswith("engine_")]
+    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS)
+    for name in engine_rows:
+        row = rows[name]
+        assert name in out
+        assert row["tokens_per_round"] == tokens and len(row["rounds"]) == rounds
+        assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in row["rounds"])
+        ratio = row["ratio_to_resident"]
+        assert math.isfinite(ratio["ratio"]) and ratio["ratio"] > 0
+        if name == "engine_resident":
+            assert row["reference"] == "resident" and row["capacity"] == TINY_SHAPE["num_experts"]
+            assert row["copies"]["copies_per_token"] == 0
+            continue
+        assert row["reference"] == "engine_resident"
+        hf = rows[name[len("engine_"):]]
+        assert row["routing"] == hf["routing"] and row["capacity"] == hf["capacity"]
+        c, h = row["copies"], hf["copies"]
+        assert c["source"] == h["source"] == "offload scheduler"
+        for r in row["rounds"]:
+            assert r["stats"]["tokens"] == tokens  # decode positions only: position 0 left out
+        # the same routing decisions on the same tokens: the same copies, demand and prefetch, round by round
+        for key in ("copies_per_token", "demand_per_token", "prefetch_per_token", "logical_copies_per_token",
+                    "bytes_per_token"):  # not warm_copies_per_window: the start copies depend on what the copy held
+            assert c[key] == pytest.approx(h[key]), (name, key)
+    assert rows["engine_exact_lru_res25"]["copies"]["demand_per_token"] > 0
+    goals = [g for g in record["goals"] if "engine" in g["goal"]]
+    assert len(goals) == 6 and all(g["status"] == "needs a GPU" for g in goals)
+    assert "goal engine_resident <= 2 ms/token: needs a GPU" in out
+    assert "goal engine_exact_lru_res50 >= 2x engine_psr_lam0.3_n1_res50: needs a GPU" in out
+    assert {g["status"] for g in record["goals"] if "engine" not in g["goal"]} <= {"met", "not met", "not shown", "not measured"}
+    names = {(c["numerator"], c["denominator"]) for c in record["comparisons"]}
+    assert ("engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50") in names
+    assert ("engine_cp_lam0.2_res25", "engine_psr_lam0.3_n1_res25") in names
+    assert ("engine_resident", "resident") in names
+    assert "engine_exact_lru_res50 / engine_psr_lam0.3_n1_res50" in out

@@ -17,6 +17,21 @@ Rows (configurations):
   ``psr_lam0.2_n1``, ``psr_lam0.3_n1`` and ``spec``. They share ONE offloaded copy of the model, patched with
   :class:`psr_hf.OffloadConfig` once and switched between configurations with ``Controller.reconfigure``.
 
+Engine rows (``engine=True``, ``psr-hf bench --engine``): the same decode positions through psr_hf's own batch-1
+decoder (:class:`psr_hf.engine.graphs.GraphDecoder`: CUDA graphs on CUDA, the same step eagerly on the CPU) instead
+of the transformers forward:
+
+- ``engine_resident``: a copy of the model patched with ``RoutingConfig(policy="exact", capacity=E)`` (every
+  expert cached) and not offloaded: the engine's floor, the reference of the other engine rows' ratios.
+- ``engine_<row>`` for every routed row above (same RoutingConfig, same capacity): one more offloaded copy of the
+  model per capacity shared by that capacity's engine rows (switched with ``Controller.reconfigure`` as the HF rows'
+  copy is, without a resize, so each decoder is built and captured once). Position 0 of every window starts the
+  sequence (the warm set), is not timed, and the statistics are reset after it, exactly as for the HF rows, so an
+  engine row and its HF row make the same routing decisions on the same tokens and copy the same experts.
+
+A "copies skipped" engine row (the paper's Table 9 idea: the selection without the physical copies) is not
+measured: the decoders have no such mode yet.
+
 Rounds: every round runs every configuration once over the same windows, the order rotated by one per round
 (interleaved, so drift in clocks and temperature falls on all rows alike); at least 3 rounds. Per row: mean
 ms/token per round, the mean over rounds, the 99th percentile over every timed token of every round, copies per
@@ -57,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 RESIDENT = "resident"
 ACCELERATE = "accelerate"
+ENGINE_PREFIX = "engine_"
+ENGINE_RESIDENT = "engine_resident"
 MIN_ROUNDS = 3
 # the default calibration: this many tokens of workloads.CALIBRATION_MODULES (never the windows' text)
 CALIBRATION_TOKENS = 8192
@@ -76,6 +93,13 @@ PSR_GOAL = "psr_lam0.3_n1"
 RESIDENT_GOALS = {0.5: 1.15, 0.25: 1.3}
 ACCELERATE_GOAL = 50.0
 
+# the engine's goals (GPU only): ms/token bounds and ratios within the engine rows
+ENGINE_RESIDENT_MS_GOAL = 2.0
+ENGINE_PSR_MS_GOALS = {0.5: 4.0, 0.25: 6.0}
+ENGINE_LRU_GOALS = {0.5: 2.0}  # engine exact_lru / engine psr_lam0.3_n1 >= this
+ENGINE_CP_GOAL = 1.25  # engine cp_lam0.2 / engine psr_lam0.3_n1 >= this, at every goal residency
+NEEDS_GPU = "needs a GPU"
+
 WARMUP_TOKENS = 16  # positions of the first window each warm-up round decodes per configuration
 
 # per-token keys of the copy statistics (the Controller's logical totals and the offload scheduler's physical ones)
@@ -89,8 +113,9 @@ OFFLOAD_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "p
 # ---------------------------------------------------------------------------------------------------- rows
 @dataclass(frozen=True)
 class BenchConfig:
-    """One row of the benchmark: ``kind`` is ``resident``, ``accelerate`` or ``offload`` (a routing config on the
-    shared offloaded copy); ``policy`` is the name without the capacity suffix."""
+    """One row of the benchmark: ``kind`` is ``resident``, ``accelerate``, ``offload`` (a routing config on the
+    shared offloaded copy), ``engine_resident`` or ``engine`` (the engine's decoder on an all-cached patched copy, or
+    on the engine's shared offloaded copy); ``policy`` is the name without the capacity suffix."""
 
     name: str
     kind: str
@@ -105,12 +130,14 @@ def capacity_suffix(residency: float) -> str:
 
 
 def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate: bool = True,
-                    only: Sequence[str] | None = None) -> list[BenchConfig]:
+                    only: Sequence[str] | None = None, engine: bool = False) -> list[BenchConfig]:
     """The benchmark's rows: ``resident`` (always: the reference of every ratio), ``accelerate`` (unless
     ``accelerate`` is False) and every :data:`POLICY_CONFIGS` entry at every residency in ``capacities``.
 
     ``only`` keeps the rows whose full name (``psr_lam0.3_n1_res50``) or policy name (``psr_lam0.3_n1``: every
-    capacity) is listed, plus ``resident``; an unknown name raises ``ValueError``."""
+    capacity) is listed, plus ``resident``; an unknown name raises ``ValueError``.
+
+    ``engine`` appends ``engine_resident`` and an ``engine_<name>`` row (kind ``engine``) for every routed row kept."""
     if not capacities:
         raise ValueError("capacities is empty; give at least one residency in (0, 1], e.g. 0.5")
     for residency in capacities:
@@ -134,6 +161,11 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
             raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
                              + ("" if accelerate else " (accelerate is off: --no-accelerate)"))
         rows = [row for row in rows if row.name == RESIDENT or row.name in wanted or row.policy in wanted]
+    if engine:
+        routed = [row for row in rows if row.kind == "offload"]
+        rows.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
+        rows.extend(BenchConfig(ENGINE_PREFIX + row.name, "engine", row.policy, row.routing, row.residency)
+                    for row in routed)
     return rows
 
 
@@ -221,6 +253,41 @@ def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.de
                            offload_stats["tokens"], T)
     return WindowRun(ms=ms, routing_stats=routing_stats, offload_stats=offload_stats, start_stats=start_stats,
                      logits=torch.stack(logits) if keep_logits else None)
+
+
+@torch.no_grad()
+def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.device | str) -> WindowRun:
+    """:func:`decode_window` through the engine: ``decoder`` (a :class:`~psr_hf.engine.graphs.GraphDecoder` or
+    :class:`~psr_hf.engine.decoder.Decoder` of a patched model) starts a new sequence and steps through ``ids``
+    ``[1, T + 1]`` teacher-forced, one token per step, the device synchronised after each; position 0 (the sequence
+    start, the warm set) is not timed and the controller's statistics are reset after it, as in
+    :func:`decode_window`."""
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be [1, T + 1] with T >= 1 decode positions, got shape {tuple(ids.shape)}")
+    sync = device_sync(torch.device(device))
+    tokens = [int(t) for t in ids[0].tolist()]  # host ints: no device read inside the timed steps
+    ctl = decoder.controller
+    ms: list[float] = []
+    start_stats = None
+    decoder.reset()
+    sync()
+    for i, token in enumerate(tokens):
+        begin = time.perf_counter()
+        decoder.step(token)
+        sync()
+        end = time.perf_counter()
+        if i == 0:
+            first = ctl.stats()
+            start_stats = dict(first.total)
+            start_offload = _offload_dict(first)
+            if start_offload is not None:
+                start_stats["offload"] = start_offload
+            ctl.reset_stats()  # from here on the totals count the decode positions only
+        else:
+            ms.append((end - begin) * 1e3)
+    stats = ctl.stats()
+    return WindowRun(ms=ms, routing_stats=dict(stats.total), offload_stats=_offload_dict(stats),
+                     start_stats=start_stats)
 
 
 # ---------------------------------------------------------------------------------------------------- model copies
@@ -331,6 +398,60 @@ class _SharedCopy:
                 torch.cuda.empty_cache()
 
 
+class _EngineRows:
+    """The engine rows' models and decoders: ``engine_resident`` on a copy patched with every expert cached (no
+    offload), the routed engine rows on one shared offloaded copy (:class:`_SharedCopy`), each decoded by a
+    :class:`~psr_hf.engine.graphs.GraphDecoder` (CUDA graphs on CUDA) built on first use and rebuilt when the
+    offload's slot buffers were reallocated (a capacity change)."""
+
+    def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any, max_len: int,
+                 graphs: bool, routed: bool):
+        self.source, self.device, self.calibration, self.max_len, self.graphs = source, device, calibration, max_len, graphs
+        self.offload, self.routed = offload, routed
+        # one offloaded copy per capacity: no resize, so each decoder is built (captured) once. (Rebuilding a
+        # decoder after a resize on one shared copy gave different routing on the CPU: not investigated further.)
+        self.shared: dict[float | None, _SharedCopy] = {}
+        self.resident: torch.nn.Module | None = None
+        self.decoders: dict[str, Any] = {}  # "resident" / "shared" -> decoder
+
+    def _decoder(self, key: str, model: torch.nn.Module) -> Any:
+        from ..engine.graphs import GraphDecoder
+
+        decoder = self.decoders.get(key)
+        if decoder is not None and decoder.offloaded and decoder._addresses() != decoder._slot_addresses:
+            decoder = None  # the slot buffers were reallocated (capacity change): its graphs point at the old ones
+        if decoder is None:
+            self.decoders.pop(key, None)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            decoder = GraphDecoder(model, self.max_len, graphs=self.graphs)
+            self.decoders[key] = decoder
+        return decoder
+
+    def activate(self, config: BenchConfig) -> Any:
+        if config.kind == "engine_resident":
+            if self.resident is None:
+                num_experts = describe_model(self.source)["num_experts"]
+                model = copy.deepcopy(self.source)
+                patch(model, RoutingConfig(policy="exact", capacity=num_experts), calibration=self.calibration)
+                self.resident = model
+            return self._decoder("resident", self.resident)
+        if config.residency not in self.shared:
+            self.shared[config.residency] = _SharedCopy(self.source, self.device, self.calibration, self.offload)
+        return self._decoder(f"shared{config.residency}", self.shared[config.residency].activate(config.routing))
+
+    def close(self) -> None:
+        self.decoders.clear()
+        for shared in self.shared.values():
+            shared.close()
+        self.shared.clear()
+        if self.resident is not None:
+            unpatch(self.resident)
+            self.resident = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------------- statistics
 def _matched_round_means(a: list[list[list[float]]], b: list[list[list[float]]]) -> tuple[list[float], list[float]]:
     """Per-round mean ms of two rows over the tokens both decoded (``[round][window][position]``)."""
@@ -371,7 +492,7 @@ def _round_stats(runs: list[WindowRun]) -> dict[str, Any] | None:
 def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[str, Any]) -> dict[str, Any]:
     """Copies per token of a row (means over rounds), in the table's categories; ``source`` says where they come
     from: the offload scheduler, the logical cache only, or the row's construction (resident, accelerate)."""
-    if kind == "resident":
+    if kind in ("resident", "engine_resident"):
         return {"source": "all experts resident: nothing is copied", "copies_per_token": 0.0,
                 "demand_per_token": 0.0, "prefetch_per_token": 0.0, "prefetch_in_time_per_token": 0.0,
                 "prefetch_late_per_token": 0.0, "prefetch_unused_per_token": 0.0, "bytes_per_token": 0.0,
@@ -406,7 +527,7 @@ def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[
 def bench_latency(
     model: torch.nn.Module, windows: Sequence[torch.Tensor], *, configs: Sequence[BenchConfig] | None = None,
     calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, accelerate_tokens: int = 8,
-    offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0,
+    offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0, graphs: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Time teacher-forced decoding of ``windows`` under each configuration, interleaved over ``rounds``.
@@ -423,7 +544,9 @@ def bench_latency(
         accelerate_tokens: decode positions of the first window that the ``accelerate`` row times per round.
         offload: an :class:`psr_hf.OffloadConfig` for the routed rows; True builds one for the model's device
             (``max_in_flight``, ``copy_delay_ms``); False runs them patched without offload (logical cache only: no
-            physical copies, the rows then measure the routing overhead alone).
+            physical copies, the rows then measure the routing overhead alone). The routed engine rows use the same.
+        graphs: whether the engine rows' :class:`~psr_hf.engine.graphs.GraphDecoder` replays CUDA graphs (default:
+            on CUDA; the CPU runs the same step eagerly).
 
     Returns one dict per row, in ``configs`` order (see :func:`run_bench` for the record around them).
     """
@@ -445,14 +568,21 @@ def bench_latency(
     device = next(model.parameters()).device
     model.eval()
     by_name = {c.name: c for c in configs}
-    routed = [c for c in configs if c.kind == "offload"]
+    routed = [c for c in configs if c.kind in ("offload", "engine")]
+    engine_rows = [c for c in configs if c.kind in ("engine", "engine_resident")]
+    if engine_rows and ENGINE_RESIDENT not in names:
+        raise ValueError(f"engine rows need the '{ENGINE_RESIDENT}' row: it is the reference of their ratios")
+    if graphs is None:
+        graphs = device.type == "cuda"
     if offload is True:
         offload = offload_config(device, max_in_flight=max_in_flight, copy_delay_ms=copy_delay_ms) if routed else None
     elif offload is False:
         offload = None
     if calibration is None and routed:
         logger.info("bench_latency: routed rows are uncalibrated (warm set = the first C experts, no token prior)")
-    shared = _SharedCopy(model, device, calibration, offload) if routed else None
+    shared = _SharedCopy(model, device, calibration, offload) if any(c.kind == "offload" for c in configs) else None
+    engine = (_EngineRows(model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs),
+                          any(c.kind == "engine" for c in configs)) if engine_rows else None)
     accelerated = None
     results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
     memory: dict[str, Any] = {}
@@ -469,6 +599,13 @@ def bench_latency(
                     target = model
                 elif config.kind == "accelerate":
                     target = accelerated
+                elif config.kind in ("engine", "engine_resident"):
+                    decoder = engine.activate(config)
+                    ctl = decoder.controller
+                    capacity.setdefault(config.name, int(ctl.capacity))
+                    if config.name not in memory:
+                        memory[config.name] = ctl.memory().to_dict() if ctl.offload is not None else None
+                    return [decode_engine_window(decoder, ids, device=device) for ids in row_windows]
                 else:
                     target = shared.activate(config.routing)
                     ctl = controller(target)
@@ -506,12 +643,16 @@ def bench_latency(
         finally:
             if shared is not None:
                 shared.close()
+            if engine is not None:
+                engine.close()
             accelerated = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     model_info = describe_model(model)
-    resident_ms = [[w.ms for w in run] for run in results[RESIDENT]]
+    reference_ms = {RESIDENT: [[w.ms for w in run] for run in results[RESIDENT]]}
+    if ENGINE_RESIDENT in results:
+        reference_ms[ENGINE_RESIDENT] = [[w.ms for w in run] for run in results[ENGINE_RESIDENT]]
     rows = []
     for config in configs:
         done = results[config.name]
@@ -520,8 +661,10 @@ def bench_latency(
         every = np.asarray([t for run in ms for window in run for t in window])
         round_stats = [_round_stats(run) for run in done]
         ratio = None
+        # engine rows: to engine_resident; engine_resident itself and the HF rows: to resident (transformers)
+        reference = ENGINE_RESIDENT if config.kind == "engine" else RESIDENT
         if config.name != RESIDENT:
-            mine, base = _matched_round_means(ms, resident_ms)
+            mine, base = _matched_round_means(ms, reference_ms[reference])
             ratio = paired_summary(mine, base)
         rows.append({
             "configuration": config.name,
@@ -535,6 +678,7 @@ def bench_latency(
             "p50_ms": float(np.percentile(every, 50)),
             "p99_ms": float(np.percentile(every, 99)),
             "ratio_to_resident": ratio,
+            "reference": None if config.name == RESIDENT else reference,
             "copies": _copies(config.kind, round_stats, model_info),
             "memory": memory.get(config.name),
             "rounds": [{"ms_per_token": mean, "ms": run, "stats": stats}
@@ -557,8 +701,13 @@ def compare_rows(rows: Sequence[Mapping[str, Any]], numerator: str, denominator:
 
 def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """exact_lru / psr (how much longer exact routing with LRU takes than each PSR row, at the same capacity) and
-    accelerate / psr_lam0.3_n1 per capacity: the paper's direction, > 1 means PSR is faster."""
+    accelerate / psr_lam0.3_n1 per capacity: the paper's direction, > 1 means PSR is faster. With engine rows also
+    engine_resident / resident, the same exact_lru / psr and cp_lam0.2 / psr_lam0.3_n1 within the engine rows, and
+    each HF routed psr_lam0.3_n1 row over its engine row (> 1: the engine is faster than the transformers forward)."""
     out = []
+    c = compare_rows(rows, ENGINE_RESIDENT, RESIDENT)
+    if c is not None:
+        out.append(c)
     residencies = sorted({row["residency"] for row in rows if row["residency"] is not None}, reverse=True)
     for residency in residencies:
         suffix = capacity_suffix(residency)
@@ -570,13 +719,29 @@ def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         c = compare_rows(rows, ACCELERATE, PSR_GOAL + suffix)
         if c is not None:
             out.append(c)
+        e = ENGINE_PREFIX
+        for policy in POLICY_CONFIGS:
+            if policy.startswith("psr"):
+                c = compare_rows(rows, e + "exact_lru" + suffix, e + policy + suffix)
+                if c is not None:
+                    out.append(c)
+        for numerator, denominator in ((e + "cp_lam0.2" + suffix, e + PSR_GOAL + suffix),
+                                       (PSR_GOAL + suffix, e + PSR_GOAL + suffix)):
+            c = compare_rows(rows, numerator, denominator)
+            if c is not None:
+                out.append(c)
     return out
 
 
-def evaluate_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = None) -> list[dict[str, Any]]:
     """The issue's goals, each ``met`` (the whole 95% interval of the paired ratio lies on the goal's side),
     ``not met`` (the whole interval lies on the other side), ``not shown`` (the interval crosses the bound, or there
-    is none: too few rounds) or ``not measured``; ``point`` says on which side the point estimate lies."""
+    is none: too few rounds) or ``not measured``; ``point`` says on which side the point estimate lies.
+
+    With engine rows (``engine_*``) also the engine's goals: ms/token bounds (the 95% t-interval of the per-round
+    means against the bound, the same met / not met / not shown rule; ``ms`` holds the mean) and ratios within the
+    engine rows. They are evaluated only when ``cuda`` is True (the device of the run); otherwise their status is
+    ``needs a GPU``."""
     goals = []
 
     def side(value: float, bound: float, op: str) -> bool:
@@ -611,6 +776,41 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         for policy in ("psr_lam0.2_n1", PSR_GOAL):
             goal(f"{policy}{suffix} faster than exact_lru{suffix} (exact_lru / psr > 1)", "exact_lru" + suffix,
                  policy + suffix, 1.0, ">")
+
+    if not any(str(row["configuration"]).startswith(ENGINE_PREFIX) for row in rows):
+        return goals
+    by_name = {row["configuration"]: row for row in rows}
+    first_engine = len(goals)
+
+    def ms_goal(name: str, bound: float) -> None:
+        entry: dict[str, Any] = {"goal": f"{name} <= {bound:g} ms/token", "row": name, "bound": bound, "op": "<=",
+                                 "status": "not measured", "ratio": None, "ms": None, "ci95": None, "p": None,
+                                 "significant": None, "point": None}
+        row = by_name.get(name)
+        if row is not None:
+            ms = row["ms_per_token"]
+            lo, hi = ms["ci95"]
+            defined = math.isfinite(lo) and math.isfinite(hi)
+            inside, outside = defined and hi <= bound, defined and lo > bound
+            entry.update(status="met" if inside else "not met" if outside else "not shown", ms=ms["mean"],
+                         ci95=[lo, hi], significant=bool(inside) if defined else None,
+                         point="met" if ms["mean"] <= bound else "not met")
+        goals.append(entry)
+
+    ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)
+    for residency, bound in ENGINE_PSR_MS_GOALS.items():
+        ms_goal(ENGINE_PREFIX + PSR_GOAL + capacity_suffix(residency), bound)
+    for residency, bound in ENGINE_LRU_GOALS.items():
+        suffix = capacity_suffix(residency)
+        goal(f"engine_exact_lru{suffix} >= {bound:g}x engine_{PSR_GOAL}{suffix}", ENGINE_PREFIX + "exact_lru" + suffix,
+             ENGINE_PREFIX + PSR_GOAL + suffix, bound, ">=")
+    for residency in RESIDENT_GOALS:
+        suffix = capacity_suffix(residency)
+        goal(f"engine_cp_lam0.2{suffix} >= {ENGINE_CP_GOAL:g}x engine_{PSR_GOAL}{suffix}",
+             ENGINE_PREFIX + "cp_lam0.2" + suffix, ENGINE_PREFIX + PSR_GOAL + suffix, ENGINE_CP_GOAL, ">=")
+    if not cuda:  # the engine's goals are about GPU latency: on the CPU they are not evaluated
+        for entry in goals[first_engine:]:
+            entry.update(status=NEEDS_GPU, ratio=None, ms=None, ci95=None, p=None, significant=None, point=None)
     return goals
 
 
@@ -642,7 +842,7 @@ def run_bench(
     tokens: int = 128, capacities: Sequence[float] = DEFAULT_CAPACITIES, configs: Sequence[str] | None = None,
     max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
-    calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True,
+    calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Load or build the model, cut the windows, calibrate, run :func:`bench_latency`; returns the JSON-ready
@@ -652,11 +852,12 @@ def run_bench(
     ``texts``: text files to cut the windows from (default: :data:`WINDOW_MODULES`' sources). ``calibration``: a
     saved :class:`psr_hf.Calibration`; otherwise :func:`psr_hf.calibrate` on ``calibration_tokens`` tokens of
     :data:`CALIBRATION_MODULES`' sources. ``offload`` False runs the routed rows without offload (logical cache
-    only)."""
+    only). ``engine`` adds the engine rows (:func:`default_configs`): psr_hf's batch-1 decoder, CUDA graphs on
+    CUDA."""
     if rounds < MIN_ROUNDS:  # before building anything
         raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
                          f"t-test on log latency over rounds (the round, not the token, is the unit)")
-    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs)
+    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine)
     if texts:
         sources = []
         for name in texts:
@@ -677,7 +878,7 @@ def run_bench(
         raise ValueError(f"token ids exceed the model's vocabulary ({vocab}): is the tokenizer the model's?")
     calib = None
     calibration_info: dict[str, Any]
-    if any(row.kind == "offload" for row in rows_wanted):
+    if any(row.kind in ("offload", "engine") for row in rows_wanted):
         from ..policy.calibration import Calibration
 
         if calibration is None and beside is not None:
@@ -709,7 +910,12 @@ def run_bench(
             "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
             "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
             "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
-            "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1,
+            "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
+            "engine_graphs": engine and device_used.type == "cuda",
+            "engine_decoding": "psr_hf.engine.graphs.GraphDecoder (CUDA graphs on CUDA, the same step eagerly "
+                               "elsewhere), a new sequence per window, one step per position, the device synchronised "
+                               "after each; position 0 starts the sequence and is not timed; no copies-skipped row "
+                               "(the decoders have no such mode)" if engine else None,
             "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "
                         "device synchronised after each; position 0 starts the sequence and is not timed",
             "order": "every configuration once per round over the same windows, order rotated by one per round",
@@ -725,7 +931,7 @@ def run_bench(
         "versions": versions(),
         "results": results,
         "comparisons": comparisons(results),
-        "goals": evaluate_goals(results),
+        "goals": evaluate_goals(results, cuda=device_used.type == "cuda"),
     }
 
 
@@ -736,7 +942,12 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+ROUTED_KINDS = ("offload", "engine")
+
+
 def _capacity_label(row: Mapping[str, Any]) -> str:
+    if row["kind"] == "engine_resident":
+        return "all (cached)"
     if row["kind"] == "resident":
         return "all"
     if row["kind"] == "accelerate":
@@ -766,9 +977,9 @@ def format_table(record: Mapping[str, Any]) -> str:
         lines.append([
             row["configuration"], _capacity_label(row), _fmt(row["ms_per_token"]["mean"]), _fmt(row["p99_ms"]),
             _ratio_text(row["ratio_to_resident"]), _fmt(c.get("copies_per_token")), _fmt(c.get("demand_per_token")),
-            _fmt(c.get("prefetch_late_per_token")) if physical or row["kind"] != "offload" else "?",
-            _fmt(c.get("prefetch_in_time_per_token")) if physical or row["kind"] != "offload" else "?",
-            _fmt(c.get("prefetch_unused_per_token")) if physical or row["kind"] != "offload" else "?",
+            _fmt(c.get("prefetch_late_per_token")) if physical or row["kind"] not in ROUTED_KINDS else "?",
+            _fmt(c.get("prefetch_in_time_per_token")) if physical or row["kind"] not in ROUTED_KINDS else "?",
+            _fmt(c.get("prefetch_unused_per_token")) if physical or row["kind"] not in ROUTED_KINDS else "?",
             _fmt(None if mb is None else mb / 1e6, 1), _fmt(c.get("wait_ms_per_token"), 3),
         ])
     header = ["config", "capacity", "ms/token", "p99", "ratio to resident [95% CI]", "copies/tok", "demand",
@@ -788,7 +999,13 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
              ("ratios: paired over rounds (geometric mean of per-round ratios, 95% t-interval on the logs); copies "
               "per decoded token over all MoE layers: demand (the layer waits for the whole copy), prefetch late "
               "(still in flight when the layer needed it), in time, unused (never executed)")]
-    if any(row["kind"] == "offload" and row["copies"]["source"] != "offload scheduler" for row in rows.values()):
+    if any(row["kind"] == "engine" for row in rows.values()):
+        how = "CUDA graphs" if s.get("engine_graphs") else "eager, no CUDA graphs"
+        lines.append(f"engine_* rows: psr_hf's batch-1 decoder ({how}) on the same windows and positions; their "
+                     "ratio column is to "
+                     f"{ENGINE_RESIDENT} (engine_resident's own: to resident); no copies-skipped row (the decoders "
+                     "have no such mode)")
+    if any(row["kind"] in ROUTED_KINDS and row["copies"]["source"] != "offload scheduler" for row in rows.values()):
         lines.append("? = not measured: routed rows ran without offload (logical cache only)")
     if s["copy_delay_ms"]:
         lines.append(f"copy delay: {s['copy_delay_ms']} ms added to every copy (emulated link)")
@@ -799,6 +1016,18 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
             lines.append(f"{c['numerator']} / {c['denominator']}: {_ratio_text(c)} (p {p})")
     lines.append("")
     for g in record["goals"]:
+        if g["status"] == NEEDS_GPU:
+            lines.append(f"goal {g['goal']}: {NEEDS_GPU} (this run: {machine['device']}; engine goals are evaluated "
+                         "on CUDA only)")
+            continue
+        if g.get("ms") is not None:
+            lo, hi = g["ci95"]
+            interval = f" [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) and math.isfinite(hi) else ""
+            lines.append(f"goal {g['goal']}: {g['status']} (mean {g['ms']:.2f} ms{interval}"
+                         + ("" if g["status"] != "not shown" else
+                            f", point estimate on the {'goal' if g['point'] == 'met' else 'other'} side, 95% "
+                            f"interval across the bound") + ")")
+            continue
         detail = "" if g["ratio"] is None else f" (ratio {_ratio_text(g)}" + (
             "" if g["status"] != "not shown" else f", point estimate on the {'goal' if g['point'] == 'met' else 'other'}"
                                                  f" side, 95% interval across the bound") + ")"
