@@ -408,8 +408,10 @@ class _EngineRows:
                  graphs: bool, routed: bool):
         self.source, self.device, self.calibration, self.max_len, self.graphs = source, device, calibration, max_len, graphs
         self.offload, self.routed = offload, routed
-        # one offloaded copy per capacity: no resize, so each decoder is built (captured) once. (Rebuilding a
-        # decoder after a resize on one shared copy gave different routing on the CPU: not investigated further.)
+        # one offloaded copy per capacity: no resize, so each decoder is built (captured) once. (A first version
+        # that rebuilt the decoder after each resize of one shared copy reported other copy counts than the HF
+        # rows; rebuilding a Decoder or GraphDecoder after reconfigure/resize was then checked to give identical
+        # logical and physical copies, so the cause lay in that version's bookkeeping, not in the decoders.)
         self.shared: dict[float | None, _SharedCopy] = {}
         self.resident: torch.nn.Module | None = None
         self.decoders: dict[str, Any] = {}  # "resident" / "shared" -> decoder
