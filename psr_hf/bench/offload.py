@@ -400,9 +400,10 @@ class _SharedCopy:
 
 class _EngineRows:
     """The engine rows' models and decoders: ``engine_resident`` on a copy patched with every expert cached (no
-    offload), the routed engine rows on one shared offloaded copy (:class:`_SharedCopy`), each decoded by a
-    :class:`~psr_hf.engine.graphs.GraphDecoder` (CUDA graphs on CUDA) built on first use and rebuilt when the
-    offload's slot buffers were reallocated (a capacity change)."""
+    offload), the routed engine rows on one offloaded copy per capacity (:class:`_SharedCopy`, switched between
+    that capacity's configurations with ``Controller.reconfigure``), each decoded by a
+    :class:`~psr_hf.engine.graphs.GraphDecoder` (CUDA graphs on CUDA) built on first use and rebuilt if the
+    offload's slot buffers were reallocated."""
 
     def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any, max_len: int,
                  graphs: bool, routed: bool):
