@@ -272,7 +272,9 @@ def test_a_goal_is_met_only_when_its_whole_interval_is_on_its_side(ratios, statu
 def test_default_configs_engine_rows_mirror_the_routed_rows():
     rows = default_configs((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)
     assert [row.name for row in rows] == ["resident", "exact_lru_res50", "psr_lam0.3_n1_res50", "engine_resident",
-                                          "engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50"]
+                                          "engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50",
+                                          "engine_psr_lam0.3_n1_res50_nocopy"]
+    assert [row.skip_copies for row in rows].count(True) == 1
     by_name = {row.name: row for row in rows}
     assert by_name["engine_psr_lam0.3_n1_res50"].routing == by_name["psr_lam0.3_n1_res50"].routing
     assert by_name["engine_resident"].kind == "engine_resident" and by_name["engine_exact_lru_res50"].kind == "engine"
@@ -293,7 +295,7 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
     assert list(rows) == [row.name for row in default_configs((0.5, 0.25), accelerate=False, engine=True)]
     assert record["settings"]["engine"] is True and record["settings"]["engine_graphs"] is False
     engine_rows = [name for name in rows if name.startswith("engine_")]
-    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS)
+    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS) + 2  # + psr_lam0.3_n1 with copies skipped, per capacity
     for name in engine_rows:
         row = rows[name]
         assert name in out
@@ -306,6 +308,13 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
             assert row["copies"]["copies_per_token"] == 0
             continue
         assert row["reference"] == "engine_resident"
+        if name.endswith("_nocopy"):  # the same routing without any copy: the offloaded engine row's logical copies
+            offloaded = rows[name[: -len("_nocopy")]]
+            assert row["routing"] == offloaded["routing"] and row["capacity"] == offloaded["capacity"]
+            assert row["copies"]["source"] == "logical cache only (no offload)"
+            assert row["copies"]["copies_per_token"] == pytest.approx(offloaded["copies"]["logical_copies_per_token"])
+            assert row["copies"]["copies_per_token"] > 0
+            continue
         hf = rows[name[len("engine_"):]]
         assert row["routing"] == hf["routing"] and row["capacity"] == hf["capacity"]
         c, h = row["copies"], hf["copies"]

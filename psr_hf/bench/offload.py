@@ -122,6 +122,10 @@ class BenchConfig:
     policy: str
     routing: RoutingConfig | None = None
     residency: float | None = None
+    skip_copies: bool = False  # an engine row on the all-resident copy: the same routing, no copy (compute only)
+
+
+NOCOPY_SUFFIX = "_nocopy"
 
 
 def capacity_suffix(residency: float) -> str:
@@ -166,6 +170,9 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
         rows.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
         rows.extend(BenchConfig(ENGINE_PREFIX + row.name, "engine", row.policy, row.routing, row.residency)
                     for row in routed)
+        # copies skipped (the paper's Table 9): the same routing decisions on the all-resident copy, no copy at all
+        rows.extend(BenchConfig(ENGINE_PREFIX + row.name + NOCOPY_SUFFIX, "engine", row.policy, row.routing,
+                                row.residency, skip_copies=True) for row in routed if row.policy == PSR_GOAL)
     return rows
 
 
@@ -432,12 +439,17 @@ class _EngineRows:
         return decoder
 
     def activate(self, config: BenchConfig) -> Any:
-        if config.kind == "engine_resident":
+        if config.kind == "engine_resident" or config.skip_copies:
+            num_experts = describe_model(self.source)["num_experts"]
+            routing = config.routing if config.skip_copies else RoutingConfig(policy="exact", capacity=num_experts)
             if self.resident is None:
-                num_experts = describe_model(self.source)["num_experts"]
                 model = copy.deepcopy(self.source)
-                patch(model, RoutingConfig(policy="exact", capacity=num_experts), calibration=self.calibration)
+                patch(model, routing, calibration=self.calibration)
                 self.resident = model
+            elif controller(self.resident).config != routing:
+                # copies skipped: the row's routing on the all-resident copy (nothing is offloaded, so the
+                # decoder's buffers stay valid); engine_resident: every expert cached again
+                controller(self.resident).reconfigure(routing, calibration=self.calibration)
             return self._decoder("resident", self.resident)
         if config.residency not in self.shared:
             self.shared[config.residency] = _SharedCopy(self.source, self.device, self.calibration, self.offload)
@@ -1006,8 +1018,9 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
         how = "CUDA graphs" if s.get("engine_graphs") else "eager, no CUDA graphs"
         lines.append(f"engine_* rows: psr_hf's batch-1 decoder ({how}) on the same windows and positions; their "
                      "ratio column is to "
-                     f"{ENGINE_RESIDENT} (engine_resident's own: to resident); no copies-skipped row (the decoders "
-                     "have no such mode)")
+                     f"{ENGINE_RESIDENT} (engine_resident's own: to resident); engine_*{NOCOPY_SUFFIX}: the same "
+                     "routing on the all-resident copy, no copy made (compute-only time, the paper's Table 9); its "
+                     "copy columns are the logical copies an offloaded run makes")
     if any(row["kind"] in ROUTED_KINDS and row["copies"]["source"] != "offload scheduler" for row in rows.values()):
         lines.append("? = not measured: routed rows ran without offload (logical cache only)")
     if s["copy_delay_ms"]:
