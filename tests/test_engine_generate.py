@@ -178,9 +178,10 @@ def test_tiny_deepseek_v3_greedy():
     _same_routing(hf, ours)
 
 
-def test_a_returned_cache_passed_to_another_generate_is_refused():
-    """A compiled generate() returns a cache without tensors; handing it to a second generate() (which replays the
-    sequence from position 0) must fail clearly instead of counting the sequence twice."""
+def test_a_returned_cache_passed_to_another_generate_is_refused_or_continued_exactly():
+    """A compiled generate() returns a cache without tensors. Handed to a second generate(), transformers 5.2x
+    replays the sequence from position 0 (which must fail clearly instead of counting the sequence twice), while
+    5.17 sends only the new tokens (which the engine continues: the tokens must equal the HF path's)."""
     import psr_hf.engine as engine
     from psr_hf.assets import load_shipped
 
@@ -190,8 +191,14 @@ def test_a_returned_cache_passed_to_another_generate_is_refused():
         engine.compile(model)
         ids = tokenizer("It was a truth", return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-        with pytest.raises(RuntimeError, match="cannot be passed to another generate"):
-            model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=3, do_sample=False)
+        try:
+            again = model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=3,
+                                   do_sample=False)
+        except RuntimeError as error:
+            assert "cannot be passed to another generate" in str(error)
+        else:
+            engine.uncompile(model)
+            assert torch.equal(again, model.generate(out.sequences, max_new_tokens=3, do_sample=False))
     finally:
         engine.uncompile(model)
         psr_hf.unpatch(model)
