@@ -40,3 +40,33 @@ def one_torch_thread():
 def quiet_psr_hf(caplog):
     """patch() without a calibration warns (by design); keep the test log readable."""
     caplog.set_level(logging.ERROR, logger="psr_hf")
+
+
+ENGINE_TEXT = "The engine decodes one token at a time, and every step"
+
+
+@pytest.fixture(scope="module")
+def engine_case():
+    """``engine_case(name)``: ``(model, prompt ids [1, S], calibration, pad id)`` for the engine tests: the tiny
+    random "olmoe" or "deepseek_v3" (8 seeded random ids, no calibration) or "shipped" (olmoe-routing with its
+    calibration, :data:`ENGINE_TEXT`). Built once per test module."""
+    import torch
+
+    from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
+    from psr_hf.testing import tiny_model
+
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            if name == "shipped":
+                model, tokenizer, calibration = load_shipped(OLMOE_ROUTING_NAME)
+                ids = torch.tensor([tokenizer(ENGINE_TEXT)["input_ids"]])
+                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                cache[name] = (model, ids, calibration, pad)
+            else:
+                ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+                cache[name] = (tiny_model(name), ids, None, 0)
+        return cache[name]
+
+    return get

@@ -17,16 +17,13 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.engine import Decoder
-from psr_hf.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 NEW = 6  # tokens generated per call
 MAX_LEN = 64
 LOGITS_TOL = 1e-4  # relative to the largest |logit| of the step
-TEXT = "The engine decodes one token at a time, and every step"
 POLICIES = {
     "exact": dict(policy="exact", residency=0.5),
     "psr": dict(policy="psr", lam=0.2, budget=1, residency=0.5),
@@ -36,28 +33,9 @@ EXACT_COUNTS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    return load_shipped(OLMOE_ROUTING_NAME)  # (model, tokenizer, calibration)
-
-
-@pytest.fixture(scope="module")
-def case(request):
-    """``case(name)``: (model, prompt ids [1, S], calibration, pad id) for "olmoe", "deepseek_v3" or "shipped"."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str) -> tuple:
-        if name not in cache:
-            if name == "shipped":
-                model, tokenizer, calibration = request.getfixturevalue("shipped")
-                ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
-                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-                cache[name] = (model, ids, calibration, pad)
-            else:
-                ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-                cache[name] = (tiny_model(name), ids, None, 0)
-        return cache[name]
-
-    return get
+def case(engine_case):
+    """``case(name)``: (model, prompt ids [1, S], calibration, pad id), from conftest's ``engine_case``."""
+    return engine_case
 
 
 def _hf(model, ids, pad):

@@ -16,7 +16,6 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.engine import Decoder, GraphDecoder
 from psr_hf.testing import tiny_model
 
@@ -24,7 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 NEW = 5
 MAX_LEN = 48
-TEXT = "The engine decodes one token at a time"
 POLICIES = {
     "exact": dict(policy="exact", residency=0.5),
     "psr": dict(policy="psr", lam=0.2, budget=1, residency=0.5),
@@ -32,25 +30,9 @@ POLICIES = {
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    return load_shipped(OLMOE_ROUTING_NAME)
-
-
-@pytest.fixture(scope="module")
-def case(request):
-    cache: dict[str, tuple] = {}
-
-    def get(name: str) -> tuple:
-        if name not in cache:
-            if name == "shipped":
-                model, tokenizer, calibration = request.getfixturevalue("shipped")
-                cache[name] = (model, torch.tensor([tokenizer(TEXT)["input_ids"]]), calibration)
-            else:
-                ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
-                cache[name] = (tiny_model(name), ids, None)
-        return cache[name]
-
-    return get
+def case(engine_case):
+    """``case(name)``: (model, prompt ids [1, S], calibration, pad id), from conftest's ``engine_case``."""
+    return engine_case
 
 
 def _run(model, ids, decoder):
@@ -80,7 +62,7 @@ def _assert_bitwise(actual, expected) -> None:
 @pytest.mark.parametrize("policy", ["exact", "psr"])
 @pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
 def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloaded):
-    model, ids, calibration = case(name)
+    model, ids, calibration, _ = case(name)
     offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None
     with psr_hf.patched(model, RoutingConfig(**POLICIES[policy]), calibration=calibration, offload=offload):
         expected = _run(model, ids, Decoder(model, MAX_LEN))
@@ -96,7 +78,7 @@ def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloa
 
 
 def test_graph_bodies_and_order(case):
-    model, _, _ = case("deepseek_v3")
+    model, _, _, _ = case("deepseek_v3")
     with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
         decoder = GraphDecoder(model, MAX_LEN, graphs=False)
         names = [name for name, _ in decoder._bodies]
@@ -107,7 +89,7 @@ def test_graph_bodies_and_order(case):
 
 
 def test_construction_does_not_touch_the_controller(case):
-    model, ids, _ = case("olmoe")
+    model, ids, _, _ = case("olmoe")
     with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
         ctl = psr_hf.controller(model)
         Decoder(model, MAX_LEN).prefill(ids)
@@ -119,7 +101,7 @@ def test_construction_does_not_touch_the_controller(case):
 
 
 def test_errors(case):
-    model, ids, _ = case("olmoe")
+    model, ids, _, _ = case("olmoe")
     with psr_hf.patched(model, RoutingConfig(**POLICIES["exact"])):
         with pytest.raises(ValueError, match="CUDA"):
             GraphDecoder(model, MAX_LEN, graphs=True)

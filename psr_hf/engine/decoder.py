@@ -10,13 +10,15 @@ layer (part 1, the offload's prefetch copies, issued before this layer's experts
 the selected experts from the unmodified logits, and the MoE over expert slots (plus the shared experts) into
 the residual. Every routing decision is the controller's: this module decides nothing about which expert runs.
 
-This eager version is the reference of the CUDA-graph decoder to come. The places the graph version changes are
-marked ``GRAPH:``. Not implemented yet: a ``copies_skipped=True`` mode (run the selection without the offload's
-physical copies, for measuring); TODO, with the graph version.
+This eager version is the reference of the CUDA-graph decoder (:mod:`psr_hf.engine.graphs`); the places the graph
+version changes are marked ``GRAPH:``. Copies skipped (compute-only time): a decoder on a model patched with the
+same RoutingConfig but not offloaded makes the same decisions and copies nothing (``psr-hf bench --engine``'s
+``*_nocopy`` rows).
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Any, Sequence
 
@@ -47,7 +49,71 @@ def _token_list(input_ids: Any) -> list[int]:
     return [int(t) for t in ids.reshape(-1).tolist()]
 
 
-class Decoder:
+
+class Sequences(abc.ABC):
+    """What both decoders (:class:`Decoder`, :class:`~psr_hf.engine.graphs.GraphDecoder`) do with their
+    ``step(token)`` and ``reset()``: a prompt, and greedy decoding of a new sequence."""
+
+    model: Any
+    layers: Any
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Start a new sequence at the next step."""
+
+    @abc.abstractmethod
+    def step(self, token: int) -> torch.Tensor:
+        """One token at the next position; returns the ``[1, V]`` logits buffer."""
+
+    # ------------------------------------------------------------------ sequences of steps
+    @torch.no_grad()
+    def prefill(self, input_ids: Any) -> torch.Tensor:
+        """Start a new sequence and run the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through
+        :meth:`step` token by token (exact; the batched prefill is to come). Returns the last position's ``[1, V]``
+        logits buffer."""
+        ids = _token_list(input_ids)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        self.reset()
+        logits = None
+        for token in ids:
+            logits = self.step(token)
+        return logits
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
+                        return_logits: bool = False) -> Any:
+        """Greedy decoding of a new sequence, as ``model.generate(input_ids, do_sample=False,
+        max_new_tokens=...)`` for one row without logits processors: returns the ``[1, S + n]`` int64 sequence
+        (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
+        fed back, nor is the last token). ``eos_token_id``: default the model's generation config's.
+        ``return_logits``: also the ``[n, V]`` float32 logits of every new token."""
+        ids = _token_list(input_ids)
+        if eos_token_id is None:
+            config = getattr(self.model, "generation_config", None)
+            eos_token_id = getattr(config, "eos_token_id", None)
+        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
+                                                   else {int(t) for t in eos_token_id})
+        new: list[int] = []
+        scores: list[torch.Tensor] = []
+        if max_new_tokens > 0:
+            logits = self.prefill(ids)
+            while True:
+                if return_logits:
+                    scores.append(logits[0].float().cpu().clone())
+                token = int(torch.argmax(logits[0]))
+                new.append(token)
+                if token in stop or len(new) == max_new_tokens:
+                    break
+                logits = self.step(token)
+        sequence = torch.tensor([ids + new], dtype=torch.int64)
+        if return_logits:
+            V = self.layers.buffers.logits.shape[-1]
+            return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
+        return sequence
+
+
+class Decoder(Sequences):
     """Batch-1 eager decoder of a model patched by :func:`psr_hf.patch` (resident, or offloaded with
     ``offload=OffloadConfig(...)``), with a static KV cache of ``max_len`` positions.
 
@@ -164,57 +230,3 @@ class Decoder:
         buffers = offload.slots[m]
         self._moe(slot_ids, buffers["gate_up_proj"], buffers["down_proj"], out, residual)
         offload.decode_done(m)  # GRAPH: after graph B's replay is enqueued (an event on the compute stream)
-
-    # ------------------------------------------------------------------ sequences of steps
-    @torch.no_grad()
-    def prefill(self, input_ids: Any) -> torch.Tensor:
-        """Start a new sequence and run the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through
-        :meth:`step` token by token (exact; the batched prefill is to come). Returns the last position's ``[1, V]``
-        logits buffer."""
-        ids = _token_list(input_ids)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        self.reset()
-        logits = None
-        for token in ids:
-            logits = self.step(token)
-        return logits
-
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
-                        return_logits: bool = False) -> Any:
-        """Greedy decoding of a new sequence, as ``model.generate(input_ids, do_sample=False,
-        max_new_tokens=...)`` for one row without logits processors: returns the ``[1, S + n]`` int64 sequence
-        (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
-        fed back, nor is the last token). ``eos_token_id``: default the model's generation config's.
-        ``return_logits``: also the ``[n, V]`` float32 logits of every new token."""
-        return greedy(self, input_ids, max_new_tokens, eos_token_id, return_logits)
-
-
-@torch.no_grad()
-def greedy(decoder: Any, input_ids: Any, max_new_tokens: int, eos_token_id: Any = None,
-           return_logits: bool = False) -> Any:
-    """:meth:`Decoder.generate_greedy` for any decoder with ``prefill``, ``step``, ``model`` and ``layers``."""
-    ids = _token_list(input_ids)
-    if eos_token_id is None:
-        config = getattr(decoder.model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
-                                               else {int(t) for t in eos_token_id})
-    new: list[int] = []
-    scores: list[torch.Tensor] = []
-    if max_new_tokens > 0:
-        logits = decoder.prefill(ids)
-        while True:
-            if return_logits:
-                scores.append(logits[0].float().cpu().clone())
-            token = int(torch.argmax(logits[0]))
-            new.append(token)
-            if token in stop or len(new) == max_new_tokens:
-                break
-            logits = decoder.step(token)
-    sequence = torch.tensor([ids + new], dtype=torch.int64)
-    if return_logits:
-        V = decoder.layers.buffers.logits.shape[-1]
-        return sequence, (torch.stack(scores) if scores else torch.zeros(0, V))
-    return sequence

@@ -56,14 +56,14 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import _token_list, greedy
+from .decoder import Sequences
 from .layers import DecodeLayers, build_layers
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace
 
 logger = logging.getLogger(__name__)
 
 
-class GraphDecoder:
+class GraphDecoder(Sequences):
     """Batch-1 decoder of a model patched by :func:`psr_hf.patch` (resident or offloaded) replayed as CUDA graphs
     (``graphs=True``, CUDA only) or run eagerly with the same buffers and order (``graphs=False``). Same public
     methods as :class:`~psr_hf.engine.decoder.Decoder`: :meth:`step`, :meth:`prefill`, :meth:`generate_greedy`,
@@ -322,26 +322,6 @@ class GraphDecoder:
         self._run[f"B{m}"]()
         if offload is not None:
             offload.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
-
-    # ------------------------------------------------------------------ sequences of steps
-    @torch.no_grad()
-    def prefill(self, input_ids: Any) -> torch.Tensor:
-        """Start a new sequence and run ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through :meth:`step` token by
-        token. Returns the last position's ``[1, V]`` logits buffer."""
-        ids = _token_list(input_ids)
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        self.reset()
-        logits = None
-        for token in ids:
-            logits = self.step(token)
-        return logits
-
-    @torch.no_grad()
-    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
-                        return_logits: bool = False) -> Any:
-        """Greedy decoding of a new sequence, exactly as :meth:`Decoder.generate_greedy`."""
-        return greedy(self, input_ids, max_new_tokens, eos_token_id, return_logits)
 
     # ------------------------------------------------------------------ measuring
     @torch.no_grad()

@@ -48,6 +48,7 @@ differ only in float rounding order.
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 from dataclasses import dataclass, fields
@@ -209,7 +210,7 @@ class _Router:
 
 
 # ---------------------------------------------------------------------------------------------------- base class
-class DecodeLayers:
+class DecodeLayers(abc.ABC):
     """The per-layer decode functions of one family over ``model``'s own weights, a static KV cache of
     ``max_len`` positions and the static buffers of the reference step. See the module docstring for the
     capture rules and the router contract. Build with :func:`build_layers`."""
@@ -387,16 +388,18 @@ class DecodeLayers:
         )
 
     # family hooks
+    @abc.abstractmethod
     def _build_attention(self) -> None:
-        raise NotImplementedError
+        """References to the family's attention weights (and any precomputed tables)."""
 
+    @abc.abstractmethod
     def _build_kv_cache(self) -> StaticKVCache:
-        raise NotImplementedError
+        """The family's static KV cache."""
 
+    @abc.abstractmethod
     def _attention(self, layer: int, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[1, H]`` attention output (after o_proj) of the normed input ``x`` at ``position``; writes the KV
         cache of ``layer`` at ``position``."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ host-side checks (metadata only)
     def check_position(self, position: int) -> None:
