@@ -197,3 +197,20 @@ def test_cuda_ms_per_token(offloaded, capsys):
     with capsys.disabled():
         print(f"\nGraphDecoder ms/token ({'offloaded' if offloaded else 'resident'}, tiny olmoe bf16): "
               f"graphs {times[True]:.3f}, eager bodies {times[False]:.3f}, Decoder {times['Decoder']:.3f}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_cuda_compiled_blocks_match_uncompiled_float32(name):
+    """torch.compile'd attention blocks (the default on CUDA) against the same graphs without compile: logits
+    within 1e-4 of the largest, the same selections."""
+    model = _cuda_model(name)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        plain = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True, compile=False))
+        decoder = GraphDecoder(model, MAX_LEN, graphs=True)
+        assert decoder.compiled
+        fused = _run(model, ids, decoder)
+    assert float((fused[1] - plain[1]).abs().max() / plain[1].abs().max()) < 1e-4
+    np.testing.assert_array_equal(fused[2][0].selected, plain[2][0].selected)

@@ -103,6 +103,28 @@ def host_split(decoder, ids):
     return out
 
 
+def kernel_profile(decoder, ids, top=12):
+    """CUDA kernels of ``len(ids)`` eager steps (the graph bodies run eagerly): count per step, summed device
+    time per step, and the top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder.reset()
+    for token in ids[:2]:
+        decoder.step(token)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for token in ids[2:]:
+            decoder.step(token)
+        sync()
+    n = len(ids) - 2
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    rows = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    return {"kernels_per_step": count / n, "device_ms_per_step": total_us / 1e3 / n,
+            "top": [(e.key[:90], e.count / n, e.self_device_time_total / n) for e in rows]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="grown-olmoe-routing")
@@ -125,6 +147,8 @@ def main() -> int:
     E = getattr(model.config, 'num_experts', None) or model.config.n_routed_experts
 
     def row(name, routing, offload, kinds=("eager", "graphs")):
+        """kinds: eager (Decoder), graphs (GraphDecoder, compiled blocks), graphs_nocompile, profile[_nocompile]
+        (the graph bodies run eagerly under the profiler)."""
         m = copy.deepcopy(model)
         try:
             psr_hf.patch(m, routing, calibration=calib, offload=offload)
@@ -133,12 +157,25 @@ def main() -> int:
                 key = f"{name}/{kind}"
                 try:
                     t = time.perf_counter()
-                    dec = Decoder(m, a.tokens + 1) if kind == "eager" else GraphDecoder(m, a.tokens + 1, graphs=CUDA)
+                    if kind == "eager":
+                        dec = Decoder(m, a.tokens + 1)
+                    else:
+                        dec = GraphDecoder(m, a.tokens + 1, graphs=CUDA and not kind.startswith("profile"),
+                                           compile=CUDA and not kind.endswith("nocompile"))
                     build = time.perf_counter() - t
+                    if kind.startswith("profile"):
+                        prof = kernel_profile(dec, ids[:10])
+                        record["rows"][key] = prof
+                        print(f"{key}: {prof['kernels_per_step']:.0f} kernels/step, "
+                              f"{prof['device_ms_per_step']:.3f} device ms/step", flush=True)
+                        for k, c, us in prof["top"]:
+                            print(f"   {us:8.1f} us/step  {c:6.1f}/step  {k}", flush=True)
+                        del dec
+                        continue
                     dec.prefill(ids[:2])
                     means = timed(dec, ids)
                     entry = {"ms_per_token": means, "build_s": build}
-                    if kind == "graphs":
+                    if kind.startswith("graphs"):
                         entry["host_split_ms"] = host_split(dec, ids)
                         entry["d2h_outside"] = sorted(dec._d2h_outside)
                     st = psr_hf.controller(m).stats() if hasattr(psr_hf.controller(m), "stats") else None
@@ -154,7 +191,8 @@ def main() -> int:
             del m
             torch.cuda.empty_cache()
 
-    row("resident_exact", RoutingConfig(policy="exact", capacity=E), None)
+    row("resident_exact", RoutingConfig(policy="exact", capacity=E), None,
+        ("graphs", "graphs_nocompile", "profile", "profile_nocompile"))
     row("nocopy_psr_lam0.3_n1_res50", RoutingConfig(policy="psr", capacity=E // 2, lam=0.3, eviction="score", budget=1), None, ("graphs",))
     off = OffloadConfig(device=DEV, max_in_flight=2, pin_memory=CUDA)
     for res in (0.5, 0.25):

@@ -58,7 +58,7 @@ import torch
 from psr_hf.hf.patching import controller as _controller
 from .decoder import Sequences
 from .layers import DecodeLayers, build_layers
-from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace
+from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +67,13 @@ class GraphDecoder(Sequences):
     """Batch-1 decoder of a model patched by :func:`psr_hf.patch` (resident or offloaded) replayed as CUDA graphs
     (``graphs=True``, CUDA only) or run eagerly with the same buffers and order (``graphs=False``). Same public
     methods as :class:`~psr_hf.engine.decoder.Decoder`: :meth:`step`, :meth:`prefill`, :meth:`generate_greedy`,
-    :meth:`reset`. ``warmup``: eager runs of every graph body on the capture stream before capture."""
+    :meth:`reset`. ``warmup``: eager runs of every graph body on the capture stream before capture.
+    ``compile``: the attention blocks through ``torch.compile`` (:meth:`DecodeLayers.compile_blocks`: the
+    norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
+    (default): on CUDA when triton imports."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
-                 backend: str = "auto", warmup: int = 2):
+                 backend: str = "auto", warmup: int = 2, compile: bool | None = None):
         self.model = model
         self.controller = ctl = _controller(model)
         L = build_layers(model, max_len, absorb_mla=absorb_mla)
@@ -92,6 +95,11 @@ class GraphDecoder(Sequences):
             raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
                              f"controller's ({ctl.num_experts}, {ctl.top_k})")
         self.backend = choose_backend(self.device, backend)
+        if compile is None:  # auto: on CUDA when inductor can generate code (triton)
+            compile = self.cuda and triton_available()[0]
+        if compile:
+            L.compile_blocks()
+        self.compiled = bool(compile)
         b = L.buffers
         K, E = L.top_k, L.num_experts
         self.offloaded = ctl.offload is not None

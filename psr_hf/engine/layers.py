@@ -92,6 +92,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _cos_sin(position: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype,
+             interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at ``position`` as transformers' rotary embedding computes them: ``[D]`` over the duplicated
+    frequencies, or ``[D/2]`` (one angle per pair) for DeepSeek's interleaved layout."""
+    freqs = position.to(torch.float32) * inv_freq  # [D/2]
+    emb = freqs if interleave else torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    if not interleave:
+        return x * cos + _rotate_half(x) * sin
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # DeepSeek's pairs (x0, x1), (x2, x3)...: out is de-interleaved
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _write_kv(cache: torch.Tensor, position: torch.Tensor, row: torch.Tensor) -> None:
+    """Write one token's ``row`` into ``cache [max_len, ...]`` at the 0-d ``position``."""
+    cache.index_copy_(0, position.view(1), row.reshape(1, *cache.shape[1:]))
+
+
+def _attention_block(attention: Any, static: Any, tensors: dict, norms: tuple, hidden: torch.Tensor,
+                     position: torch.Tensor, out_hidden: torch.Tensor, out_normed: torch.Tensor,
+                     cache: tuple) -> None:
+    """``out_hidden = hidden + attention(input_norm(hidden))``, ``out_normed = post_norm(out_hidden)``: one
+    function of tensors and constants (the family's ``attention``, its ``static`` sizes, one layer's weights
+    ``tensors``, ``norms`` and KV ``cache``), so that ``torch.compile`` compiles it once for every layer."""
+    (w_in, eps_in), (w_post, eps_post) = norms
+    attn = attention(static, tensors, _rms_norm(hidden, w_in, eps_in), position, *cache)
+    out_hidden.copy_(hidden + attn)
+    out_normed.copy_(_rms_norm(out_hidden, w_post, eps_post))
+
+
 def _rope_params(config: Any) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(params, dict):
@@ -299,21 +332,6 @@ class DecodeLayers(abc.ABC):
             self.inv_freq = self._own("rotary.inv_freq", inv_freq.detach().float())
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
 
-    def _cos_sin(self, position: torch.Tensor, dtype: torch.dtype,
-                 interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``position`` as transformers' rotary embedding computes them: ``[D]`` over the
-        duplicated frequencies, or ``[D/2]`` (one angle per pair) for DeepSeek's interleaved layout."""
-        freqs = position.to(torch.float32) * self.inv_freq  # [D/2]
-        emb = freqs if interleave else torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
-
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-        if not interleave:
-            return x * cos + _rotate_half(x) * sin
-        x1, x2 = x[..., 0::2], x[..., 1::2]  # DeepSeek's pairs (x0, x1), (x2, x3)...: out is de-interleaved
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     def _build_routers(self) -> dict[int, _Router]:
         moe = self.family.moe_layers()
         routers: dict[int, _Router] = {}
@@ -397,9 +415,29 @@ class DecodeLayers(abc.ABC):
         """The family's static KV cache."""
 
     @abc.abstractmethod
-    def _attention(self, layer: int, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """``[1, H]`` attention output (after o_proj) of the normed input ``x`` at ``position``; writes the KV
-        cache of ``layer`` at ``position``."""
+    def _cache(self, layer: int) -> tuple:
+        """The KV cache tensors the family's attention function takes after the position (one layer's)."""
+
+    # the family's attention: a module-level function ``(static, tensors, x, position, *cache) -> [1, H]`` (the
+    # output after o_proj of the normed input ``x``; it writes the cache at ``position``) and its constants
+    _attention_fn: Any = None
+    _static: Any = None
+
+    def compile_blocks(self, enabled: bool = True, **options: Any) -> None:
+        """Run :meth:`attention_block` through ``torch.compile`` (``fullgraph=True, dynamic=False`` and
+        ``options``; it compiles once, on the first call, for every layer: the function takes each layer's
+        weights and cache as arguments) or, ``enabled=False``, eagerly again. Compiled, the elementwise work of
+        the block (norms, RoPE, masking, softmax) is fused into a few kernels; the result is the same function
+        with another rounding order in low precision. On a GPU this needs triton (inductor's code generator)."""
+        if enabled:
+            options = {"fullgraph": True, "dynamic": False, **options}
+            self._block = torch.compile(_attention_block, **options)
+        else:
+            self._block = _attention_block
+        self.compiled = bool(enabled)
+
+    _block: Any = staticmethod(_attention_block)
+    compiled: bool = False
 
     # ------------------------------------------------------------------ host-side checks (metadata only)
     def check_position(self, position: int) -> None:
@@ -472,10 +510,8 @@ class DecodeLayers(abc.ABC):
         for x, what in ((hidden, "hidden"), (out_hidden, "out_hidden"), (out_normed, "out_normed")):
             self._check_row(x, what, self.hidden_size)
         self._check_position_tensor(position)
-        (w_in, eps_in), (w_post, eps_post) = self._norms[layer]
-        attn = self._attention(layer, _rms_norm(hidden, w_in, eps_in), position)
-        torch.add(hidden, attn, out=out_hidden)
-        out_normed.copy_(_rms_norm(out_hidden, w_post, eps_post))
+        self._block(self._attention_fn, self._static, self._attn[layer], self._norms[layer], hidden, position,
+                    out_hidden, out_normed, self._cache(layer))
 
     @torch.no_grad()
     def router_logits(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:
@@ -658,30 +694,51 @@ class OlmoeLayers(DecodeLayers):
                              f"head_dim**-0.5 = {self.scaling}: unsupported")
         self.clip_qkv = getattr(self.config, "clip_qkv", None)
 
+        self._attention_fn = _olmoe_attention
+        self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
+                                    self.rope_scaling)
+        for refs in self._attn:
+            refs["inv_freq"] = self.inv_freq
+
     def _build_kv_cache(self) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.max_len, self.num_kv_heads, self.head_dim, self.head_dim,
                              dtype=self.dtype, device=self.device)
 
-    def _attention(self, layer: int, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        a = self._attn[layer]
-        nH, nKV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = _rms_norm(F.linear(x, *a["q_proj"]), *a["q_norm"])
-        k = _rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
-        v = F.linear(x, *a["v_proj"])
-        if self.clip_qkv is not None:
-            q.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
-            k.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
-            v.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
-        cos, sin = self._cos_sin(position, q.dtype, False)
-        q = self._apply_rope(q.view(nH, D), cos, sin, False)
-        k = self._apply_rope(k.view(nKV, D), cos, sin, False)
-        self.kv.write(layer, position, k, v.view(nKV, D))
-        keys, values = self.kv.keys[layer], self.kv.values[layer]  # [T, nKV, D]
-        scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * self.scaling  # [nKV, G, T]
-        scores = scores.masked_fill(self.kv.future(position), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, D]
-        return F.linear(out.reshape(1, nH * D), *a["o_proj"])
+    def _cache(self, layer: int) -> tuple:
+        return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
+
+
+@dataclass(frozen=True)
+class _OlmoeStatic:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    clip_qkv: float | None
+    rope_scaling: float
+
+
+def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
+    nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
+    q = _rms_norm(F.linear(x, *a["q_proj"]), *a["q_norm"])
+    k = _rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
+    v = F.linear(x, *a["v_proj"])
+    if s.clip_qkv is not None:
+        q = q.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+        k = k.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+        v = v.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+    cos, sin = _cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, False)
+    q = _apply_rope(q.view(nH, D), cos, sin, False)
+    k = _apply_rope(k.view(nKV, D), cos, sin, False)
+    _write_kv(keys, position, k)
+    _write_kv(values, position, v.view(nKV, D))
+    scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
+    scores = scores.masked_fill(slots > position, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, D]
+    return F.linear(out.reshape(1, nH * D), *a["o_proj"])
 
 
 # ---------------------------------------------------------------------------------------------------- DeepSeek-V3
@@ -753,47 +810,73 @@ class DeepseekV3Layers(DecodeLayers):
                     f"engine computes {self.scaling} (qk_head_dim**-0.5 with the yarn mscale_all_dim correction) "
                     f"for rope type {self.rope_type!r}: unsupported rope configuration"
                 )
+            refs["inv_freq"] = self.inv_freq
             self._attn.append(refs)
+        self._attention_fn = _mla_attention
+        self._static = _MlaStatic(self.num_heads, self.q_lora_rank is not None, self.kv_lora_rank, self.nope_dim,
+                                  self.rope_dim, self.v_dim, self.max_len, self.interleave, self.scaling,
+                                  self.rope_scaling, self.absorb_mla)
 
     def _build_kv_cache(self) -> StaticKVCache:
         r = self.kv_lora_rank
         return StaticKVCache(self.num_layers, self.max_len, 1, r + self.rope_dim, None, value_prefix=r,
                              dtype=self.dtype, device=self.device)
 
-    def _attention(self, layer: int, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        a = self._attn[layer]
-        nH, r, nope, rope, vd = self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim
-        if self.q_lora_rank is None:
-            q = F.linear(x, *a["q_proj"])
-        else:
-            q = F.linear(_rms_norm(F.linear(x, *a["q_a_proj"]), *a["q_a_norm"]), *a["q_b_proj"])
-        q = q.view(nH, self.qk_dim)
-        q_nope, q_pe = q[:, :nope], q[:, nope:]
-        compressed = F.linear(x, *a["kv_a_proj"])  # [1, r + rope]
-        latent = _rms_norm(compressed[:, :r], *a["kv_a_norm"])  # [1, r]
-        k_pe = compressed[:, r:]  # [1, rope]
-        cos, sin = self._cos_sin(position, q.dtype, self.interleave)
-        q_pe = self._apply_rope(q_pe, cos, sin, self.interleave)
-        k_pe = self._apply_rope(k_pe, cos, sin, self.interleave)
-        self.kv.write(layer, position, torch.cat((latent, k_pe), dim=-1))
-        cache = self.kv.keys[layer].view(self.max_len, r + rope)  # [T, r + rope]: latent | roped k_pe
-        future = self.kv.future(position)
-        if self.absorb_mla:
-            q_lat = torch.bmm(q_nope.unsqueeze(1), a["w_uk"]).squeeze(1)  # [nH, r]
-            scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * self.scaling  # [nH, T]
-            scores = scores.masked_fill(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out_lat = torch.matmul(probs, cache[:, :r])  # [nH, r]
-            out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
-        else:
-            kv = F.linear(cache[:, :r], a["kv_b"]).view(self.max_len, nH, nope + vd)  # [T, nH, nope + v]
-            keys = torch.cat((kv[..., :nope], cache[:, None, r:].expand(self.max_len, nH, rope)), dim=-1)
-            query = torch.cat((q_nope, q_pe), dim=-1)  # [nH, qk]
-            scores = torch.matmul(query.unsqueeze(1), keys.permute(1, 2, 0)).squeeze(1) * self.scaling  # [nH, T]
-            scores = scores.masked_fill(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(probs.unsqueeze(1), kv[..., nope:].transpose(0, 1)).squeeze(1)  # [nH, v]
-        return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
+    def _cache(self, layer: int) -> tuple:
+        return self.kv.keys[layer], self.kv.slots
+
+
+@dataclass(frozen=True)
+class _MlaStatic:
+    num_heads: int
+    q_lora: bool
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    max_len: int
+    interleave: bool
+    scaling: float
+    rope_scaling: float
+    absorb: bool
+
+
+def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 multi-head latent attention of one token (``keys [T, 1, r + rope]``, written at
+    ``position``)."""
+    nH, r, nope, rope, vd, T = s.num_heads, s.kv_lora_rank, s.nope_dim, s.rope_dim, s.v_dim, s.max_len
+    if not s.q_lora:
+        q = F.linear(x, *a["q_proj"])
+    else:
+        q = F.linear(_rms_norm(F.linear(x, *a["q_a_proj"]), *a["q_a_norm"]), *a["q_b_proj"])
+    q = q.view(nH, nope + rope)
+    q_nope, q_pe = q[:, :nope], q[:, nope:]
+    compressed = F.linear(x, *a["kv_a_proj"])  # [1, r + rope]
+    latent = _rms_norm(compressed[:, :r], *a["kv_a_norm"])  # [1, r]
+    k_pe = compressed[:, r:]  # [1, rope]
+    cos, sin = _cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, s.interleave)
+    q_pe = _apply_rope(q_pe, cos, sin, s.interleave)
+    k_pe = _apply_rope(k_pe, cos, sin, s.interleave)
+    _write_kv(keys, position, torch.cat((latent, k_pe), dim=-1))
+    cache = keys.view(T, r + rope)  # [T, r + rope]: latent | roped k_pe
+    future = slots > position
+    if s.absorb:
+        q_lat = torch.bmm(q_nope.unsqueeze(1), a["w_uk"]).squeeze(1)  # [nH, r]
+        scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out_lat = torch.matmul(probs, cache[:, :r])  # [nH, r]
+        out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
+    else:
+        kv = F.linear(cache[:, :r], a["kv_b"]).view(T, nH, nope + vd)  # [T, nH, nope + v]
+        expanded = torch.cat((kv[..., :nope], cache[:, None, r:].expand(T, nH, rope)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [nH, qk]
+        scores = torch.matmul(query.unsqueeze(1), expanded.permute(1, 2, 0)).squeeze(1) * s.scaling  # [nH, T]
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.unsqueeze(1), kv[..., nope:].transpose(0, 1)).squeeze(1)  # [nH, v]
+    return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
 
 
 _CLASSES: dict[str, type[DecodeLayers]] = {"olmoe": OlmoeLayers, "deepseek_v3": DeepseekV3Layers}
