@@ -284,6 +284,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     capacities = _floats("--capacities", args.capacities)
     configs = None if args.configs is None else [c for c in args.configs.split(",") if c.strip()]
+    hf_configs = None if args.hf_configs is None else [c for c in args.hf_configs.split(",") if c.strip()]
     _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
     print(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of {args.windows} window(s) "
           f"x {args.tokens} tokens, {args.rounds} interleaved rounds")
@@ -292,7 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
-        engine=args.engine, progress=lambda msg: _err("  " + msg),
+        engine=args.engine, hf_configs=hf_configs, progress=lambda msg: _err("  " + msg),
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))
@@ -525,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacities", default="0.5,0.25", help="residencies of the routed rows (default 0.5,0.25)")
     p.add_argument("--configs", help="comma-separated rows to run (full names like psr_lam0.3_n1_res50, or policy "
                                      "names for every capacity; resident always runs)")
+    p.add_argument("--hf-configs", help="with --engine: the routed transformers rows to keep as references "
+                                        "(comma-separated, as --configs; '' keeps none); the engine rows still "
+                                        "mirror every row --configs keeps")
     p.add_argument("--max-in-flight", type=int, default=2, help="prefetch copies in flight at most (default 2)")
     p.add_argument("--copy-delay-ms", type=float, default=0.0,
                    help="emulated extra time per copy (default 0; for CPU runs)")

@@ -281,6 +281,20 @@ def test_default_configs_engine_rows_mirror_the_routed_rows():
     assert "engine_resident" not in [row.name for row in default_configs((0.5,), accelerate=False)]
 
 
+def test_hf_configs_keep_few_transformers_rows_beside_every_engine_row():
+    rows = default_configs((0.5, 0.25), accelerate=False, engine=True, hf_only=["psr_lam0.3_n1"])
+    names = [row.name for row in rows]
+    assert [n for n in names if not n.startswith("engine_")] == ["resident", "psr_lam0.3_n1_res50",
+                                                                  "psr_lam0.3_n1_res25"]
+    assert len([n for n in names if n.startswith("engine_")]) == 1 + 2 * len(POLICY_CONFIGS) + 2
+    none = default_configs((0.5,), accelerate=False, engine=True, hf_only=[])
+    assert [row.name for row in none if row.kind == "offload"] == []
+    with pytest.raises(ValueError, match="--hf-configs: unknown psr_lam9"):
+        default_configs((0.5,), engine=True, hf_only=["psr_lam9"])
+    with pytest.raises(ValueError, match="needs engine=True"):
+        default_configs((0.5,), hf_only=["psr_lam0.3_n1"])
+
+
 def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quiet_psr_hf):
     from psr_hf.cli import main
 
@@ -327,7 +341,18 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
             assert c[key] == pytest.approx(h[key]), (name, key)
     assert rows["engine_exact_lru_res25"]["copies"]["demand_per_token"] > 0
     goals = [g for g in record["goals"] if "engine" in g["goal"]]
-    assert len(goals) == 6 and all(g["status"] == "needs a GPU" for g in goals)
+    assert len(goals) == 8 and all(g["status"] == "needs a GPU" for g in goals)  # + host time, per copies-skipped row
+    assert "goal engine_psr_lam0.3_n1_res25_nocopy host time <= 60 us per MoE layer: needs a GPU" in out
+    moe_layers = record["model"]["moe_layers"]
+    for name, row in rows.items():
+        host = row["host_us_per_moe_layer"]
+        if not name.startswith("engine_"):
+            assert host is None
+            continue
+        # the step's wall time less its waits on the GPU (none on the CPU: there the host computes everything)
+        for us, ms in zip(host["rounds"], row["rounds"]):
+            assert 0 < us <= ms["ms_per_token"] * 1e3 / moe_layers * 1.0001
+    assert "engine host time per MoE layer" in out
     assert "goal engine_resident <= 2 ms/token: needs a GPU" in out
     assert "goal engine_exact_lru_res50 >= 2x engine_psr_lam0.3_n1_res50: needs a GPU" in out
     assert {g["status"] for g in record["goals"] if "engine" not in g["goal"]} <= {"met", "not met", "not shown", "not measured"}

@@ -98,6 +98,7 @@ ENGINE_RESIDENT_MS_GOAL = 2.0
 ENGINE_PSR_MS_GOALS = {0.5: 4.0, 0.25: 6.0}
 ENGINE_LRU_GOALS = {0.5: 2.0}  # engine exact_lru / engine psr_lam0.3_n1 >= this
 ENGINE_CP_GOAL = 1.25  # engine cp_lam0.2 / engine psr_lam0.3_n1 >= this, at every goal residency
+ENGINE_HOST_US_GOAL = 60.0  # host us per MoE layer (policy, scheduler, graph launches) on the copies-skipped rows
 NEEDS_GPU = "needs a GPU"
 
 WARMUP_TOKENS = 16  # positions of the first window each warm-up round decodes per configuration
@@ -134,14 +135,18 @@ def capacity_suffix(residency: float) -> str:
 
 
 def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate: bool = True,
-                    only: Sequence[str] | None = None, engine: bool = False) -> list[BenchConfig]:
+                    only: Sequence[str] | None = None, engine: bool = False,
+                    hf_only: Sequence[str] | None = None) -> list[BenchConfig]:
     """The benchmark's rows: ``resident`` (always: the reference of every ratio), ``accelerate`` (unless
     ``accelerate`` is False) and every :data:`POLICY_CONFIGS` entry at every residency in ``capacities``.
 
     ``only`` keeps the rows whose full name (``psr_lam0.3_n1_res50``) or policy name (``psr_lam0.3_n1``: every
     capacity) is listed, plus ``resident``; an unknown name raises ``ValueError``.
 
-    ``engine`` appends ``engine_resident`` and an ``engine_<name>`` row (kind ``engine``) for every routed row kept."""
+    ``engine`` appends ``engine_resident`` and an ``engine_<name>`` row (kind ``engine``) for every routed row kept.
+    ``hf_only`` (with ``engine``): of the routed transformers rows, keep only these names (the same rule as
+    ``only``; an empty list keeps none); the engine rows still mirror every routed row ``only`` keeps (the
+    transformers rows are the slow ones: keep one or two as references)."""
     if not capacities:
         raise ValueError("capacities is empty; give at least one residency in (0, 1], e.g. 0.5")
     for residency in capacities:
@@ -165,8 +170,18 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
             raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
                              + ("" if accelerate else " (accelerate is off: --no-accelerate)"))
         rows = [row for row in rows if row.name == RESIDENT or row.name in wanted or row.policy in wanted]
+    if hf_only is not None and not engine:
+        raise ValueError("hf_only (--hf-configs) selects the transformers rows kept beside the engine rows; it needs "
+                         "engine=True (--engine)")
     if engine:
         routed = [row for row in rows if row.kind == "offload"]
+        if hf_only is not None:
+            keep = {name.strip() for name in hf_only if name.strip()}
+            unknown = sorted(keep - ({row.name for row in routed} | {row.policy for row in routed}))
+            if unknown:
+                raise ValueError(f"--hf-configs: unknown {', '.join(unknown)}; allowed: the routed rows "
+                                 f"{', '.join(row.name for row in routed)} or their policy names")
+            rows = [row for row in rows if row.kind != "offload" or row.name in keep or row.policy in keep]
         rows.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
         rows.extend(BenchConfig(ENGINE_PREFIX + row.name, "engine", row.policy, row.routing, row.residency)
                     for row in routed)
@@ -188,6 +203,7 @@ class WindowRun:
     offload_stats: dict[str, float] | None
     start_stats: dict[str, float] | None
     logits: torch.Tensor | None = None
+    host_ms: list[float] | None = None  # engine rows: the host's own ms per position (not blocked on the GPU)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
@@ -275,14 +291,19 @@ def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.devic
     tokens = [int(t) for t in ids[0].tolist()]  # host ints: no device read inside the timed steps
     ctl = decoder.controller
     ms: list[float] = []
+    host_ms: list[float] | None = [] if hasattr(decoder, "blocked_s") else None
     start_stats = None
     decoder.reset()
     sync()
     for i, token in enumerate(tokens):
+        blocked = getattr(decoder, "blocked_s", 0.0)
         begin = time.perf_counter()
         decoder.step(token)
+        stepped = time.perf_counter()
         sync()
         end = time.perf_counter()
+        if host_ms is not None and i > 0:  # the step's wall time less its waits on the GPU (events, final sync)
+            host_ms.append(((stepped - begin) - (decoder.blocked_s - blocked)) * 1e3)
         if i == 0:
             first = ctl.stats()
             start_stats = dict(first.total)
@@ -294,7 +315,7 @@ def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.devic
             ms.append((end - begin) * 1e3)
     stats = ctl.stats()
     return WindowRun(ms=ms, routing_stats=dict(stats.total), offload_stats=_offload_dict(stats),
-                     start_stats=start_stats)
+                     start_stats=start_stats, host_ms=host_ms)
 
 
 # ---------------------------------------------------------------------------------------------------- model copies
@@ -681,8 +702,14 @@ def bench_latency(
         if config.name != RESIDENT:
             mine, base = _matched_round_means(ms, reference_ms[reference])
             ratio = paired_summary(mine, base)
+        host = None
+        if done and all(w.host_ms is not None for run in done for w in run):
+            moe_layers = max(int(model_info["moe_layers"]), 1)
+            host = summarize([1e3 * float(np.mean([t for w in run for t in w.host_ms])) / moe_layers
+                              for run in done])
         rows.append({
             "configuration": config.name,
+            "host_us_per_moe_layer": host,
             "kind": config.kind,
             "policy": config.policy,
             "residency": config.residency,
@@ -812,6 +839,20 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
                          point="met" if ms["mean"] <= bound else "not met")
         goals.append(entry)
 
+    def host_goal(name: str, bound: float) -> None:
+        entry: dict[str, Any] = {"goal": f"{name} host time <= {bound:g} us per MoE layer", "row": name,
+                                 "bound": bound, "op": "<=", "status": "not measured", "ratio": None, "us": None,
+                                 "ci95": None, "p": None, "significant": None, "point": None}
+        host = (by_name.get(name) or {}).get("host_us_per_moe_layer")
+        if host is not None:
+            lo, hi = host["ci95"]
+            defined = math.isfinite(lo) and math.isfinite(hi)
+            inside, outside = defined and hi <= bound, defined and lo > bound
+            entry.update(status="met" if inside else "not met" if outside else "not shown", us=host["mean"],
+                         ci95=[lo, hi], significant=bool(inside) if defined else None,
+                         point="met" if host["mean"] <= bound else "not met")
+        goals.append(entry)
+
     ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)
     for residency, bound in ENGINE_PSR_MS_GOALS.items():
         ms_goal(ENGINE_PREFIX + PSR_GOAL + capacity_suffix(residency), bound)
@@ -823,6 +864,9 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
         suffix = capacity_suffix(residency)
         goal(f"engine_cp_lam0.2{suffix} >= {ENGINE_CP_GOAL:g}x engine_{PSR_GOAL}{suffix}",
              ENGINE_PREFIX + "cp_lam0.2" + suffix, ENGINE_PREFIX + PSR_GOAL + suffix, ENGINE_CP_GOAL, ">=")
+    for name in by_name:
+        if name.startswith(ENGINE_PREFIX) and name.endswith(NOCOPY_SUFFIX):
+            host_goal(name, ENGINE_HOST_US_GOAL)
     if not cuda:  # the engine's goals are about GPU latency: on the CPU they are not evaluated
         for entry in goals[first_engine:]:
             entry.update(status=NEEDS_GPU, ratio=None, ms=None, ci95=None, p=None, significant=None, point=None)
@@ -858,7 +902,7 @@ def run_bench(
     max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
     calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
-    progress: Callable[[str], None] | None = None,
+    hf_configs: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Load or build the model, cut the windows, calibrate, run :func:`bench_latency`; returns the JSON-ready
     record: settings (the arguments), model, windows, calibration, machine, versions, results (one dict per row),
@@ -872,7 +916,7 @@ def run_bench(
     if rounds < MIN_ROUNDS:  # before building anything
         raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
                          f"t-test on log latency over rounds (the round, not the token, is the unit)")
-    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine)
+    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine, hf_only=hf_configs)
     if texts:
         sources = []
         for name in texts:
@@ -923,6 +967,7 @@ def run_bench(
         "settings": {
             "model": model, "device": str(device_used), "rounds": rounds, "windows": windows, "tokens": tokens,
             "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
+            "hf_configs": None if hf_configs is None else list(hf_configs),
             "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
             "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
@@ -1021,6 +1066,11 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
                      f"{ENGINE_RESIDENT} (engine_resident's own: to resident); engine_*{NOCOPY_SUFFIX}: the same "
                      "routing on the all-resident copy, no copy made (compute-only time, the paper's Table 9); its "
                      "copy columns are the logical copies an offloaded run makes")
+    hosts = [(name, row["host_us_per_moe_layer"]) for name, row in rows.items() if row.get("host_us_per_moe_layer")]
+    if hosts:
+        lines.append("engine host time per MoE layer (the step's wall time less its waits on the GPU: policy, "
+                     "scheduler, graph launches), us, mean [95% CI] over rounds: " + "; ".join(
+                         f"{name} {h['mean']:.1f} [{h['ci95'][0]:.1f}, {h['ci95'][1]:.1f}]" for name, h in hosts))
     if any(row["kind"] in ROUTED_KINDS and row["copies"]["source"] != "offload scheduler" for row in rows.values()):
         lines.append("? = not measured: routed rows ran without offload (logical cache only)")
     if s["copy_delay_ms"]:
@@ -1036,10 +1086,11 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
             lines.append(f"goal {g['goal']}: {NEEDS_GPU} (this run: {machine['device']}; engine goals are evaluated "
                          "on CUDA only)")
             continue
-        if g.get("ms") is not None:
+        if g.get("ms") is not None or g.get("us") is not None:
             lo, hi = g["ci95"]
-            interval = f" [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) and math.isfinite(hi) else ""
-            lines.append(f"goal {g['goal']}: {g['status']} (mean {g['ms']:.2f} ms{interval}"
+            unit, value, digits = ("ms", g["ms"], 2) if g.get("ms") is not None else ("us", g["us"], 1)
+            interval = f" [{lo:.{digits}f}, {hi:.{digits}f}]" if math.isfinite(lo) and math.isfinite(hi) else ""
+            lines.append(f"goal {g['goal']}: {g['status']} (mean {value:.{digits}f} {unit}{interval}"
                          + ("" if g["status"] != "not shown" else
                             f", point estimate on the {'goal' if g['point'] == 'met' else 'other'} side, 95% "
                             f"interval across the bound") + ")")

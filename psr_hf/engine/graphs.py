@@ -147,6 +147,10 @@ class GraphDecoder(Sequences):
         if self.graphs:
             self._capture(max(int(warmup), 1))
         self.position = 0  # the next position to decode (a new sequence)
+        #: seconds the host has spent blocked on graph A's events (waiting for the GPU) since construction: a
+        #: step's wall time minus the growth of this (and minus any synchronisation after the step) is the host's
+        #: own time: policy, scheduler, graph launches (``psr-hf bench --engine``'s host us per MoE layer)
+        self.blocked_s = 0.0
 
     # ------------------------------------------------------------------ graph bodies
     def _dense(self, d: int) -> None:
@@ -315,7 +319,9 @@ class GraphDecoder(Sequences):
             self._host_scores[m].copy_(self._scores_f32[:, :width], non_blocking=True)
         if self._event is not None:
             self._event.record()  # on the current stream, after graph A_m
+            begin = time.perf_counter()
             self._event.synchronize()  # the host waits for this event only
+            self.blocked_s += time.perf_counter() - begin
         host = self._host_scores[m].numpy().copy()  # [1, width] (a copy: the buffer is rewritten next step)
         pregate = host[0, E:] if host.shape[1] > E and ctl.needs_pregate else None
         selection = ctl.select(m, host[0, :E], pregate)
