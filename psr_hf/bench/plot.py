@@ -18,17 +18,28 @@ _CATEGORIES = (("demand_per_token", "demand", "#c0392b"), ("prefetch_late_per_to
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _nocopy(row: Mapping[str, Any]) -> bool:
+    return str(row["configuration"]).endswith("_nocopy")
+
+
 def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     """Write a PNG of a :func:`~psr_hf.bench.offload.run_bench` record to ``path`` and return the path. Two panels:
     (a) ms/token against copies per token, one point per routed row (marker per capacity, colour per policy, bars:
     95% interval of the mean), the resident row (and accelerate's, if measured) as horizontal lines; (b) copies per
     token of each routed row stacked by kind (demand, late, in-time and unused prefetch), with ms/token as dots on
-    a second axis (the paper's Figure 4)."""
+    a second axis (the paper's Figure 4). A record with engine rows (``--engine``) plots those: the offloaded engine
+    rows as the routed points, the copies-skipped rows as hollow markers, engine_resident and the transformers
+    resident row as lines."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
     rows = list(record["results"])
-    routed = [row for row in rows if row["kind"] == "offload"]
-    by_kind = {row["kind"]: row for row in rows if row["kind"] != "offload"}
+    # with engine rows the figure is about them (the transformers rows stay as reference lines): the offloaded
+    # engine rows are the routed points, engine_resident a line, the copies-skipped rows hollow markers
+    engine = any(row["kind"] == "engine" for row in rows)
+    kind = "engine" if engine else "offload"
+    routed = [row for row in rows if row["kind"] == kind and not _nocopy(row)]
+    skipped = [row for row in rows if row["kind"] == kind and _nocopy(row)]
+    by_kind = {row["kind"]: row for row in rows if row["kind"] not in ("offload", "engine")}
     fig = Figure(figsize=(13, 5.2), layout="constrained")
     ax_a, ax_b = fig.subplots(1, 2, width_ratios=[1, 1.35])
     policies = list(dict.fromkeys(row["policy"] for row in routed))
@@ -42,8 +53,26 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
         ax_a.errorbar(row["copies"].get("copies_per_token", float("nan")), ms["mean"], yerr=err,
                       marker=markers[row["residency"]], color=colours[row["policy"]], linestyle="none", capsize=3,
                       markersize=7)
+    for row in skipped:
+        ax_a.plot(row["copies"].get("copies_per_token", float("nan")), row["ms_per_token"]["mean"],
+                  marker=markers.get(row["residency"], "o"), color=colours.get(row["policy"], "grey"),
+                  markerfacecolor="none", linestyle="none", markersize=8)
+    if skipped:
+        ax_a.plot([], [], marker="o", color="grey", markerfacecolor="none", linestyle="none",
+                  label="same routing, copies skipped")
     resident = by_kind.get("resident")
-    if resident is not None:
+    hf_resident = resident
+    if engine:
+        resident = by_kind.get("engine_resident")
+        if resident is not None:
+            ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
+                         label=f"engine, all resident {resident['ms_per_token']['mean']:.2f} ms")
+        if hf_resident is not None:
+            ax_a.axhline(hf_resident["ms_per_token"]["mean"], color="black", linestyle="-.", linewidth=1,
+                         label=f"transformers, all resident {hf_resident['ms_per_token']['mean']:.1f} ms")
+            if resident is not None and hf_resident["ms_per_token"]["mean"] > 8 * resident["ms_per_token"]["mean"]:
+                ax_a.set_yscale("log")
+    elif resident is not None:
         ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
                      label=f"resident (grouped_mm) {resident['ms_per_token']['mean']:.2f} ms")
     accelerated = by_kind.get("accelerate")
@@ -85,7 +114,7 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     twin.plot(x, [row["ms_per_token"]["mean"] for row in routed], "o", color="black", label="ms/token")
     if resident is not None:
         twin.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=0.8, linestyle=":",
-                     label="resident ms/token")
+                     label=f"{'engine ' if engine else ''}resident ms/token")
     twin.set_ylabel("ms per token")
     highest = max([row["ms_per_token"]["mean"] for row in routed]
                   + ([resident["ms_per_token"]["mean"]] if resident is not None else []), default=1.0)
@@ -94,7 +123,10 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     more_h, more_l = twin.get_legend_handles_labels()
     ax_b.legend(handles + more_h, labels + more_l, fontsize=8, loc="upper left", ncol=3)
     model = record["model"]
-    fig.suptitle(f"psr-hf bench: {model['name']}, {record['machine']['device']}, {record['settings']['rounds']} rounds")
+    what = "psr_hf engine (CUDA graphs)" if engine and record["settings"].get("engine_graphs") else (
+        "psr_hf engine" if engine else "transformers")
+    fig.suptitle(f"psr-hf bench: {model['name']}, {what}, {record['machine']['device']}, "
+                 f"{record['settings']['rounds']} rounds")
     path = Path(path)
     fig.savefig(path, dpi=120)
     return path
