@@ -302,7 +302,8 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
     tokens, rounds = 6, 3
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", str(rounds), "--windows", "1",
                  "--tokens", str(tokens), "--calibration-tokens", "512", "--no-accelerate", "--engine",
-                 "--json", str(record_path)]) == 0
+                 "--json", str(record_path), "--plot", str(tmp_path / "bench.png")]) == 0
+    assert (tmp_path / "bench.png").stat().st_size > 10_000  # the engine rows' figure
     out = capsys.readouterr().out
     record = json.loads(record_path.read_text())
     rows = {row["configuration"]: row for row in record["results"]}
