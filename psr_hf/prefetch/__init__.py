@@ -1,0 +1,28 @@
+"""SpecPrefetch (``../papers/specprefetch.md``): learned low-rank next-layer predictors that rank experts for
+prefetching only (the native router still decides what runs), their training, recall metrics and baselines.
+
+:class:`~psr_hf.prefetch.predictor.Predictor` is what ``psr_hf.patch(model, RoutingConfig(prefetch="predictor"),
+predictor=...)`` reads. The names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Predictor": "psr_hf.prefetch.predictor",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psr_hf.prefetch' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
