@@ -157,7 +157,7 @@ class DecodeBuffers:
     hidden: torch.Tensor  # [1, H] the residual stream
     normed: torch.Tensor  # [1, H] the post-attention RMSNorm output: the MLP / MoE / router input
     router_logits: torch.Tensor  # [1, 2E] (or [1, E] if no layer has a next MoE layer), router dtype
-    router_scores: torch.Tensor  # same shape: the family's joint scores
+    router_scores: torch.Tensor  # same shape, float32: the family's joint scores (the controller's)
     expert_ids: torch.Tensor  # [1, K] int64
     expert_weights: torch.Tensor  # [1, K] router dtype
     mlp_out: torch.Tensor  # [1, H] the MLP / MoE block output
@@ -240,6 +240,7 @@ class _Router:
     transposed: bool
     act: nn.Module
     shared: nn.Module | None
+    predicted: bool = False  # the pre-gate half of ``stacked`` is a learned predictor's (softmax priorities)
 
 
 # ---------------------------------------------------------------------------------------------------- base class
@@ -340,9 +341,15 @@ class DecodeLayers(abc.ABC):
         self.router_dtype = (self.family.stacked_router_weight(moe[0].router.weight[:1].detach(),
                                                                moe[0].router.weight[:1].detach()).dtype
                              if moe else self.dtype)
+        # a model patched with RoutingConfig(prefetch="predictor"): the pre-gate half of each stack is the
+        # controller's (the predictor's B A), the same tensor the transformers path multiplies
+        ctl = getattr(self.model, "_psr_hf_controller", None)
+        predictor = getattr(ctl, "predictor", None)
         for n, m in enumerate(moe):
             following = moe[n + 1].router if n + 1 < len(moe) else None
-            if following is not None:
+            if following is not None and predictor is not None:
+                stacked = self._own(f"layers.{m.decoder_index}.stacked_router", ctl.stacked_weight(n).detach())
+            elif following is not None:
                 stacked = self._own(f"layers.{m.decoder_index}.stacked_router",
                                     self.family.stacked_router_weight(m.router.weight.detach(),
                                                                       following.weight.detach()))
@@ -375,7 +382,7 @@ class DecodeLayers(abc.ABC):
             if shared is not None:
                 self._ref_mlp(f"layers.{m.decoder_index}.shared", shared)
             routers[m.decoder_index] = _Router(n, m.block, m.router, following, stacked, gate_up, down, transposed,
-                                               experts.act_fn, shared)
+                                               experts.act_fn, shared, predicted=predictor is not None)
         return routers
 
     def _ref_mlp(self, name: str, mlp: nn.Module) -> None:
@@ -397,7 +404,7 @@ class DecodeLayers(abc.ABC):
             hidden=torch.zeros(1, H, dtype=dt, device=dev),
             normed=torch.zeros(1, H, dtype=dt, device=dev),
             router_logits=torch.zeros(1, width, dtype=rdt, device=dev),
-            router_scores=torch.zeros(1, width, dtype=rdt, device=dev),
+            router_scores=torch.zeros(1, width, dtype=torch.float32, device=dev),  # lossless for every family
             expert_ids=torch.zeros(1, K, dtype=torch.int64, device=dev),
             expert_weights=torch.zeros(1, K, dtype=rdt, device=dev),
             mlp_out=torch.zeros(1, H, dtype=dt, device=dev),
@@ -532,7 +539,9 @@ class DecodeLayers(abc.ABC):
         self._check_row(logits, "router logits", r.stacked.shape[0])
         self._check_row(out, "router scores out", r.stacked.shape[0])
         out[:, :E].copy_(self.family.selection_scores(r.router, logits[:, :E]))
-        if r.following is not None:
+        if r.following is not None and r.predicted:  # a learned predictor's priorities (Controller.joint_scores)
+            out[:, E:].copy_(torch.softmax(logits[:, E:].float(), dim=-1))
+        elif r.following is not None:
             out[:, E:].copy_(self.family.selection_scores(r.following, logits[:, E:]))
 
     @torch.no_grad()

@@ -267,6 +267,11 @@ class Recorder:
         self._sequence += 1
 
 
+def predicted_priorities(logits: torch.Tensor) -> torch.Tensor:
+    """A learned predictor's token-level priorities from its logits: ``softmax`` in float32."""
+    return torch.softmax(logits.float(), dim=-1)
+
+
 class Controller:
     """Per-row routing state of one patched model; get it with :func:`psr_hf.controller`.
 
@@ -279,7 +284,7 @@ class Controller:
     """
 
     def __init__(self, model: torch.nn.Module, family: Any, layers: list, config: RoutingConfig,
-                 calibration: Any):
+                 calibration: Any, predictor: Any = None):
         self.model = model
         self.family = family
         self.layers = layers
@@ -311,10 +316,36 @@ class Controller:
         self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
         self._mass_bias = [np.zeros(0) if b is None else b
                            for b in (family.mass_bias(layer.router) for layer in layers)]
-        self._configure(config, calibration)
+        self.predictor: Any = None
+        self._configure(config, calibration, predictor)
 
-    def _configure(self, config: RoutingConfig, calibration: Any) -> None:
+    def _set_predictor(self, config: RoutingConfig, predictor: Any) -> None:
+        """The learned prefetch ranking of ``RoutingConfig(prefetch="predictor")`` (a
+        :class:`psr_hf.prefetch.Predictor`, read by duck typing: ``weight(pair)`` and ``check(...)``), checked
+        against the model."""
+        if config.prefetch != "predictor":
+            if predictor is not None:
+                raise ValueError("a predictor was given but the RoutingConfig ranks prefetches by the pre-gate "
+                                 "(prefetch='pregate'); set RoutingConfig(prefetch='predictor', ...) to use it")
+            self.predictor = None
+            return
+        if predictor is None:
+            raise ValueError("RoutingConfig(prefetch='predictor') needs the predictor: patch(model, config, "
+                             "predictor=psr_hf.prefetch.Predictor.load(path)) (train one with psr-hf "
+                             "train-predictor)")
+        if not callable(getattr(predictor, "weight", None)) or not callable(getattr(predictor, "check", None)):
+            raise ValueError(f"predictor must be a psr_hf.prefetch.Predictor (psr_hf.prefetch.Predictor.load(path) "
+                             f"reads a saved one); got {type(predictor).__name__}")
+        hidden = int(self.layers[0].router.weight.shape[1])
+        model_type = getattr(self.family.config, "model_type", None)
+        predictor.check(num_layers=self.num_layers, num_experts=self.num_experts, hidden_size=hidden,
+                        model_type=model_type, top_k=self.top_k)
+        self.predictor = predictor
+
+    def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None) -> None:
         """Everything that follows from the routing config: the logical cache, fresh rows and zero statistics."""
+        self._set_predictor(config, predictor)
+        self._stacked.clear()
         vocab = getattr(self.family.config, "vocab_size", None)
         cache = LogicalCache(
             config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
@@ -360,15 +391,18 @@ class Controller:
             if self.offload is not None:
                 self.offload.reset_stats()
 
-    def reconfigure(self, config: Any, calibration: Any = None) -> None:
+    def reconfigure(self, config: Any, calibration: Any = None, predictor: Any = None) -> None:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
-        slots if the capacity changed. Starts a new sequence and zeroes every statistic."""
+        slots if the capacity changed. Starts a new sequence and zeroes every statistic. ``predictor``: for
+        ``prefetch="predictor"`` (default: the one the model has)."""
         config = RoutingConfig.coerce(config)
+        if predictor is None and config.prefetch == "predictor":
+            predictor = self.predictor
         with self._lock:
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
-            self._configure(config, calibration)
+            self._configure(config, calibration, predictor)
             self._interrupted = None  # the cache is new: no sequence to continue
             if self.offload is not None:
                 if self.offload.capacity != self.capacity:
@@ -978,7 +1012,7 @@ class Controller:
         the model's own router runs afterwards, and only where the selection is the router's own top-K."""
         fwd = self._fwd
         B, S, E = fwd.rows, fwd.positions, self.num_experts
-        raw, both = self.family.joint_scores(router, following, hidden, self._stacked_weight(layer))
+        raw, both = self.joint_scores(layer, hidden)
         host = _host(both.detach() if both.requires_grad else both)  # [N, 2E]: this layer's z | next pre-gate
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
         # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
@@ -997,14 +1031,37 @@ class Controller:
         self._pregate[layer + 1] = g_next
         return result
 
-    def _stacked_weight(self, layer: int) -> torch.Tensor:
-        """``[2E, H]`` this router's weight over the next one's (one matmul gives z and the next pre-gate);
-        rebuilt when either weight is replaced or changed in place, and at every new sequence (device moves)."""
-        a, b = self.layers[layer].router.weight, self.layers[layer + 1].router.weight
+    def joint_scores(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [N, 2E], scores [N, 2E])`` of MoE layer ``layer`` (not the last) on its router input
+        ``hidden``: this layer's logits and selection scores, then the next layer's pre-gate from the same matmul:
+        the next router's scores on this input, or with ``RoutingConfig(prefetch="predictor")`` the predictor's
+        priorities ``softmax(B A x)`` in float32 (docs/ALGORITHM.md, "Prefetch ranking source")."""
+        raw, both = self.family.joint_scores(self.layers[layer].router, self.layers[layer + 1].router, hidden,
+                                             self.stacked_weight(layer))
+        if self.predictor is not None:
+            E = self.num_experts
+            both = torch.cat((both[:, :E].float(), predicted_priorities(raw[:, E:])), dim=-1)
+        return raw, both
+
+    def prefetch_weight(self, layer: int) -> torch.Tensor:
+        """``[E, H]``: what ranks the prefetches of layer ``layer + 1`` from layer ``layer``'s router input: the
+        next router's weight, or the predictor's ``B A`` (float32) with ``prefetch="predictor"``."""
+        if self.predictor is not None:
+            return self.predictor.weight(layer)
+        return self.layers[layer + 1].router.weight
+
+    def stacked_weight(self, layer: int) -> torch.Tensor:
+        """``[2E, H]`` this router's weight over :meth:`prefetch_weight` (one matmul gives z and the next
+        pre-gate), in the family's router dtype; rebuilt when a weight is replaced or changed in place, and at every
+        new sequence (device moves)."""
+        a = self.layers[layer].router.weight
+        b = self.layers[layer + 1].router.weight if self.predictor is None else self.predictor
         cached = self._stacked.get(layer)
-        key = (a._version, b._version, a.data_ptr(), b.data_ptr())  # in-place changes and new data (.half())
+        key = (a._version, a.data_ptr(), a.dtype, a.device) + (
+            (b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else (id(b),))
         if cached is None or cached[0] is not a or cached[1] is not b or cached[2] != key:
-            stacked = self.family.stacked_router_weight(a.detach(), b.detach())
+            following = self.prefetch_weight(layer).detach().to(device=a.device, dtype=a.dtype)
+            stacked = self.family.stacked_router_weight(a.detach(), following)
             cached = self._stacked[layer] = (a, b, key, stacked)
         return cached[3]
 

@@ -46,7 +46,8 @@ def _family(model: torch.nn.Module) -> Any:
     )
 
 
-def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None) -> torch.nn.Module:
+def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
+          predictor: Any = None) -> torch.nn.Module:
     """Make ``model``'s MoE routing cache-aware, in place; returns the same object.
 
     Args:
@@ -59,6 +60,9 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             device string such as ``"cuda:0"``): every non-expert weight moves to its device, the routed experts to
             a host store, and each MoE layer gets ``capacity`` expert slots on the device that follow the logical
             cache; :meth:`Controller.memory` reports the memory, :meth:`Controller.stats` the copies.
+        predictor: with ``RoutingConfig(prefetch="predictor")``, a :class:`psr_hf.prefetch.Predictor` (SpecPrefetch's
+            learned next-layer adapters: ``Predictor.load(path)``) whose priorities replace the pre-gate ranking of
+            prefetches (docs/ALGORITHM.md); checked against the model's shape.
 
     Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
     """
@@ -77,7 +81,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
     layers = family.moe_layers()
     if not layers:
         raise ValueError(f"{type(model).__name__} has no routed MoE layers for psr_hf to patch")
-    ctl = Controller(model, family, layers, routing, calibration)
+    ctl = Controller(model, family, layers, routing, calibration, predictor)
     if calibration is None and not (routing.biased and routing.delta_mode == "fixed"):
         logger.warning(
             "psr_hf.patch without a calibration: warm set = the first %d experts of each layer and no token prior; "
@@ -99,9 +103,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None) -> Iterator[torch.nn.Module]:
+def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
+            predictor: Any = None) -> Iterator[torch.nn.Module]:
     """``with psr_hf.patched(model, config) as m: ...``: patched inside the block, unpatched after (even on error)."""
-    patch(model, config, calibration=calibration, offload=offload)
+    patch(model, config, calibration=calibration, offload=offload, predictor=predictor)
     try:
         yield model
     finally:

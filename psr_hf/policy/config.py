@@ -17,6 +17,9 @@ from .policies import DEFAULTED_FIELDS, PART1_ALWAYS, POLICY_TABLE, Policy, desc
 POLICIES = tuple(POLICY_TABLE)  # the policy names, from the table in policies.py
 EVICTIONS = ("score", "lru")
 DELTA_MODES = ("fixed", "running")
+#: where the pre-gate ranking g comes from (ALGORITHM.md, "Prefetch ranking source"): the next layer's router on
+#: this layer's router input, or a learned predictor (psr_hf.prefetch.Predictor, given to patch(predictor=...))
+PREFETCH_SOURCES = ("pregate", "predictor")
 
 # `None` for window means "the architecture's default" (8 where there is none)
 DEFAULT_WINDOW = 8
@@ -71,6 +74,7 @@ class RoutingConfig:
     delta_mode: str = "fixed"
     decay_fast: float = 0.5
     decay_slow: float = 0.98
+    prefetch: str = "pregate"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_TABLE:
@@ -159,6 +163,15 @@ class RoutingConfig:
             value = getattr(self, name)
             if not _is_real(value) or not (0.0 <= float(value) < 1.0):
                 raise ValueError(f"{name}={value!r} must be a number in [0, 1)")
+        if self.prefetch not in PREFETCH_SOURCES:
+            raise ValueError(f"prefetch={self.prefetch!r} is not supported; allowed: {', '.join(PREFETCH_SOURCES)} "
+                             "(where the pre-gate ranking comes from)")
+        if self.prefetch != "pregate" and not self.needs_pregate:
+            raise ValueError(
+                f"prefetch={self.prefetch!r} replaces the pre-gate ranking, which policy={policy!r} with "
+                f"budget={self.budget} never reads; give a prefetch budget (e.g. policy='exact', eviction='score', "
+                "budget=2: SpecPrefetch's router-preserving prefetch) or use policy='psr' / 'spec'"
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
