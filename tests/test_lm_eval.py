@@ -311,6 +311,46 @@ def test_exact_policy_gives_lm_evals_hf_model_per_sample_results(lm_eval_api, ev
     _assert_same_responses(plain, exact, rel=0.0)  # bitwise
 
 
+def _random_predictor(model_dir: str, path: Path, rank: int = 2) -> str:
+    """A rank-r predictor of random factors for the saved model (the ranking it gives differs from the pre-gate's)."""
+    from transformers import AutoConfig
+
+    from psr_hf.prefetch import Predictor
+
+    config = AutoConfig.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    pairs, D, E = config.num_hidden_layers - 1, config.hidden_size, config.num_experts
+    Predictor([torch.randn(rank, D, generator=g) for _ in range(pairs)],
+              [torch.randn(E, rank, generator=g) for _ in range(pairs)],
+              {"model_type": config.model_type, "top_k": config.num_experts_per_tok}).save(path)
+    return str(path)
+
+
+def test_exact_routing_with_a_predictor_gives_lm_evals_hf_model_per_sample_results(lm_eval_api, evaluate, tiny):
+    """SpecPrefetch is router-preserving: prefetch=predictor with exact routing changes copies, never outputs."""
+    predictor = _random_predictor(tiny["model"], tiny["root"] / "predictor.safetensors")
+    args = dict(pretrained=tiny["model"], device="cpu", dtype="float32")
+    plain = evaluate("hf", model_args=args, batch_size=4)
+    spec = dict(policy="exact", residency=0.5, eviction="score", budget=2)
+    lm = _model(lm_eval_api, tiny, 4, **spec, prefetch="predictor", predictor=predictor)
+    _assert_same_responses(plain, evaluate(lm), rel=0.0)  # bitwise
+    stats = lm.routing_stats()
+    assert stats["predictor"] == predictor and stats["routing"]["prefetch"] == "predictor"
+    pregate = _model(lm_eval_api, tiny, 4, **spec)
+    evaluate(pregate)
+    assert stats["stats"]["prefetch_per_token"] != pregate.routing_stats()["stats"]["prefetch_per_token"]
+    cls = lm_eval_api[2]
+    with pytest.raises(ValueError, match="predictor= and prefetch=predictor go together"):
+        cls.create_from_arg_string(f"pretrained={tiny['model']},policy=exact,budget=2,residency=0.5,"
+                                   f"predictor={predictor}")
+    with pytest.raises(ValueError, match="predictor= and prefetch=predictor go together"):
+        cls.create_from_arg_string(f"pretrained={tiny['model']},policy=exact,budget=2,residency=0.5,"
+                                   "prefetch=predictor")
+    with pytest.raises(ValueError, match="is not a psr_hf predictor"):
+        cls.create_from_arg_string(f"pretrained={tiny['model']},policy=exact,budget=2,residency=0.5,"
+                                   f"prefetch=predictor,predictor={tiny['calibration']}")
+
+
 def test_a_shipped_offline_task_runs_under_psr_hf(lm_eval_api, tiny):
     shipped = REPO / "eval_configs" / "tasks"
     lm_eval, TaskManager, _ = lm_eval_api

@@ -16,7 +16,9 @@ None). The model args are
   checks;
 - psr_hf's own: ``calibration`` (a calibration file), ``config`` (a RoutingConfig YAML file, which explicit
   fields override), ``offload`` (a device such as ``cuda:0``, ``cuda`` or ``cpu``, to offload the experts to
-  host memory with :class:`~psr_hf.OffloadConfig`; ``true`` means ``cuda``) and ``max_in_flight``;
+  host memory with :class:`~psr_hf.OffloadConfig`; ``true`` means ``cuda``), ``max_in_flight`` and
+  ``predictor`` (a SpecPrefetch predictor file from ``psr-hf train-predictor``, used with ``prefetch=predictor``:
+  it ranks the prefetches, the router still selects);
 - whatever ``HFLM.__init__`` names.
 
 Any other name raises ``ValueError`` with the allowed names before the model is loaded (``HFLM`` would pass it on
@@ -68,7 +70,7 @@ from ..policy.config import RoutingConfig
 logger = logging.getLogger("lm_eval.models.psr_hf")
 
 ROUTING_ARGS = tuple(field.name for field in dataclasses.fields(RoutingConfig))
-PSR_ARGS = ("calibration", "config", "offload", "max_in_flight")
+PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor")
 
 
 def _hflm_args() -> list[str]:
@@ -184,7 +186,8 @@ class PSRLM(HFLM):
     """
 
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
-                 offload: str | bool | None = None, max_in_flight: int | None = None, **kwargs: Any) -> None:
+                 offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
+                 **kwargs: Any) -> None:
         """``pretrained`` and psr_hf's own args (see the module doc); ``kwargs``: the routing fields, and the rest
         goes to ``HFLM.__init__``."""
         check_args(kwargs)  # before anything loads
@@ -195,6 +198,15 @@ class PSRLM(HFLM):
                              "and Qwen3-Next)")
         fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
         routing = routing_config(fields, config)
+        predictor_path = _existing_file("predictor", predictor)
+        if (predictor_path is None) != (routing.prefetch != "predictor"):
+            raise ValueError("psr_hf model args predictor= and prefetch=predictor go together: predictor=FILE (from "
+                             "psr-hf train-predictor) ranks the prefetches of prefetch=predictor")
+        loaded_predictor = None
+        if predictor_path is not None:
+            from ..prefetch.predictor import Predictor
+
+            loaded_predictor = Predictor.load(predictor_path)  # a file that is no predictor fails before loading
         pretrained, calibration = model_and_calibration(pretrained, calibration)
         offload = offload_config(offload, max_in_flight)
         self._psr_offload = offload
@@ -211,7 +223,8 @@ class PSRLM(HFLM):
         if offload is not None and getattr(self, "accelerator", None) is not None:
             # data parallel (accelerate launch): every process offloads to its own device
             offload = dataclasses.replace(offload, device=str(self.accelerator.device))
-        patch(self.model, routing, calibration=calibration, offload=offload)
+        patch(self.model, routing, calibration=calibration, offload=offload, predictor=loaded_predictor)
+        self.predictor_path = predictor_path
         ctl = controller(self.model)
         if ctl.offload is not None:
             self._device = ctl.offload.device
@@ -281,6 +294,7 @@ class PSRLM(HFLM):
         return {
             "routing": self.routing.to_dict(),
             "calibration": self.calibration_path,
+            "predictor": self.predictor_path,
             "capacity": ctl.capacity,
             "num_experts": ctl.num_experts,
             "top_k": ctl.top_k,
