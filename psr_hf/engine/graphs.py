@@ -322,6 +322,9 @@ class GraphDecoder(Sequences):
             begin = time.perf_counter()
             self._event.synchronize()  # the host waits for this event only
             self.blocked_s += time.perf_counter() - begin
+        marks = self.marks
+        if marks is not None:  # the prediction for layer m + 1 is available from here on
+            marks.append(("pred", m, self._mark()))
         host = self._host_scores[m].numpy().copy()  # [1, width] (a copy: the buffer is rewritten next step)
         pregate = host[0, E:] if host.shape[1] > E and ctl.needs_pregate else None
         selection = ctl.select(m, host[0, :E], pregate)
@@ -333,11 +336,26 @@ class GraphDecoder(Sequences):
         if offload is not None:
             slots = offload.decode_slots(m, selection.experts)  # on CUDA: the current stream waits for the copies
             np.copyto(self._host_slots[m].numpy(), slots)
+        if marks is not None:  # layer m's experts start here (on CUDA: when the stream reaches graph B_m)
+            marks.append(("exec", m, self._mark()))
         self._run[f"B{m}"]()
         if offload is not None:
             offload.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
 
     # ------------------------------------------------------------------ measuring
+    #: None, or a list that every step appends ``(kind, moe_layer, mark)`` to: ``("pred", m, ...)`` when layer m's
+    #: scores and the next layer's prefetch ranking reach the host (after graph A_m), ``("exec", m, ...)`` where
+    #: layer m's expert computation begins (before graph B_m). ``mark``: a timing CUDA event recorded on the
+    #: current stream (CUDA), or ``time.perf_counter()`` seconds (CPU). :func:`psr_hf.prefetch.window` reads them.
+    marks: list | None = None
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     @torch.no_grad()
     def time_steps(self, tokens: Sequence[int]) -> float:
         """Mean wall milliseconds per :meth:`step` over ``tokens`` (continuing the current sequence)."""
