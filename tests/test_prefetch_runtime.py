@@ -174,3 +174,24 @@ def test_offload_and_engine_make_the_same_decisions(shipped):
     np.testing.assert_array_equal(off_rec.selected, hf_rec.selected)
     assert off_stats.offload is not None and off_stats.total["prefetch_per_token"] == hf_stats.total[
         "prefetch_per_token"]
+
+
+def test_divergence_pairs_psr_with_a_predictor_against_the_pre_gate(shipped):
+    from psr_hf.eval.divergence import divergence, predictor_pairs, sweep_configs
+
+    model, calibration, ids = shipped
+    configs = sweep_configs((0.5,), (0.3,), budget=1, predictor=True)
+    assert list(configs) == ["exact_lru_res50", "cp_lam0.3_res50", "psr_lam0.3_n1_res50", "psr_lam0.3_n1_pred_res50"]
+    with pytest.raises(ValueError, match="pass predictor="):
+        divergence(model, [ids], configs, calibration=calibration)
+    windows = [ids[:, :20], ids[:, 5:]]
+    rows = divergence(model, windows, configs, calibration=calibration, predictor=_predictor(model, 2, 5, 2.0))
+    (pair,) = predictor_pairs(rows)
+    by = {r.name: r for r in rows}
+    assert pair["predictor"] == "psr_lam0.3_n1_pred_res50" and pair["pregate"] == "psr_lam0.3_n1_res50"
+    want = np.mean(np.subtract(by[pair["predictor"]].window_excess, by[pair["pregate"]].window_excess))
+    assert pair["excess_nll_diff"] == pytest.approx(want)
+    lo, hi = pair["excess_nll_diff_ci95"]
+    assert lo <= pair["excess_nll_diff"] <= hi
+    assert by["psr_lam0.3_n1_pred_res50"].routing["prefetch"] == "predictor"
+    assert (by["psr_lam0.3_n1_pred_res50"].window_excess != by["psr_lam0.3_n1_res50"].window_excess)

@@ -87,7 +87,8 @@ def _ci95(values: np.ndarray) -> tuple[float, float]:
 
 
 def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs: Mapping[str, RoutingConfig],
-               calibration: Any = None, offload: Any = None, progress: bool = False) -> list[DivergenceRow]:
+               calibration: Any = None, offload: Any = None, progress: bool = False,
+               predictor: Any = None) -> list[DivergenceRow]:
     """Excess NLL over exact routing and routing statistics of each configuration on ``windows``.
 
     Args:
@@ -96,6 +97,8 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
         configs: name -> :class:`RoutingConfig`; each is patched in turn (and unpatched after).
         calibration: passed to :func:`psr_hf.patch`.
         offload: passed to :func:`psr_hf.patch` (outputs do not depend on it).
+        predictor: a :class:`psr_hf.prefetch.Predictor`, given to :func:`psr_hf.patch` for the configurations with
+            ``prefetch="predictor"`` (SpecPrefetch's learned ranking as the pre-gate).
         progress: show a tqdm bar (stderr) over the forward passes (the exact one and each configuration's).
     Returns one :class:`DivergenceRow` per configuration, in ``configs`` order.
     """
@@ -103,6 +106,10 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
         raise ValueError("divergence() needs the unpatched model (its own routers are the exact reference)")
     if not windows:
         raise ValueError("no windows to score")
+    wanting = [name for name, config in configs.items() if config.prefetch == "predictor"]
+    if wanting and predictor is None:
+        raise ValueError(f"configurations {', '.join(wanting)} rank prefetches by a predictor (prefetch='predictor'); "
+                         "pass predictor= (psr_hf.prefetch.Predictor.load(path))")
     device = next(model.parameters()).device
     ids = []
     for w in windows:
@@ -119,7 +126,8 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
         rows = []
         for name, config in configs.items():
             bar.set_postfix_str(name)
-            patch(model, config, calibration=calibration, offload=offload)
+            patch(model, config, calibration=calibration, offload=offload,
+                  predictor=predictor if config.prefetch == "predictor" else None)
             try:
                 ctl = controller(model)
                 nll = [_token_nll(model, w, bar) for w in ids]
@@ -150,9 +158,13 @@ def _row(name: str, config: RoutingConfig, capacity: int, nll: list[np.ndarray],
     )
 
 
+PREDICTED_SUFFIX = "_pred"  # a psr row whose pre-gate is a learned predictor's ranking
+
+
 def sweep_configs(residencies: Sequence[float] = (0.5, 0.25), lams: Sequence[float] = (0.1, 0.2, 0.3),
-                  budget: int = 1) -> dict[str, RoutingConfig]:
-    """The issue's grid: exact+LRU, and cache_prior and psr (``budget``) for each lam, at each residency."""
+                  budget: int = 1, predictor: bool = False) -> dict[str, RoutingConfig]:
+    """The issue's grid: exact+LRU, and cache_prior and psr (``budget``) for each lam, at each residency; with
+    ``predictor`` also each psr row with ``prefetch="predictor"`` (named ``psr_lam..._n..._pred_res...``)."""
     out: dict[str, RoutingConfig] = {}
     for r in residencies:
         suffix = f"res{100 * r:g}"
@@ -160,6 +172,29 @@ def sweep_configs(residencies: Sequence[float] = (0.5, 0.25), lams: Sequence[flo
         for lam in lams:
             out[f"cp_lam{lam:g}_{suffix}"] = RoutingConfig(policy="cache_prior", lam=lam, residency=r)
             out[f"psr_lam{lam:g}_n{budget}_{suffix}"] = RoutingConfig(policy="psr", lam=lam, budget=budget, residency=r)
+            if predictor:
+                out[f"psr_lam{lam:g}_n{budget}{PREDICTED_SUFFIX}_{suffix}"] = RoutingConfig(
+                    policy="psr", lam=lam, budget=budget, residency=r, prefetch="predictor")
+    return out
+
+
+def predictor_pairs(rows: Sequence[DivergenceRow]) -> list[dict[str, Any]]:
+    """For every psr row with a predictor and its plain twin (same lam, budget, residency): the paired difference
+    of excess NLL over windows (predictor minus pre-gate, with its 95% t-interval; negative: the learned ranking
+    costs less quality) and the demand and total copies per token of both."""
+    by_name = {r.name: r for r in rows}
+    out = []
+    for r in rows:
+        if PREDICTED_SUFFIX + "_" not in r.name:
+            continue
+        twin = by_name.get(r.name.replace(PREDICTED_SUFFIX + "_", "_"))
+        if twin is None:
+            continue
+        diff = np.asarray(r.window_excess) - np.asarray(twin.window_excess)
+        out.append({"predictor": r.name, "pregate": twin.name, "excess_nll_diff": float(diff.mean()),
+                    "excess_nll_diff_ci95": list(_ci95(diff)), "demand_per_token": [r.demand_per_token,
+                                                                                      twin.demand_per_token],
+                    "copies_per_token": [r.copies_per_token, twin.copies_per_token]})
     return out
 
 
