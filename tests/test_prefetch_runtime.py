@@ -195,3 +195,42 @@ def test_divergence_pairs_psr_with_a_predictor_against_the_pre_gate(shipped):
     assert lo <= pair["excess_nll_diff"] <= hi
     assert by["psr_lam0.3_n1_pred_res50"].routing["prefetch"] == "predictor"
     assert (by["psr_lam0.3_n1_pred_res50"].window_excess != by["psr_lam0.3_n1_res50"].window_excess)
+
+
+def test_previous_token_prefetch_is_naive_prefetch(shipped):
+    """prefetch="previous": the ranking of layer l at token t is z[t - 1, l] (the calibration's expert counts at
+    the first token); router-preserving with exact routing; replay, the engine and a left-padded batch agree."""
+    model, calibration, ids = shipped
+    config = RoutingConfig(**{**SPEC, "prefetch": "previous", "window": 16})  # beyond its own top-8
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=10, do_sample=False)
+    with psr_hf.patched(model, config, calibration=calibration):
+        out, rec, stats = _generate(model, ids)
+        ctl = psr_hf.controller(model)
+        ctl.reset()
+        decoder = GraphDecoder(model, ids.shape[1] + 12, graphs=False)
+        with ctl.record() as erec:
+            seq = decoder.generate_greedy(ids, 10)
+        # a batch of two rows, the second left-padded: each row decides as it does alone
+        pad = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), ids[:, :-3]], dim=1)
+        mask = torch.cat([torch.zeros(1, 3), torch.ones(1, ids.shape[1] - 3)], dim=1).long()
+        ctl.reset()
+        with torch.no_grad(), ctl.record() as brec:
+            model(torch.cat([ids, pad]), attention_mask=torch.cat([torch.ones_like(ids), mask]))
+        ctl.reset()
+        with torch.no_grad(), ctl.record() as srec:
+            model(ids[:, :-3])
+    assert torch.equal(out.sequences, plain)
+    L = rec.scores.shape[1]
+    np.testing.assert_array_equal(rec.pregate[1:, 1:], rec.scores[:-1, 1:])  # z of the previous token
+    counts = np.asarray(calibration.expert_counts, dtype=np.float32)
+    np.testing.assert_array_equal(rec.pregate[0, 1:], counts[1:L])
+    assert stats.total["prefetch_per_token"] > 0
+    np.testing.assert_array_equal(psr_hf.replay(config, rec, calibration=calibration).selected, rec.selected)
+    assert torch.equal(seq, out.sequences)
+    np.testing.assert_array_equal(erec.recordings[0].selected, rec.selected)
+    # (the engine runs the prompt one token at a time: its scores equal the block forward's to rounding)
+    np.testing.assert_allclose(erec.recordings[0].pregate, rec.pregate, rtol=1e-5, atol=1e-5)
+    padded = next(r for r in brec.recordings if r.row == 1)
+    np.testing.assert_allclose(padded.pregate, srec.recordings[0].pregate, rtol=1e-5, atol=1e-5)  # batch rounding
+    np.testing.assert_array_equal(padded.selected, srec.recordings[0].selected)

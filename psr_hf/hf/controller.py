@@ -317,6 +317,7 @@ class Controller:
         self._mass_bias = [np.zeros(0) if b is None else b
                            for b in (family.mass_bias(layer.router) for layer in layers)]
         self.predictor: Any = None
+        self._previous: np.ndarray | None = None  # prefetch="previous": [L, R, E] each row's last real z per layer
         self._configure(config, calibration, predictor)
 
     def _set_predictor(self, config: RoutingConfig, predictor: Any) -> None:
@@ -346,6 +347,7 @@ class Controller:
         """Everything that follows from the routing config: the logical cache, fresh rows and zero statistics."""
         self._set_predictor(config, predictor)
         self._stacked.clear()
+        self._from_previous = config.prefetch == "previous"
         vocab = getattr(self.family.config, "vocab_size", None)
         cache = LogicalCache(
             config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
@@ -361,6 +363,7 @@ class Controller:
         self._displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
         self._totals = RoutingCounters()  # finished sequences since the last reset_stats()
+        self._start_previous(1)
 
     # ------------------------------------------------------------------ public
     @property
@@ -549,7 +552,11 @@ class Controller:
         mode = "select" if self._needs_pregate and (layer or layer + 1 < self.num_layers) else "both"
         plan = self._decode_select(layer, z[:, 0], mode)
         count, tensor, _ = self._decide(layer, plan, z)
-        if pregate is not None and self._needs_pregate and layer + 1 < self.num_layers:
+        if self._from_previous:
+            if layer + 1 < self.num_layers:  # the previous token's scores of the next layer, then this token's
+                self._pregate[layer + 1] = self._previous[layer + 1][:, None].copy()
+            self._remember(layer, z)
+        elif pregate is not None and self._needs_pregate and layer + 1 < self.num_layers:
             # a copy: the caller's buffer is rewritten by the next layer before this pre-gate is read
             self._pregate[layer + 1] = np.array(pregate, dtype=np.float32, order="C").reshape(1, 1, E)
         return Selection(experts=tensor.numpy()[0], tensor=tensor, own=count == 0)
@@ -675,6 +682,7 @@ class Controller:
             self.cache.reset()
         self._displaced = np.zeros((self.num_layers, rows))
         self._finished = np.zeros(rows, dtype=bool)
+        self._start_previous(rows)
         if self.offload is not None:  # every row starts from the warm set: copy it into the slots
             self.offload.new_sequence([self.cache.resident(layer, 0) for layer in range(self.num_layers)])
 
@@ -684,6 +692,8 @@ class Controller:
         self.cache.reorder(index)
         self._displaced = self._displaced[:, index]
         self._finished = self._finished[index]
+        if self._previous is not None:
+            self._previous = np.ascontiguousarray(self._previous[:, index])
         if self._recorder is not None:
             self._recorder._reorder(index)
 
@@ -1003,7 +1013,11 @@ class Controller:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
             plan = self._decode_select(layer, z_host[:, 0], "select" if self._needs_pregate and layer else "both")
         else:
+            if self._from_previous and layer:
+                self._pregate[layer] = self._previous_pregate(layer, z_host)
             plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
+        if self._from_previous:
+            self._remember(layer, z_host)
         return self._execute(layer, router, plan, z_host, own[0], own, None)
 
     def _route_joint(self, layer: int, router: Any, following: Any, hidden: torch.Tensor,
@@ -1018,16 +1032,22 @@ class Controller:
         # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
         z_host = np.ascontiguousarray(host[:, :E]).reshape(B, S, E)
         g_next = np.ascontiguousarray(host[:, E:]).reshape(B, S, E)
+        if self._from_previous and S == 1:  # the previous token's scores of the next layer (not yet rewritten)
+            g_next = self._previous[layer + 1][:, None].copy()
         if S == 1:
             # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
             # computes), on the cache's own buffers
             plan = self._decode_select(layer, host[:, :E], "select")
             result = self._execute(layer, router, plan, z_host, logits, None, run_own)
-            self._decode_prefetch(layer + 1, host[:, E:])
+            self._decode_prefetch(layer + 1, g_next[:, 0])
         else:
             # a block of positions: parts 1 and 2 of this layer for each position in order
+            if self._from_previous and layer:
+                self._pregate[layer] = self._previous_pregate(layer, z_host)
             plan = self.cache.step(layer, z_host, self._pregate[layer], fwd.tokens, fwd.valid)
             result = self._execute(layer, router, plan, z_host, logits, None, run_own)
+        if self._from_previous:
+            self._remember(layer, z_host)
         self._pregate[layer + 1] = g_next
         return result
 
@@ -1086,6 +1106,44 @@ class Controller:
         mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
         new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
         return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+
+    # ------------------------------------------------------------------ prefetch="previous" (Naive Prefetch)
+    def _start_previous(self, rows: int) -> None:
+        """At a sequence start the previous-token ranking of every layer is the calibration's expert counts (the
+        experts the router picks most often: mostly the warm set, already resident)."""
+        if not self._from_previous:
+            self._previous = None
+            return
+        counts = np.asarray(self.calibration.expert_counts, dtype=np.float32)  # [L, E]
+        self._previous = np.repeat(counts[:, None, :], rows, axis=1)  # [L, R, E], a writable copy
+
+    def _remember(self, layer: int, z_host: np.ndarray) -> None:
+        """Keep each row's last real z of ``layer`` (``z_host`` [B, S, E]) as the next token's ranking."""
+        fwd = self._fwd
+        previous = self._previous[layer]
+        valid = fwd.valid
+        if valid is None:
+            previous[:] = z_host[:, -1]
+            return
+        for b in range(z_host.shape[0]):
+            real = np.flatnonzero(valid[b])
+            if real.size:
+                previous[b] = z_host[b, real[-1]]
+
+    def _previous_pregate(self, layer: int, z_host: np.ndarray) -> np.ndarray:
+        """``[B, S, E]``: each position's ranking for ``layer`` = the scores of the row's previous real position at
+        this layer (this block's, or the one before the block), before :meth:`_remember` updates them."""
+        fwd = self._fwd
+        B, S, E = z_host.shape
+        g = np.empty((B, S, E), dtype=np.float32)
+        valid = fwd.valid
+        for b in range(B):
+            last = self._previous[layer, b]
+            for s in range(S):
+                g[b, s] = last
+                if valid is None or valid[b, s]:
+                    last = z_host[b, s]
+        return g
 
     def _decode_select(self, layer: int, z: np.ndarray, mode: str) -> StepPlan:
         """One position per row (decoding): part 2 of ``layer`` (``mode`` "select"), or parts 1 and 2 ("both"),

@@ -18,8 +18,9 @@ POLICIES = tuple(POLICY_TABLE)  # the policy names, from the table in policies.p
 EVICTIONS = ("score", "lru")
 DELTA_MODES = ("fixed", "running")
 #: where the pre-gate ranking g comes from (ALGORITHM.md, "Prefetch ranking source"): the next layer's router on
-#: this layer's router input, or a learned predictor (psr_hf.prefetch.Predictor, given to patch(predictor=...))
-PREFETCH_SOURCES = ("pregate", "predictor")
+#: this layer's router input, a learned predictor (psr_hf.prefetch.Predictor, given to patch(predictor=...)), or
+#: the previous token's scores at the same layer (SpecPrefetch's Naive Prefetch baseline)
+PREFETCH_SOURCES = ("pregate", "predictor", "previous")
 
 # `None` for window means "the architecture's default" (8 where there is none)
 DEFAULT_WINDOW = 8
