@@ -24,7 +24,8 @@ DESCRIPTION = (
     "Cache-aware expert routing for transformers Mixture-of-Experts models: run the demo, measure how far a routing "
     "policy moves a model from exact routing (kl) and how many expert copies it needs, calibrate a model, grow a "
     "small trained model to real-size dimensions with the same routing (grow), benchmark "
-    "the policy kernels and offloaded decoding, compare lm-eval runs, or run lm-eval with --model psr_hf (eval). "
+    "the policy kernels and offloaded decoding, train a learned next-layer prefetch predictor and measure its expert "
+    "recall (train-predictor, recall), compare lm-eval runs, or run lm-eval with --model psr_hf (eval). "
     "Models are named the same way everywhere: tiny-moe (shipped), a local model directory, or a hub id "
     "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
 )
@@ -379,6 +380,139 @@ def _floats(option: str, text: str) -> list[float]:
     return values
 
 
+# ---------------------------------------------------------------------------------------------------- prefetch
+# the predictors' default training text: standard-library modules other than the windows' (WINDOW_MODULES)
+PREDICTOR_MODULES = ("functools", "heapq", "string", "contextlib", "dataclasses", "enum", "typing", "inspect",
+                     "pathlib", "tarfile", "zipfile", "subprocess", "pickle", "ast", "difflib", "shutil")
+PREDICTOR_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _read_texts(option: str, files: Sequence[str]) -> list[str]:
+    texts = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{option} {name}: no such file")
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return texts
+
+
+def _token_windows(texts: Sequence[str], tokenizer: Any, *, tokens: int, window: int, option: str) -> list[Any]:
+    """Token-id windows of at most ``window`` tokens cut from each text in turn (never across texts) until
+    ``tokens`` tokens; ``ValueError`` naming ``option`` when the texts hold fewer."""
+    import torch
+
+    if tokens < 2 or window < 2:
+        raise ValueError(f"{option} {tokens} and --window {window} must be at least 2")
+    out, total = [], 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        for start in range(0, len(ids), window):
+            piece = ids[start:start + min(window, tokens - total)]
+            if len(piece) < 2:  # a window needs a token with a previous one
+                continue
+            out.append(torch.tensor(piece, dtype=torch.long))
+            total += len(piece)
+            if total >= tokens:
+                return out
+    raise ValueError(f"{option} {tokens}: the texts hold only {total} tokens; give fewer tokens or more text")
+
+
+def _predictor_texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The predictors' training texts and their names: --text files, else :data:`PREDICTOR_MODULES`' sources."""
+    from .bench.workloads import module_sources
+
+    if args.text:
+        return _read_texts("--text", args.text), list(args.text)
+    return [t for _, t in module_sources(PREDICTOR_MODULES)], [f"stdlib:{m}" for m in PREDICTOR_MODULES]
+
+
+def cmd_train_predictor(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.workloads import load_model
+    from .prefetch.train import train_predictor
+
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
+    _err(f"psr-hf train-predictor: loading {args.model}")
+    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    texts, names = _predictor_texts(args)
+    windows = _token_windows(texts, tokenizer, tokens=args.tokens, window=args.window, option="--tokens")
+    _err(f"psr-hf train-predictor: {sum(w.numel() for w in windows)} tokens in {len(windows)} windows of "
+         f"{', '.join(names)}")
+    predictor = train_predictor(model, windows, rank=args.rank, epochs=args.epochs, lr=args.lr,
+                                batch_size=args.batch_size, dtype=getattr(torch, PREDICTOR_DTYPES[args.dtype]),
+                                seed=args.seed, progress=True)
+    predictor.metadata.update(model=str(info["name"]), texts=", ".join(names))
+    predictor.save(args.out)
+    meta = predictor.metadata
+    print(f"psr-hf train-predictor: {info['name']}: {predictor.num_pairs} layer pairs, rank {predictor.rank}, "
+          f"{predictor.num_parameters:,} parameters; {meta['tokens']} tokens, {meta['steps']} steps "
+          f"({meta['precision']}); KL {float(meta['initial_loss']):.4f} -> {float(meta['final_loss']):.4f} "
+          f"(final loss)")
+    print(f"predictor: {args.out}")
+    return 0
+
+
+def cmd_recall(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources
+    from .prefetch.recall import format_recall_table, recall_table
+
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
+    started = time.perf_counter()
+    _err(f"psr-hf recall: loading {args.model}")
+    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    texts, names = _predictor_texts(args)
+    train = _token_windows(texts, tokenizer, tokens=args.train_tokens, window=args.window, option="--train-tokens")
+    held_out = default_texts(args.model)  # a shipped trained model never saw it
+    if args.heldout_text:
+        held_texts, held_names = _read_texts("--heldout-text", args.heldout_text), list(args.heldout_text)
+    elif held_out:
+        held_texts, held_names = [t for _, t in held_out], [n for n, _ in held_out]
+    else:
+        held_texts = [t for _, t in module_sources(WINDOW_MODULES)]
+        held_names = [f"stdlib:{m}" for m in WINDOW_MODULES]
+    held = _token_windows(held_texts, tokenizer, tokens=args.heldout_tokens, window=args.window,
+                          option="--heldout-tokens")
+    budgets = [int(x) for x in _floats("--budgets", args.budgets)] if args.budgets else None
+    _err(f"psr-hf recall: training on {args.train_tokens} tokens of {', '.join(names)}; evaluating on "
+         f"{args.heldout_tokens} tokens of {', '.join(held_names)}")
+    record = recall_table(model, train, held, rank=args.rank, budgets=budgets, predictor=args.predictor,
+                          epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                          dtype=getattr(torch, PREDICTOR_DTYPES[args.dtype]), seed=args.seed, progress=True)
+    record.update(model_name=str(info["name"]), train_texts=names, heldout_texts=held_names,
+                  wall_seconds=time.perf_counter() - started)
+    print(f"psr-hf recall: {info['name']}: next-layer ExpertRecall@M on held-out text ({', '.join(held_names)})")
+    print(format_recall_table(record))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2, ensure_ascii=False))
+        print(f"JSON record: {args.json}")
+    return 0
+
+
+def _prefetch_options(p: argparse.ArgumentParser) -> None:
+    """Options that train-predictor and recall share."""
+    p.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="training text (repeatable; default: standard-library sources other than the kl and bench "
+                        "windows': " + ", ".join(PREDICTOR_MODULES) + ")")
+    p.add_argument("--rank", type=int, default=16, help="SpecPrefetch's adapter rank r (default 16)")
+    p.add_argument("--epochs", type=int, default=1, help="training epochs (default 1, the paper's)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (default 1e-3: the paper's 1e-4 is for millions of tokens; a CPU run "
+                        "trains on tens of thousands)")
+    p.add_argument("--batch-size", type=int, default=64, help="tokens per optimiser step (default 64)")
+    p.add_argument("--window", type=int, default=256, help="tokens per forward window (default 256)")
+    p.add_argument("--dtype", default="bf16", choices=list(PREDICTOR_DTYPES),
+                   help="training precision: bf16 (autocast over float32 master weights, the default) or fp32")
+    p.add_argument("--device", default="cpu", help="torch device to run the model on (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training and of random models (default 0)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+
+
 # ---------------------------------------------------------------------------------------------------- compare
 def cmd_compare(args: argparse.Namespace) -> int:
     from .eval.compare import compare_runs, load_run, parse_run_argument
@@ -585,6 +719,32 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "token here: one line per policy, one panel per residency")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_kl)
+
+    p = sub.add_parser("train-predictor", help="train SpecPrefetch's low-rank next-layer expert predictor of a model "
+                                               "(prefetch ranking only) on text; writes .safetensors")
+    p.add_argument("--model", required=True, help="tiny-moe, olmoe-routing, moonlight-routing, tiny (random), a "
+                                                   "model directory or a hub id owner/name")
+    p.add_argument("--tokens", type=int, default=32768, help="training tokens (default 32768)")
+    p.add_argument("--out", required=True, help="predictor file to write (.safetensors)")
+    _prefetch_options(p)
+    p.set_defaults(func=cmd_train_predictor)
+
+    p = sub.add_parser("recall", help="next-layer ExpertRecall@M of SpecPrefetch and baselines (pre-gate, previous "
+                                      "token, single MLP, ProMoE-style MLP) on held-out text (the paper's Tables 1-3)")
+    p.add_argument("--model", default="tiny-moe", help="tiny-moe (default), olmoe-routing, moonlight-routing, tiny "
+                                                       "(random), a model directory or a hub id owner/name")
+    p.add_argument("--predictor", help="a trained SpecPrefetch predictor (.safetensors) to evaluate instead of "
+                                       "training one (the baselines still train)")
+    p.add_argument("--train-tokens", type=int, default=16384, help="training tokens of the learned methods "
+                                                                   "(default 16384)")
+    p.add_argument("--heldout-tokens", type=int, default=4096, help="evaluated tokens (default 4096)")
+    p.add_argument("--heldout-text", action="append", default=[], metavar="FILE",
+                   help="held-out text (repeatable; default: the held-out Persuasion text for the shipped models, "
+                        "standard-library window modules otherwise)")
+    p.add_argument("--budgets", help="comma-separated candidate budgets M (default K/2,K,K+2)")
+    p.add_argument("--json", help="write the JSON record here")
+    _prefetch_options(p)
+    p.set_defaults(func=cmd_recall)
 
     p = sub.add_parser("compare", help="paired comparison of lm-eval --log_samples runs with a reference: points, "
                                        "McNemar, Holm (the paper's Tables 3-4)")

@@ -362,3 +362,41 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
     assert ("engine_cp_lam0.2_res25", "engine_psr_lam0.3_n1_res25") in names
     assert ("engine_resident", "resident") in names
     assert "engine_exact_lru_res50 / engine_psr_lam0.3_n1_res50" in out
+
+
+def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, quiet_psr_hf):
+    """--prefetch-budgets: specprefetch_mM (the predictor's ranking) and naive_mM (the previous token's) per
+    capacity, their engine twins with the same copies, PRED0 (the engine's copies-skipped specprefetch row) with
+    the same logical copies; a predictor of a smaller hidden size is padded for the (grown) model."""
+    from psr_hf.bench.offload import load_bench_predictor, run_bench
+    from psr_hf.prefetch import Predictor
+
+    L, E, D = TINY_SHAPE["num_hidden_layers"], TINY_SHAPE["num_experts"], TINY_SHAPE["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    small = Predictor([torch.randn(2, D - 16, generator=g) for _ in range(L - 1)],
+                      [torch.randn(E, 2, generator=g) for _ in range(L - 1)], {"model_type": "olmoe"})
+    padded, info = load_bench_predictor(small, tiny_model)
+    assert padded.hidden_size == D and info["padded_to"] == D
+    assert torch.equal(padded.A[0][:, : D - 16], small.A[0]) and not padded.A[0][:, D - 16:].any()
+    record = run_bench(model="tiny", device="cpu", rounds=3, windows=1, tokens=6, capacities=(0.5,),
+                       accelerate=False, engine=True, hf_configs=["specprefetch_m2", "naive_m2"],
+                       configs=["exact_lru", "specprefetch_m2", "naive_m2"], prefetch_budgets=(2,), predictor=small,
+                       calibration_tokens=512)
+    rows = {row["configuration"]: row for row in record["results"]}
+    assert set(rows) == {"resident", "specprefetch_m2_res50", "naive_m2_res50", "engine_resident",
+                         "engine_exact_lru_res50", "engine_specprefetch_m2_res50", "engine_naive_m2_res50",
+                         "engine_specprefetch_m2_res50_nocopy"}
+    assert rows["specprefetch_m2_res50"]["routing"]["prefetch"] == "predictor"
+    assert rows["naive_m2_res50"]["routing"]["prefetch"] == "previous"
+    for name in ("specprefetch_m2_res50", "naive_m2_res50"):
+        hf, eng = rows[name]["copies"], rows["engine_" + name]["copies"]
+        # the same decisions (the physical copies may differ by a dropped prefetch: that depends on copy timing)
+        for key in ("logical_copies_per_token", "logical_demand_per_token", "logical_prefetch_per_token"):
+            assert eng[key] == pytest.approx(hf[key]), (name, key)
+    assert rows["specprefetch_m2_res50"]["copies"]["prefetch_per_token"] > 0
+    pred0 = rows["engine_specprefetch_m2_res50_nocopy"]["copies"]
+    assert pred0["copies_per_token"] == pytest.approx(rows["specprefetch_m2_res50"]["copies"]["logical_copies_per_token"])
+    assert record["settings"]["prefetch_budgets"] == [2] and record["settings"]["predictor"]["padded_to"] == D
+    with pytest.raises(ValueError, match="need a predictor: --predictor FILE"):
+        run_bench(model="tiny", device="cpu", rounds=3, windows=1, tokens=4, capacities=(0.5,), accelerate=False,
+                  configs=["specprefetch_m2"], prefetch_budgets=(2,), predictor=None, calibration_tokens=256)

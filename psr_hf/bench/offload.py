@@ -63,7 +63,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..hf.patching import controller, patch, unpatch
-from ..policy.config import RoutingConfig
+from ..policy.config import MAX_EXPERTS, RoutingConfig
 from .common import device_sync, machine, paired_summary, quiet_uncalibrated, rotated, summarize, versions
 from .workloads import (CALIBRATION_MODULES, GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, module_sources,
                         text_windows)
@@ -134,9 +134,27 @@ def capacity_suffix(residency: float) -> str:
     return f"_res{round(residency * 100)}"
 
 
+def prefetch_configs(budgets: Sequence[int], predictor: bool = True) -> dict[str, dict[str, Any]]:
+    """SpecPrefetch's system comparison (its Tables 4-5, Figure 4) as routed rows, per prefetch budget ``M``:
+    ``specprefetch_mM`` (exact routing, prefetches ranked by the learned predictor, at most M per layer and token,
+    over every expert) and ``naive_mM`` (the same with the previous token's scores: Naive Prefetch). OFF is
+    ``exact_lru`` (no prefetch); PRED0 is the engine's copies-skipped row of ``specprefetch_mM``."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in budgets:
+        if not isinstance(m, int) or m < 1:
+            raise ValueError(f"prefetch budget {m!r} must be an int >= 1 (prefetch copies per layer and token)")
+        if predictor:
+            out[f"specprefetch_m{m}"] = dict(policy="exact", eviction="score", budget=m, window=MAX_EXPERTS,
+                                             prefetch="predictor")
+        out[f"naive_m{m}"] = dict(policy="exact", eviction="score", budget=m, window=MAX_EXPERTS,
+                                  prefetch="previous")
+    return out
+
+
 def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate: bool = True,
                     only: Sequence[str] | None = None, engine: bool = False,
-                    hf_only: Sequence[str] | None = None) -> list[BenchConfig]:
+                    hf_only: Sequence[str] | None = None, prefetch_budgets: Sequence[int] = (),
+                    predictor: bool = False) -> list[BenchConfig]:
     """The benchmark's rows: ``resident`` (always: the reference of every ratio), ``accelerate`` (unless
     ``accelerate`` is False) and every :data:`POLICY_CONFIGS` entry at every residency in ``capacities``.
 
@@ -146,7 +164,8 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
     ``engine`` appends ``engine_resident`` and an ``engine_<name>`` row (kind ``engine``) for every routed row kept.
     ``hf_only`` (with ``engine``): of the routed transformers rows, keep only these names (the same rule as
     ``only``; an empty list keeps none); the engine rows still mirror every routed row ``only`` keeps (the
-    transformers rows are the slow ones: keep one or two as references)."""
+    transformers rows are the slow ones: keep one or two as references). ``prefetch_budgets``: also the rows of
+    :func:`prefetch_configs` (SpecPrefetch's ``specprefetch_mM`` only with ``predictor``), at every capacity."""
     if not capacities:
         raise ValueError("capacities is empty; give at least one residency in (0, 1], e.g. 0.5")
     for residency in capacities:
@@ -158,12 +177,16 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
     rows = [BenchConfig(RESIDENT, "resident", RESIDENT)]
     if accelerate:
         rows.append(BenchConfig(ACCELERATE, "accelerate", ACCELERATE))
+    table = {**POLICY_CONFIGS, **prefetch_configs(list(prefetch_budgets), predictor)}
     for residency in capacities:
-        for policy, fields in POLICY_CONFIGS.items():
+        for policy, fields in table.items():
             rows.append(BenchConfig(policy + capacity_suffix(residency), "offload", policy,
                                     RoutingConfig(residency=float(residency), **fields), float(residency)))
     if only is not None:
         wanted = {name.strip() for name in only if name.strip()}
+        if not predictor and any(name.startswith("specprefetch_") for name in wanted):
+            raise ValueError("the specprefetch_m* rows rank prefetches by a learned predictor: they need a "
+                             "predictor: --predictor FILE (psr-hf train-predictor) with --prefetch-budgets")
         known = {row.name for row in rows} | {row.policy for row in rows}
         unknown = sorted(wanted - known)
         if unknown:
@@ -187,7 +210,8 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
                     for row in routed)
         # copies skipped (the paper's Table 9): the same routing decisions on the all-resident copy, no copy at all
         rows.extend(BenchConfig(ENGINE_PREFIX + row.name + NOCOPY_SUFFIX, "engine", row.policy, row.routing,
-                                row.residency, skip_copies=True) for row in routed if row.policy == PSR_GOAL)
+                                row.residency, skip_copies=True) for row in routed
+                    if row.policy == PSR_GOAL or row.policy.startswith("specprefetch_"))  # PRED0
     return rows
 
 
@@ -392,29 +416,42 @@ def offload_config(device: torch.device | str, *, max_in_flight: int = 2, copy_d
                pin_memory=device.type == "cuda")
 
 
+def _predictor_for(routing: RoutingConfig, predictor: Any) -> Any:
+    """The predictor a row's patch needs: the bench's for ``prefetch="predictor"`` rows, none otherwise."""
+    if routing.prefetch != "predictor":
+        return None
+    if predictor is None:
+        raise ValueError("rows with prefetch='predictor' (specprefetch_m*) need a predictor: --predictor FILE "
+                         "(psr-hf train-predictor)")
+    return predictor
+
+
 class _SharedCopy:
     """The one patched copy of the model that every routed row runs on: patched with the first configuration,
     switched with ``Controller.reconfigure`` afterwards (offloading a 13 GB model takes seconds)."""
 
-    def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any):
+    def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any,
+                 predictor: Any = None):
         self.source, self.device, self.calibration, self.offload = source, device, calibration, offload
+        self.predictor = predictor
         self.model: torch.nn.Module | None = None
         self.current: RoutingConfig | None = None
 
     def activate(self, routing: RoutingConfig) -> torch.nn.Module:
+        predictor = _predictor_for(routing, self.predictor)
         if self.model is None:
             # on a GPU the copy doubles the experts only until patch() has moved them to the host store
             model = copy.deepcopy(self.source)
-            patch(model, routing, calibration=self.calibration, offload=self.offload)
+            patch(model, routing, calibration=self.calibration, offload=self.offload, predictor=predictor)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.model = model
         elif routing != self.current:
             if self.offload is None:  # logical cache only: a fresh patch costs nothing
                 unpatch(self.model)
-                patch(self.model, routing, calibration=self.calibration)
+                patch(self.model, routing, calibration=self.calibration, predictor=predictor)
             else:
-                controller(self.model).reconfigure(routing, calibration=self.calibration)
+                controller(self.model).reconfigure(routing, calibration=self.calibration, predictor=predictor)
         self.current = routing
         return self.model
 
@@ -434,9 +471,9 @@ class _EngineRows:
     offload's slot buffers were reallocated."""
 
     def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any, max_len: int,
-                 graphs: bool, routed: bool):
+                 graphs: bool, routed: bool, predictor: Any = None):
         self.source, self.device, self.calibration, self.max_len, self.graphs = source, device, calibration, max_len, graphs
-        self.offload, self.routed = offload, routed
+        self.offload, self.routed, self.predictor = offload, routed, predictor
         # one offloaded copy per capacity: no resize, so each decoder is built (captured) once. (A first version
         # that rebuilt the decoder after each resize of one shared copy reported other copy counts than the HF
         # rows; rebuilding a Decoder or GraphDecoder after reconfigure/resize was then checked to give identical
@@ -451,6 +488,8 @@ class _EngineRows:
         decoder = self.decoders.get(key)
         if decoder is not None and decoder.offloaded and decoder._addresses() != decoder._slot_addresses:
             decoder = None  # the slot buffers were reallocated (capacity change): its graphs point at the old ones
+        if decoder is not None and decoder.layers.predictor is not controller(model).predictor:
+            decoder = None  # its router stacks hold another prefetch ranking (a specprefetch row and the rest)
         if decoder is None:
             self.decoders.pop(key, None)
             if self.device.type == "cuda":
@@ -463,17 +502,19 @@ class _EngineRows:
         if config.kind == "engine_resident" or config.skip_copies:
             num_experts = describe_model(self.source)["num_experts"]
             routing = config.routing if config.skip_copies else RoutingConfig(policy="exact", capacity=num_experts)
+            predictor = _predictor_for(routing, self.predictor)
             if self.resident is None:
                 model = copy.deepcopy(self.source)
-                patch(model, routing, calibration=self.calibration)
+                patch(model, routing, calibration=self.calibration, predictor=predictor)
                 self.resident = model
             elif controller(self.resident).config != routing:
                 # copies skipped: the row's routing on the all-resident copy (nothing is offloaded, so the
                 # decoder's buffers stay valid); engine_resident: every expert cached again
-                controller(self.resident).reconfigure(routing, calibration=self.calibration)
+                controller(self.resident).reconfigure(routing, calibration=self.calibration, predictor=predictor)
             return self._decoder("resident", self.resident)
         if config.residency not in self.shared:
-            self.shared[config.residency] = _SharedCopy(self.source, self.device, self.calibration, self.offload)
+            self.shared[config.residency] = _SharedCopy(self.source, self.device, self.calibration, self.offload,
+                                                        self.predictor)
         return self._decoder(f"shared{config.residency}", self.shared[config.residency].activate(config.routing))
 
     def close(self) -> None:
@@ -564,7 +605,7 @@ def bench_latency(
     model: torch.nn.Module, windows: Sequence[torch.Tensor], *, configs: Sequence[BenchConfig] | None = None,
     calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, accelerate_tokens: int = 8,
     offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0, graphs: bool | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, predictor: Any = None,
 ) -> list[dict[str, Any]]:
     """Time teacher-forced decoding of ``windows`` under each configuration, interleaved over ``rounds``.
 
@@ -583,6 +624,7 @@ def bench_latency(
             physical copies, the rows then measure the routing overhead alone). The routed engine rows use the same.
         graphs: whether the engine rows' :class:`~psr_hf.engine.graphs.GraphDecoder` replays CUDA graphs (default:
             on CUDA; the CPU runs the same step eagerly).
+        predictor: the :class:`psr_hf.prefetch.Predictor` of the rows with ``prefetch="predictor"``.
 
     Returns one dict per row, in ``configs`` order (see :func:`run_bench` for the record around them).
     """
@@ -616,9 +658,10 @@ def bench_latency(
         offload = None
     if calibration is None and routed:
         logger.info("bench_latency: routed rows are uncalibrated (warm set = the first C experts, no token prior)")
-    shared = _SharedCopy(model, device, calibration, offload) if any(c.kind == "offload" for c in configs) else None
+    shared = (_SharedCopy(model, device, calibration, offload, predictor) if any(c.kind == "offload" for c in configs)
+              else None)
     engine = (_EngineRows(model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs),
-                          any(c.kind == "engine" for c in configs)) if engine_rows else None)
+                          any(c.kind == "engine" for c in configs), predictor) if engine_rows else None)
     accelerated = None
     results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
     memory: dict[str, Any] = {}
@@ -896,13 +939,33 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def load_bench_predictor(predictor: Any, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    """The SpecPrefetch predictor of the bench (a Predictor or its file) for ``model``, on the model's device, and
+    its description for the record. A predictor trained on a small shipped model serves that model grown by
+    :func:`psr_hf.assets.grow.grow` (same layers and experts, a larger hidden size whose first dimensions are the
+    small model's, the rest zero in every router input): its ``A`` gets zero columns."""
+    from ..prefetch.predictor import Predictor
+
+    source = str(predictor) if not isinstance(predictor, Predictor) else "given"
+    p = Predictor.coerce(predictor)
+    hidden = int(model.config.get_text_config().hidden_size)
+    info: dict[str, Any] = {"source": source, "rank": p.rank, "parameters": p.num_parameters,
+                            "hidden_size": p.hidden_size, "metadata": dict(p.metadata)}
+    if p.hidden_size < hidden:
+        A = [torch.cat((a, torch.zeros(a.shape[0], hidden - a.shape[1])), dim=1) for a in p.A]
+        p = Predictor(A, p.B, p.metadata)
+        info["padded_to"] = hidden
+    return p.to(next(model.parameters()).device), info
+
+
 def run_bench(
     *, model: str = GROWN_OLMOE, device: str = "cuda:0", rounds: int = MIN_ROUNDS, windows: int = 2,
     tokens: int = 128, capacities: Sequence[float] = DEFAULT_CAPACITIES, configs: Sequence[str] | None = None,
     max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
     calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
-    hf_configs: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
+    hf_configs: Sequence[str] | None = None, prefetch_budgets: Sequence[int] = (), predictor: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Load or build the model, cut the windows, calibrate, run :func:`bench_latency`; returns the JSON-ready
     record: settings (the arguments), model, windows, calibration, machine, versions, results (one dict per row),
@@ -916,7 +979,8 @@ def run_bench(
     if rounds < MIN_ROUNDS:  # before building anything
         raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
                          f"t-test on log latency over rounds (the round, not the token, is the unit)")
-    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine, hf_only=hf_configs)
+    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine, hf_only=hf_configs,
+                                  prefetch_budgets=prefetch_budgets, predictor=predictor is not None)
     if texts:
         sources = []
         for name in texts:
@@ -958,16 +1022,20 @@ def run_bench(
     else:
         calibration_info = {"none": "no routed rows"}
     device_used = next(net.parameters()).device
+    loaded_predictor, predictor_info = None, None
+    if predictor is not None:
+        loaded_predictor, predictor_info = load_bench_predictor(predictor, net)
     results = bench_latency(
         net, ids, configs=rows_wanted, calibration=calib, rounds=rounds, warmup=warmup,
         accelerate_tokens=accelerate_tokens, offload=offload, max_in_flight=max_in_flight,
-        copy_delay_ms=copy_delay_ms, progress=progress)
+        copy_delay_ms=copy_delay_ms, progress=progress, predictor=loaded_predictor)
     return {
         "benchmark": "latency",
         "settings": {
             "model": model, "device": str(device_used), "rounds": rounds, "windows": windows, "tokens": tokens,
             "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
             "hf_configs": None if hf_configs is None else list(hf_configs),
+            "prefetch_budgets": [int(m) for m in prefetch_budgets], "predictor": predictor_info,
             "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
             "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,

@@ -165,6 +165,7 @@ class Decoder(Sequences):
         L, b, ctl = self.layers, self.layers.buffers, self.controller
         position = self.position
         L.check_position(position)
+        L.check_prefetch_source(ctl)
         token = int(token)
         b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
         b.position.fill_(position)

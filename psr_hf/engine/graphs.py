@@ -292,6 +292,7 @@ class GraphDecoder(Sequences):
             if self.offloaded and self._addresses() != self._slot_addresses:
                 raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
                                    "changed dtype or device); build a new GraphDecoder")
+            self.layers.check_prefetch_source(ctl)
             for m in range(len(self.moe_layers)):
                 self._moe_layer(m)
             self._run["C"]()

@@ -345,6 +345,7 @@ class DecodeLayers(abc.ABC):
         # controller's (the predictor's B A), the same tensor the transformers path multiplies
         ctl = getattr(self.model, "_psr_hf_controller", None)
         predictor = getattr(ctl, "predictor", None)
+        self.predictor = predictor  # what the stacks were built with (check_prefetch_source)
         for n, m in enumerate(moe):
             following = moe[n + 1].router if n + 1 < len(moe) else None
             if following is not None and predictor is not None:
@@ -445,6 +446,13 @@ class DecodeLayers(abc.ABC):
 
     _block: Any = staticmethod(_attention_block)
     compiled: bool = False
+
+    def check_prefetch_source(self, ctl: Any) -> None:
+        """``RuntimeError`` when the controller's learned predictor is not the one the router stacks were built
+        with (``reconfigure`` to or from ``prefetch="predictor"`` after the decoder was built): build a new one."""
+        if getattr(ctl, "predictor", None) is not self.predictor:
+            raise RuntimeError("the engine's router stacks were built for another prefetch ranking (the "
+                               "controller's predictor changed with reconfigure()); build a new decoder")
 
     # ------------------------------------------------------------------ host-side checks (metadata only)
     def check_position(self, position: int) -> None:

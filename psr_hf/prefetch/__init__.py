@@ -12,6 +12,18 @@ from typing import Any
 
 _LAZY = {
     "Predictor": "psr_hf.prefetch.predictor",
+    "record_router_inputs": "psr_hf.prefetch.train",
+    "train_predictor": "psr_hf.prefetch.train",
+    "train_module": "psr_hf.prefetch.train",
+    "distillation_loss": "psr_hf.prefetch.train",
+    "LowRankAdapters": "psr_hf.prefetch.train",
+    "SingleMLP": "psr_hf.prefetch.train",
+    "PairMLP": "psr_hf.prefetch.train",
+    "expert_recall": "psr_hf.prefetch.recall",
+    "recall_table": "psr_hf.prefetch.recall",
+    "format_recall_table": "psr_hf.prefetch.recall",
+    "PreGate": "psr_hf.prefetch.recall",
+    "PreviousToken": "psr_hf.prefetch.recall",
 }
 
 __all__ = list(_LAZY)
