@@ -427,6 +427,16 @@ def _predictor_texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return [t for _, t in module_sources(PREDICTOR_MODULES)], [f"stdlib:{m}" for m in PREDICTOR_MODULES]
 
 
+def _rank(args: argparse.Namespace, model: Any) -> int:
+    """--rank, or the paper's r = 64 capped at the model's experts and hidden size (the rank of B A)."""
+    from .prefetch.train import model_facts
+
+    if args.rank is not None:
+        return args.rank
+    facts = model_facts(model)
+    return min(64, facts["num_experts"], facts["hidden_size"])
+
+
 def cmd_train_predictor(args: argparse.Namespace) -> int:
     import torch
 
@@ -440,7 +450,7 @@ def cmd_train_predictor(args: argparse.Namespace) -> int:
     windows = _token_windows(texts, tokenizer, tokens=args.tokens, window=args.window, option="--tokens")
     _err(f"psr-hf train-predictor: {sum(w.numel() for w in windows)} tokens in {len(windows)} windows of "
          f"{', '.join(names)}")
-    predictor = train_predictor(model, windows, rank=args.rank, epochs=args.epochs, lr=args.lr,
+    predictor = train_predictor(model, windows, rank=_rank(args, model), epochs=args.epochs, lr=args.lr,
                                 batch_size=args.batch_size, dtype=getattr(torch, PREDICTOR_DTYPES[args.dtype]),
                                 seed=args.seed, progress=True)
     predictor.metadata.update(model=str(info["name"]), texts=", ".join(names))
@@ -481,7 +491,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
     budgets = [int(x) for x in _floats("--budgets", args.budgets)] if args.budgets else None
     _err(f"psr-hf recall: training on {args.train_tokens} tokens of {', '.join(names)}; evaluating on "
          f"{args.heldout_tokens} tokens of {', '.join(held_names)}")
-    record = recall_table(model, train, held, rank=args.rank, budgets=budgets, predictor=args.predictor,
+    record = recall_table(model, train, held, rank=_rank(args, model), budgets=budgets, predictor=args.predictor,
                           epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                           dtype=getattr(torch, PREDICTOR_DTYPES[args.dtype]), seed=args.seed, progress=True)
     record.update(model_name=str(info["name"]), train_texts=names, heldout_texts=held_names,
@@ -499,7 +509,8 @@ def _prefetch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="training text (repeatable; default: standard-library sources other than the kl and bench "
                         "windows': " + ", ".join(PREDICTOR_MODULES) + ")")
-    p.add_argument("--rank", type=int, default=16, help="SpecPrefetch's adapter rank r (default 16)")
+    p.add_argument("--rank", type=int, help="SpecPrefetch's adapter rank r (default: the paper's 64, capped at the "
+                                            "model's experts and hidden size)")
     p.add_argument("--epochs", type=int, default=1, help="training epochs (default 1, the paper's)")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (default 1e-3: the paper's 1e-4 is for millions of tokens; a CPU run "

@@ -173,3 +173,40 @@ def test_cli_round_trip_and_shape_mismatch(tmp_path, capsys, olmoe):
     assert main(["recall", "--model", "tiny", "--predictor", str(out), "--train-tokens", "300",
                  "--heldout-tokens", "300"]) == 2
     assert "train one for this model" in capsys.readouterr().err
+
+
+def test_cli_default_rank_is_the_papers_capped(tmp_path, capsys):
+    from psr_hf.cli import main
+
+    out = tmp_path / "p.safetensors"
+    assert main(["train-predictor", "--model", "tiny-moe", "--tokens", "200", "--out", str(out)]) == 0
+    loaded = Predictor.load(out)
+    assert loaded.rank == min(64, loaded.num_experts, loaded.hidden_size)
+    assert "bf16" in loaded.metadata["precision"]
+    assert main(["train-predictor", "--model", "tiny-moe", "--tokens", "200", "--rank", "999",
+                 "--out", str(out)]) == 2
+    assert "give a rank in that range" in capsys.readouterr().err
+    assert main(["train-predictor", "--model", "tiny-moe", "--text", str(tmp_path / "missing.txt"),
+                 "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "qwen3_next", "qwen3_5_moe"])
+def test_every_family_trains_a_predictor_the_runtime_accepts(family, quiet_psr_hf):
+    import psr_hf
+    from psr_hf.policy.config import RoutingConfig
+
+    model = tiny_model(family)
+    predictor = train_predictor(model, _windows(2, 12, seed=8), rank=4, dtype=torch.float32)
+    facts = model_facts(model)
+    assert predictor.num_layers == facts["num_layers"] and predictor.num_experts == facts["num_experts"]
+    with psr_hf.patched(model, RoutingConfig(residency=0.5, prefetch="predictor"), predictor=predictor):
+        with torch.no_grad():
+            model(input_ids=_windows(1, 6, seed=9)[0][None])
+    # recording needs the native routers: a patched model is refused with the fix named
+    psr_hf.patch(model, RoutingConfig(residency=0.5, prefetch="predictor"), predictor=predictor)
+    try:
+        with pytest.raises(ValueError, match="unpatched"):
+            record_router_inputs(model, _windows(1, 6))
+    finally:
+        psr_hf.unpatch(model)

@@ -202,7 +202,7 @@ def recall_table(model: nn.Module, train_windows: Any, heldout_windows: Any, *, 
         evaluated = result["tokens"]
     return {"metric": "ExpertRecall@M", "model": facts, "budgets": budgets, "rank": rank,
             "train_tokens": int(train_inputs[0].shape[0]), "heldout_tokens": int(held_inputs[0].shape[0]),
-            "evaluated_tokens": evaluated, "methods": rows, "chance": {str(m): m / E for m in budgets},
+            "evaluated_tokens": evaluated, "methods": rows, "predictor_loaded": predictor is not None, "chance": {str(m): m / E for m in budgets},
             "evaluation": "per token |native top-K of layer l+1 & top-M candidates| / K, mean over tokens (the "
                           "first token of each window left out for every method) and over pairs",
             "seconds": time.perf_counter() - started}
@@ -230,7 +230,9 @@ def format_recall_table(record: dict[str, Any]) -> str:
     rows.append(["chance (random ranking)"] + [f"{100 * record['chance'][str(m)]:.2f}" for m in budgets] + ["0"])
     notes = [f"R@M: ExpertRecall@M in % over {record['evaluated_tokens']} held-out tokens x "
              f"{record['model']['num_layers'] - 1} layer pairs (K={K}, E={record['model']['num_experts']}); "
-             f"learned methods trained on {record['train_tokens']} tokens."]
+             f"learned methods trained on {record['train_tokens']} tokens"
+             + (f" (the loaded predictor on {record['methods'][-1].get('training', {}).get('tokens', '?')})."
+                if record.get("predictor_loaded") else ".")]
     if any(m < K for m in budgets):
         notes.append("†: M < K, maximum M/K.")
     return text_table(rows, header) + "\n" + "\n".join(notes)

@@ -64,7 +64,7 @@ def model_facts(model: nn.Module) -> dict[str, Any]:
     the arguments of :meth:`Predictor.check`."""
     family, layers = moe_routers(model)
     E, D = layers[0].router.weight.shape
-    config = text_config(model)
+    config = family.config  # the text config of a composite model, as the runtime's Controller reads it
     return {"num_layers": len(layers), "num_experts": int(E), "hidden_size": int(D),
             "model_type": str(getattr(config, "model_type", "")), "top_k": int(config.num_experts_per_tok)}
 
@@ -100,6 +100,12 @@ def record_router_inputs_with_positions(model: nn.Module, windows: Any, *, batch
     windows = _as_windows(windows)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: give at least 1")
+    from ..hf.controller import _ATTR
+
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model is patched by psr_hf, so its routing (and every later layer's router input) is "
+                         "not the native one the predictors learn; record on an unpatched model "
+                         "(psr_hf.unpatch(model) first)")
     _, layers = moe_routers(model)
     device = next(model.parameters()).device
     captured: list[torch.Tensor | None] = [None] * len(layers)
@@ -170,7 +176,8 @@ class LowRankAdapters(nn.Module):
         super().__init__()
         E, D = weights[0].shape
         if not 1 <= rank <= min(E, D):
-            raise ValueError(f"rank {rank} must be between 1 and min(experts, hidden) = {min(E, D)}")
+            raise ValueError(f"rank {rank} must be between 1 and min(experts, hidden) = {min(E, D)} for this model; "
+                             f"give a rank in that range (--rank {min(E, D, 64)})")
         pairs = len(weights) - 1
         gen = torch.Generator().manual_seed(seed)
         if init == "svd":
