@@ -286,6 +286,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     capacities = _floats("--capacities", args.capacities)
     configs = None if args.configs is None else [c for c in args.configs.split(",") if c.strip()]
     hf_configs = None if args.hf_configs is None else [c for c in args.hf_configs.split(",") if c.strip()]
+    budgets = [] if not args.prefetch_budgets else _ints("--prefetch-budgets", args.prefetch_budgets)
+    if args.predictor and not budgets:
+        raise ValueError("--predictor is used by the specprefetch_mM rows: give --prefetch-budgets too (e.g. 2,4,8)")
     _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
     print(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of {args.windows} window(s) "
           f"x {args.tokens} tokens, {args.rounds} interleaved rounds")
@@ -294,7 +297,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
-        engine=args.engine, hf_configs=hf_configs, progress=lambda msg: _err("  " + msg),
+        engine=args.engine, hf_configs=hf_configs, prefetch_budgets=budgets, predictor=args.predictor,
+        progress=lambda msg: _err("  " + msg),
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))
@@ -322,7 +326,7 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
     from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources, text_windows
-    from .eval.divergence import divergence, format_rows, sweep_configs
+    from .eval.divergence import divergence, format_rows, predictor_pairs, sweep_configs
     from .policy.calibration import Calibration
 
     _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
@@ -352,15 +356,27 @@ def cmd_kl(args: argparse.Namespace) -> int:
     print(f"psr-hf kl: {info['name']}, {len(windows)} window(s) x {args.tokens + 1} tokens, excess NLL over exact "
           f"routing (nats per token; 95% interval over windows); text: {', '.join(text_names)}; calibration: "
           f"{calibrated_on}")
+    predictor = None
+    if args.predictor:
+        from .bench.offload import load_bench_predictor
+
+        predictor, _ = load_bench_predictor(args.predictor, model)  # a shipped model's serves its grown version
     with _compile_notice():
-        rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget), calibration=calibration,
-                          progress=True)
+        rows = divergence(model, windows, sweep_configs(residencies, lams, args.budget, predictor=bool(predictor)),
+                          calibration=calibration, progress=True, predictor=predictor)
     print(format_rows(rows))
+    pairs = predictor_pairs(rows)
+    for pair in pairs:
+        lo, hi = pair["excess_nll_diff_ci95"]
+        print(f"{pair['predictor']} - {pair['pregate']}: excess NLL {pair['excess_nll_diff']:+.4f} [{lo:+.4f}, "
+              f"{hi:+.4f}] nats/token (paired over windows); demand copies/token {pair['demand_per_token'][0]:.2f} "
+              f"vs {pair['demand_per_token'][1]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": info, "windows": len(windows), "tokens": args.tokens,
                                                "texts": text_names,
-                                               "calibration": calibrated_on,
-                                               "rows": [r.to_dict() for r in rows]}, indent=2))
+                                               "calibration": calibrated_on, "predictor": args.predictor,
+                                               "rows": [r.to_dict() for r in rows], "predictor_pairs": pairs},
+                                              indent=2))
         print(f"JSON record: {args.json}")
     if args.plot:
         from .eval.divergence import plot_divergence
@@ -368,6 +384,13 @@ def cmd_kl(args: argparse.Namespace) -> int:
         title = f"psr-hf kl: {info['name']}, {len(windows)} windows x {args.tokens + 1} tokens"
         print(f"plot: {plot_divergence(rows, args.plot, title=title)}")
     return 0
+
+
+def _ints(option: str, text: str) -> list[int]:
+    values = _floats(option, text)
+    if any(v != int(v) or v < 1 for v in values):
+        raise ValueError(f"{option} {text}: expected comma-separated integers >= 1, e.g. 2,4,8")
+    return [int(v) for v in values]
 
 
 def _floats(option: str, text: str) -> list[float]:
@@ -502,6 +525,52 @@ def cmd_recall(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(record, indent=2, ensure_ascii=False))
         print(f"JSON record: {args.json}")
     return 0
+
+
+def cmd_profile_window(args: argparse.Namespace) -> int:
+    from .bench.common import quiet_uncalibrated
+    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources, text_windows
+    from .hf.patching import patched
+    from .policy.config import RoutingConfig
+    from .prefetch.window import profile_window
+
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
+    _err(f"psr-hf profile-window: loading {args.model} on {args.device}")
+    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    texts = default_texts(args.model) or module_sources(WINDOW_MODULES)
+    (ids,) = text_windows([t for _, t in texts][:1], tokenizer, windows=1, tokens=args.tokens)
+    num_experts = psr_num_experts(model)
+    # the computation alone: every expert cached, nothing offloaded, nothing waits for a copy
+    with quiet_uncalibrated(), patched(model, RoutingConfig(policy="exact", capacity=num_experts)), \
+            _compile_notice():  # every expert cached: no warm set or prior matters
+        profile = profile_window(model, ids[0].tolist(), warmup=args.warmup, copies=args.copies,
+                                 quantile=args.quantile)
+    record = profile.to_dict()
+    record.update(model=str(info["name"]), tokens=args.tokens)
+    rows = [[str(pair), f"{w:.3f}", str(m)] for pair, (w, m) in
+            enumerate(zip(record["window_ms_per_pair"], record["budget_per_pair"]))]
+    from ._text import text_table
+
+    print(f"psr-hf profile-window: {info['name']} on {profile.device} "
+          f"({'CUDA graphs' if record['notes']['graphs'] else 'eager'}), {record['positions']} decode positions; "
+          f"one expert ({profile.bytes_per_expert / 1e6:.2f} MB) copies in {profile.copy_time_ms:.3f} ms (median of "
+          f"{len(record['copy_ms'])})")
+    print(text_table(rows, ["pair l -> l+1", "window W_l ms (median)", "floor(W_l / t_copy)"]))
+    exceeding = ", ".join(f"{k} copies {100 * v:.0f}%" for k, v in record["exceeding"].items())
+    print(f"M_max = {profile.budget} (the {args.quantile:g} quantile over every event of floor(W / t_copy)); events "
+          f"whose window is shorter than: {exceeding}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"JSON record: {args.json}")
+    return 0
+
+
+def psr_num_experts(model: Any) -> int:
+    config = model.config.get_text_config()
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ValueError(f"{type(model).__name__}: no number of experts in its config")
 
 
 def _prefetch_options(p: argparse.ArgumentParser) -> None:
@@ -674,9 +743,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-configs", help="with --engine: the routed transformers rows to keep as references "
                                         "(comma-separated, as --configs; '' keeps none); the engine rows still "
                                         "mirror every row --configs keeps")
+    p.add_argument("--prefetch-budgets", help="SpecPrefetch's system comparison: comma-separated budgets M; adds "
+                                              "naive_mM (previous token's experts) and, with --predictor, "
+                                              "specprefetch_mM rows at every capacity (and their engine rows, "
+                                              "PRED0 = the copies-skipped specprefetch row)")
+    p.add_argument("--predictor", help="a SpecPrefetch predictor (.safetensors, psr-hf train-predictor) for the "
+                                       "specprefetch_mM rows; one trained on a shipped model serves its grown-* "
+                                       "version")
     p.add_argument("--max-in-flight", type=int, default=2, help="prefetch copies in flight at most (default 2)")
     p.add_argument("--copy-delay-ms", type=float, default=0.0,
-                   help="emulated extra time per copy (default 0; for CPU runs)")
+                   help="emulated extra time per copy (default 0): a slower link")
     p.add_argument("--accelerate-tokens", type=int, default=8,
                    help="timed positions of the accelerate row per round (default 8)")
     p.add_argument("--no-accelerate", action="store_true", help="skip the accelerate dispatch_model row")
@@ -719,6 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lams", default="0.1,0.2,0.3",
                    help="comma-separated cache bonuses lam of cache_prior and psr (default 0.1,0.2,0.3)")
     p.add_argument("--budget", type=int, default=1, help="psr's budget (default 1)")
+    p.add_argument("--predictor", help="a SpecPrefetch predictor (.safetensors) of this model: adds psr rows that "
+                                       "rank their prefetches by it (..._pred_...) and compares each with its "
+                                       "pre-gate twin (paired excess NLL, demand copies)")
     p.add_argument("--calibration", help="a saved calibration (.safetensors) of this model (default: the "
                                          "calibration.safetensors beside the model, else calibrate on "
                                          "standard-library modules other than the default windows')")
@@ -739,6 +818,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="predictor file to write (.safetensors)")
     _prefetch_options(p)
     p.set_defaults(func=cmd_train_predictor)
+
+    p = sub.add_parser("profile-window", help="SpecPrefetch's window-aware budget: per layer pair the overlap window "
+                                              "(prediction available -> next layer's experts start) on the engine, "
+                                              "one expert's copy time, and the budget M_max they allow")
+    p.add_argument("--model", default="grown-olmoe-routing",
+                   help="grown-olmoe-routing (default; for a GPU), tiny-moe, olmoe-routing, tiny, a model directory "
+                        "or a hub id owner/name")
+    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu for the small models)")
+    p.add_argument("--tokens", type=int, default=64, help="decode positions measured (default 64)")
+    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (default 8)")
+    p.add_argument("--copies", type=int, default=20, help="timed copies of one expert (default 20)")
+    p.add_argument("--quantile", type=float, default=0.5,
+                   help="M_max = this quantile of floor(W / t_copy) over every event (default 0.5, the median)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random models' weights")
+    p.add_argument("--json", help="write the JSON record here")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.set_defaults(func=cmd_profile_window)
 
     p = sub.add_parser("recall", help="next-layer ExpertRecall@M of SpecPrefetch and baselines (pre-gate, previous "
                                       "token, single MLP, ProMoE-style MLP) on held-out text (the paper's Tables 1-3)")

@@ -234,3 +234,23 @@ def test_previous_token_prefetch_is_naive_prefetch(shipped):
     padded = next(r for r in brec.recordings if r.row == 1)
     np.testing.assert_allclose(padded.pregate, srec.recordings[0].pregate, rtol=1e-5, atol=1e-5)  # batch rounding
     np.testing.assert_array_equal(padded.selected, srec.recordings[0].selected)
+
+
+def test_cli_kl_and_bench_take_a_predictor(tmp_path, capsys, shipped):
+    import json
+
+    from psr_hf.cli import main
+
+    model, _, _ = shipped
+    path = _predictor(model, 2, 6, 2.0).save(tmp_path / "p.safetensors")
+    record = tmp_path / "kl.json"
+    assert main(["kl", "--model", "tiny-moe", "--windows", "2", "--tokens", "24", "--residencies", "0.5", "--lams",
+                 "0.3", "--predictor", str(path), "--json", str(record)]) == 0
+    text = capsys.readouterr().out
+    assert "psr_lam0.3_n1_pred_res50 - psr_lam0.3_n1_res50: excess NLL" in text
+    data = json.loads(record.read_text())
+    assert data["predictor"] == str(path) and len(data["predictor_pairs"]) == 1
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--predictor", str(path)]) == 2
+    assert "give --prefetch-budgets too" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--prefetch-budgets", "2,0.5"]) == 2
+    assert "expected comma-separated integers >= 1" in capsys.readouterr().err

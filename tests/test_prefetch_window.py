@@ -60,3 +60,20 @@ def test_profile_on_the_cpu_engine_measures_every_pair_and_leaves_the_decoder_as
         logits = decoder.prefill(tokens).clone()
         again = GraphDecoder(model, 16, graphs=False).prefill(tokens)
         assert torch.equal(logits, again)
+
+
+def test_cli_profile_window_prints_the_budget_and_writes_the_record(tmp_path, capsys):
+    import json
+
+    from psr_hf.cli import main
+
+    out = tmp_path / "window.json"
+    assert main(["profile-window", "--model", "tiny-moe", "--device", "cpu", "--tokens", "6", "--warmup", "2",
+                 "--copies", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["pairs"] == 3 and record["positions"] == 7 and len(record["copy_ms"]) == 3  # 6 + the first token
+    assert f"M_max = {record['budget']}" in text and "pair l -> l+1" in text
+    # per pair: floor(median W_l / t_copy)
+    want = np.floor(np.asarray(record["window_ms_per_pair"]) / record["copy_ms_median"]).astype(int).tolist()
+    assert record["budget_per_pair"] == want

@@ -24,6 +24,8 @@ _LAZY = {
     "format_recall_table": "psr_hf.prefetch.recall",
     "PreGate": "psr_hf.prefetch.recall",
     "PreviousToken": "psr_hf.prefetch.recall",
+    "profile_window": "psr_hf.prefetch.window",
+    "WindowProfile": "psr_hf.prefetch.window",
 }
 
 __all__ = list(_LAZY)
