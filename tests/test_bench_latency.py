@@ -397,6 +397,10 @@ def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, qui
     pred0 = rows["engine_specprefetch_m2_res50_nocopy"]["copies"]
     assert pred0["copies_per_token"] == pytest.approx(rows["specprefetch_m2_res50"]["copies"]["logical_copies_per_token"])
     assert record["settings"]["prefetch_budgets"] == [2] and record["settings"]["predictor"]["padded_to"] == D
+    for name in ("specprefetch_m2_res50", "engine_naive_m2_res50"):
+        c = rows[name]["copies"]  # ReadyRecall: executed experts neither loaded on demand nor still in flight
+        want = 1 - (c["demand_per_token"] + c["prefetch_late_per_token"]) / (L * TINY_SHAPE["num_experts_per_tok"])
+        assert c["ready_recall"] == pytest.approx(want) and 0 <= c["ready_recall"] <= 1
     with pytest.raises(ValueError, match="need a predictor: --predictor FILE"):
         run_bench(model="tiny", device="cpu", rounds=3, windows=1, tokens=4, capacities=(0.5,), accelerate=False,
                   configs=["specprefetch_m2"], prefetch_budgets=(2,), predictor=None, calibration_tokens=256)

@@ -597,6 +597,12 @@ def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[
         for key in (*OFFLOAD_KEYS, "warm_copies_per_window"):
             if all(key in r for r in offload):
                 out[key] = float(np.mean([r[key] for r in offload]))
+        executed = float(model_info["moe_layers"] * model_info["top_k"])  # experts executed per token
+        if executed and "demand_per_token" in out and "prefetch_late_per_token" in out:
+            # SpecPrefetch's ReadyRecall (exact routing: the executed experts are the router's own top-K): the share
+            # of executed experts already on the device when their layer started, neither loaded on demand nor a
+            # prefetch still in flight
+            out["ready_recall"] = 1.0 - (out["demand_per_token"] + out["prefetch_late_per_token"]) / executed
     return out
 
 
@@ -1134,6 +1140,12 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
                      f"{ENGINE_RESIDENT} (engine_resident's own: to resident); engine_*{NOCOPY_SUFFIX}: the same "
                      "routing on the all-resident copy, no copy made (compute-only time, the paper's Table 9); its "
                      "copy columns are the logical copies an offloaded run makes")
+    ready = [(name, row["copies"]["ready_recall"]) for name, row in rows.items()
+             if row["copies"].get("ready_recall") is not None and row.get("policy", "").startswith(
+                 ("specprefetch_", "naive_", "exact_lru"))]
+    if ready:
+        lines.append("ReadyRecall (executed experts already on the device when their layer starts): " + "; ".join(
+            f"{name} {100 * value:.1f}%" for name, value in ready))
     hosts = [(name, row["host_us_per_moe_layer"]) for name, row in rows.items() if row.get("host_us_per_moe_layer")]
     if hosts:
         lines.append("engine host time per MoE layer (the step's wall time less its waits on the GPU: policy, "
