@@ -441,12 +441,23 @@ def _token_windows(texts: Sequence[str], tokenizer: Any, *, tokens: int, window:
     raise ValueError(f"{option} {tokens}: the texts hold only {total} tokens; give fewer tokens or more text")
 
 
+def _text_name(path: str) -> str:
+    """How a record names a text file: ``stdlib:<path>`` for a file of Python's standard library (its location is
+    the machine's, not the record's), the path as given otherwise."""
+    import sysconfig
+
+    try:
+        return "stdlib:" + Path(path).resolve().relative_to(Path(sysconfig.get_paths()["stdlib"]).resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def _predictor_texts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The predictors' training texts and their names: --text files, else :data:`PREDICTOR_MODULES`' sources."""
     from .bench.workloads import module_sources
 
     if args.text:
-        return _read_texts("--text", args.text), list(args.text)
+        return _read_texts("--text", args.text), [_text_name(f) for f in args.text]
     return [t for _, t in module_sources(PREDICTOR_MODULES)], [f"stdlib:{m}" for m in PREDICTOR_MODULES]
 
 
@@ -503,7 +514,8 @@ def cmd_recall(args: argparse.Namespace) -> int:
     train = _token_windows(texts, tokenizer, tokens=args.train_tokens, window=args.window, option="--train-tokens")
     held_out = default_texts(args.model)  # a shipped trained model never saw it
     if args.heldout_text:
-        held_texts, held_names = _read_texts("--heldout-text", args.heldout_text), list(args.heldout_text)
+        held_texts = _read_texts("--heldout-text", args.heldout_text)
+        held_names = [_text_name(f) for f in args.heldout_text]
     elif held_out:
         held_texts, held_names = [t for _, t in held_out], [n for n, _ in held_out]
     else:
