@@ -254,3 +254,17 @@ def test_cli_kl_and_bench_take_a_predictor(tmp_path, capsys, shipped):
     assert "give --prefetch-budgets too" in capsys.readouterr().err
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--prefetch-budgets", "2,0.5"]) == 2
     assert "expected comma-separated integers >= 1" in capsys.readouterr().err
+
+
+def test_batch_priorities_sum_the_valid_tokens_softmaxes():
+    g = torch.Generator().manual_seed(0)
+    p = Predictor([torch.randn(3, 8, generator=g)], [torch.randn(5, 3, generator=g)])
+    x = torch.randn(2, 4, 8, generator=g)
+    valid = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    s = p.batch_priorities(0, x, valid)
+    want = sum(torch.softmax(p.weight(0) @ x[b, t], dim=0) for b in range(2) for t in range(4) if valid[b, t])
+    torch.testing.assert_close(s, want, rtol=1e-5, atol=1e-6)
+    assert float(s.sum()) == pytest.approx(7.0, rel=1e-5)  # one unit of mass per valid token
+    assert torch.allclose(p.batch_priorities(0, x), p.priorities(0, x.reshape(-1, 8)).sum(0))
+    with pytest.raises(ValueError, match="valid has 3 entries for 8 tokens"):
+        p.batch_priorities(0, x, torch.ones(3))

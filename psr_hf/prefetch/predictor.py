@@ -112,6 +112,19 @@ class Predictor:
         the paper's batch-level priorities)."""
         return torch.softmax(self.logits(pair, x), dim=-1)
 
+    def batch_priorities(self, pair: int, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``[E]``: the paper's batch-level priorities ``s = sum over valid tokens of softmax(B A x)`` (Section 3.2)
+        for router inputs ``x`` ``[N, D]`` (or ``[B, S, D]``) with ``valid`` the matching mask (True / 1: a real
+        token; None: every token). The runtime ranks per row (docs/ALGORITHM.md: the batch-level sum is a
+        physical scheduling choice); this is for scheduling a batch's copies and for analysis."""
+        p = self.priorities(pair, x.reshape(-1, x.shape[-1]))
+        if valid is not None:
+            mask = valid.reshape(-1).to(p.device)
+            if mask.shape[0] != p.shape[0]:
+                raise ValueError(f"valid has {mask.shape[0]} entries for {p.shape[0]} tokens")
+            p = p[mask.bool()]
+        return p.sum(dim=0)
+
     def _check_pair(self, pair: int) -> None:
         if not 0 <= int(pair) < self.num_pairs:
             raise ValueError(f"pair {pair} out of range: this predictor has {self.num_pairs} adjacent MoE-layer "
