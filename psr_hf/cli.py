@@ -323,15 +323,23 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_model(args: argparse.Namespace, command: str) -> tuple[Any, Any, dict]:
+    """``--threads`` for ``--model`` on ``--device`` (a typo in the model's name fails here), then the model: what
+    the commands that run one model (kl, train-predictor, recall, profile-window) do first."""
+    from .bench.workloads import load_model
+
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))
+    _err(f"psr-hf {command}: loading {args.model} on {args.device}")
+    return load_model(args.model, args.device, seed=args.seed)
+
+
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
-    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources, text_windows
+    from .bench.workloads import WINDOW_MODULES, default_texts, module_sources, text_windows
     from .eval.divergence import divergence, format_rows, predictor_pairs, sweep_configs
     from .policy.calibration import Calibration
 
-    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
-    _err(f"psr-hf kl: loading {args.model}")
-    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    model, tokenizer, info = _load_model(args, "kl")
     beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
     held_out = default_texts(args.model)  # a shipped trained model never saw it; the standard library is in its training
     if held_out and not args.text:
@@ -474,12 +482,9 @@ def _rank(args: argparse.Namespace, model: Any) -> int:
 def cmd_train_predictor(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench.workloads import load_model
     from .prefetch.train import train_predictor
 
-    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
-    _err(f"psr-hf train-predictor: loading {args.model}")
-    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    model, tokenizer, info = _load_model(args, "train-predictor")
     texts, names = _predictor_texts(args)
     windows = _token_windows(texts, tokenizer, tokens=args.tokens, window=args.window, option="--tokens")
     _err(f"psr-hf train-predictor: {sum(w.numel() for w in windows)} tokens in {len(windows)} windows of "
@@ -503,13 +508,11 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources
+    from .bench.workloads import WINDOW_MODULES, default_texts, module_sources
     from .prefetch.recall import format_recall_table, recall_table
 
-    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
     started = time.perf_counter()
-    _err(f"psr-hf recall: loading {args.model}")
-    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    model, tokenizer, info = _load_model(args, "recall")
     texts, names = _predictor_texts(args)
     train = _token_windows(texts, tokenizer, tokens=args.train_tokens, window=args.window, option="--train-tokens")
     held_out = default_texts(args.model)  # a shipped trained model never saw it
@@ -541,17 +544,16 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
 def cmd_profile_window(args: argparse.Namespace) -> int:
     from .bench.common import quiet_uncalibrated
-    from .bench.workloads import WINDOW_MODULES, default_texts, load_model, module_sources, text_windows
+    from .bench.offload import describe_model
+    from .bench.workloads import WINDOW_MODULES, default_texts, module_sources, text_windows
     from .hf.patching import patched
     from .policy.config import RoutingConfig
     from .prefetch.window import profile_window
 
-    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
-    _err(f"psr-hf profile-window: loading {args.model} on {args.device}")
-    model, tokenizer, info = load_model(args.model, args.device, seed=args.seed)
+    model, tokenizer, info = _load_model(args, "profile-window")
     texts = default_texts(args.model) or module_sources(WINDOW_MODULES)
     (ids,) = text_windows([t for _, t in texts][:1], tokenizer, windows=1, tokens=args.tokens)
-    num_experts = psr_num_experts(model)
+    num_experts = describe_model(model)["num_experts"]
     # the computation alone: every expert cached, nothing offloaded, nothing waits for a copy
     with quiet_uncalibrated(), patched(model, RoutingConfig(policy="exact", capacity=num_experts)), \
             _compile_notice():  # every expert cached: no warm set or prior matters
@@ -575,14 +577,6 @@ def cmd_profile_window(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(record, indent=2))
         print(f"JSON record: {args.json}")
     return 0
-
-
-def psr_num_experts(model: Any) -> int:
-    config = model.config.get_text_config()
-    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    raise ValueError(f"{type(model).__name__}: no number of experts in its config")
 
 
 def _prefetch_options(p: argparse.ArgumentParser) -> None:

@@ -873,34 +873,28 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
     by_name = {row["configuration"]: row for row in rows}
     first_engine = len(goals)
 
-    def ms_goal(name: str, bound: float) -> None:
-        entry: dict[str, Any] = {"goal": f"{name} <= {bound:g} ms/token", "row": name, "bound": bound, "op": "<=",
-                                 "status": "not measured", "ratio": None, "ms": None, "ci95": None, "p": None,
-                                 "significant": None, "point": None}
-        row = by_name.get(name)
-        if row is not None:
-            ms = row["ms_per_token"]
-            lo, hi = ms["ci95"]
+    def bound_goal(text: str, name: str, bound: float, summary: Mapping[str, Any] | None, unit: str) -> None:
+        """A bound on a row's per-round mean (``summary``: its mean and 95% t-interval; ``unit``: the entry's key
+        for the mean, ``ms`` or ``us``), by the same met / not met / not shown rule."""
+        entry: dict[str, Any] = {"goal": text, "row": name, "bound": bound, "op": "<=", "status": "not measured",
+                                 "ratio": None, unit: None, "ci95": None, "p": None, "significant": None,
+                                 "point": None}
+        if summary is not None:
+            lo, hi = summary["ci95"]
             defined = math.isfinite(lo) and math.isfinite(hi)
             inside, outside = defined and hi <= bound, defined and lo > bound
-            entry.update(status="met" if inside else "not met" if outside else "not shown", ms=ms["mean"],
-                         ci95=[lo, hi], significant=bool(inside) if defined else None,
-                         point="met" if ms["mean"] <= bound else "not met")
+            entry.update({"status": "met" if inside else "not met" if outside else "not shown", unit: summary["mean"],
+                          "ci95": [lo, hi], "significant": bool(inside) if defined else None,
+                          "point": "met" if summary["mean"] <= bound else "not met"})
         goals.append(entry)
 
+    def ms_goal(name: str, bound: float) -> None:
+        row = by_name.get(name)
+        bound_goal(f"{name} <= {bound:g} ms/token", name, bound, None if row is None else row["ms_per_token"], "ms")
+
     def host_goal(name: str, bound: float) -> None:
-        entry: dict[str, Any] = {"goal": f"{name} host time <= {bound:g} us per MoE layer", "row": name,
-                                 "bound": bound, "op": "<=", "status": "not measured", "ratio": None, "us": None,
-                                 "ci95": None, "p": None, "significant": None, "point": None}
-        host = (by_name.get(name) or {}).get("host_us_per_moe_layer")
-        if host is not None:
-            lo, hi = host["ci95"]
-            defined = math.isfinite(lo) and math.isfinite(hi)
-            inside, outside = defined and hi <= bound, defined and lo > bound
-            entry.update(status="met" if inside else "not met" if outside else "not shown", us=host["mean"],
-                         ci95=[lo, hi], significant=bool(inside) if defined else None,
-                         point="met" if host["mean"] <= bound else "not met")
-        goals.append(entry)
+        bound_goal(f"{name} host time <= {bound:g} us per MoE layer", name, bound,
+                   (by_name.get(name) or {}).get("host_us_per_moe_layer"), "us")
 
     ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)
     for residency, bound in ENGINE_PSR_MS_GOALS.items():

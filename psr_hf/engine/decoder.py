@@ -50,6 +50,19 @@ def _token_list(input_ids: Any) -> list[int]:
 
 
 
+def moe_layers_of(L: DecodeLayers, ctl: Any) -> list[int]:
+    """The decoder indices of ``L``'s MoE layers, checked against the controller that routes them (the same layers
+    in the same order, the same experts and top-k); ``ValueError`` otherwise."""
+    moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]
+    if len(moe_layers) != ctl.num_layers or [L.moe_index(d) for d in moe_layers] != list(range(ctl.num_layers)):
+        raise ValueError(f"the engine finds {len(moe_layers)} MoE layers, the controller routes "
+                         f"{ctl.num_layers}: they must be the same layers in the same order")
+    if L.num_experts != ctl.num_experts or L.top_k != ctl.top_k:
+        raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
+                         f"controller's ({ctl.num_experts}, {ctl.top_k})")
+    return moe_layers
+
+
 class Sequences(abc.ABC):
     """What both decoders (:class:`Decoder`, :class:`~psr_hf.engine.graphs.GraphDecoder`) do with their
     ``step(token)`` and ``reset()``: a prompt, and greedy decoding of a new sequence."""
@@ -132,14 +145,7 @@ class Decoder(Sequences):
         self.backend = backend
         L = self.layers
         ctl = self.controller
-        self.moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]  # decoder indices of the MoE layers
-        if len(self.moe_layers) != ctl.num_layers or [L.moe_index(d) for d in self.moe_layers] != list(
-                range(ctl.num_layers)):
-            raise ValueError(f"the engine finds {len(self.moe_layers)} MoE layers, the controller routes "
-                             f"{ctl.num_layers}: they must be the same layers in the same order")
-        if L.num_experts != ctl.num_experts or L.top_k != ctl.top_k:
-            raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
-                             f"controller's ({ctl.num_experts}, {ctl.top_k})")
+        self.moe_layers = moe_layers_of(L, ctl)  # decoder indices of the MoE layers
         # the model's own expert weights: the slot buffers of a resident model (slot = expert id); checked once
         self._experts = [check_experts_module(ctl.layers[m].block.experts) for m in range(ctl.num_layers)]
         b = L.buffers

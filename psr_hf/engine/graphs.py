@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import Sequences
+from .decoder import Sequences, moe_layers_of
 from .layers import DecodeLayers, build_layers
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
 
@@ -84,16 +84,9 @@ class GraphDecoder(Sequences):
         if self.graphs and not self.cuda:
             raise ValueError(f"GraphDecoder(graphs=True) needs a model on a CUDA device, this one is on {self.device}; "
                              "use graphs=False (the same step, eager) or the eager Decoder")
-        self.moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]
-        if not self.moe_layers:
+        if not any(L.is_moe(d) for d in range(L.num_layers)):
             raise ValueError("GraphDecoder needs a model with MoE layers")
-        if len(self.moe_layers) != ctl.num_layers or [L.moe_index(d) for d in self.moe_layers] != list(
-                range(ctl.num_layers)):
-            raise ValueError(f"the engine finds {len(self.moe_layers)} MoE layers, the controller routes "
-                             f"{ctl.num_layers}: they must be the same layers in the same order")
-        if L.num_experts != ctl.num_experts or L.top_k != ctl.top_k:
-            raise ValueError(f"the engine's (experts, top_k) = ({L.num_experts}, {L.top_k}) differ from the "
-                             f"controller's ({ctl.num_experts}, {ctl.top_k})")
+        self.moe_layers = moe_layers_of(L, ctl)
         self.backend = choose_backend(self.device, backend)
         if compile is None:  # auto: on CUDA when inductor can generate code (triton)
             compile = self.cuda and triton_available()[0]
@@ -101,7 +94,7 @@ class GraphDecoder(Sequences):
             L.compile_blocks()
         self.compiled = bool(compile)
         b = L.buffers
-        K, E = L.top_k, L.num_experts
+        K = L.top_k
         self.offloaded = ctl.offload is not None
         # the slot buffers each graph B reads (bound at capture), per MoE layer
         self._slot_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
