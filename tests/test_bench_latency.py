@@ -397,6 +397,15 @@ def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, qui
     pred0 = rows["engine_specprefetch_m2_res50_nocopy"]["copies"]
     assert pred0["copies_per_token"] == pytest.approx(rows["specprefetch_m2_res50"]["copies"]["logical_copies_per_token"])
     assert record["settings"]["prefetch_budgets"] == [2] and record["settings"]["predictor"]["padded_to"] == D
+    # the paper's speed-ups as paired ratios: OFF / SpecPrefetch, Naive / SpecPrefetch, OFF / Naive (engine rows;
+    # the transformers rows have no exact_lru here, so only Naive / SpecPrefetch)
+    pairs = {(c["numerator"], c["denominator"]): c for c in record["comparisons"]}
+    e = "engine_"
+    for num, den in ((e + "exact_lru", e + "specprefetch_m2"), (e + "naive_m2", e + "specprefetch_m2"),
+                     (e + "exact_lru", e + "naive_m2"), ("naive_m2", "specprefetch_m2")):
+        c = pairs[num + "_res50", den + "_res50"]
+        assert c["ci95"][0] <= c["ratio"] <= c["ci95"][1] and c["ratio"] > 0
+    assert ("exact_lru_res50", "specprefetch_m2_res50") not in pairs
     for name in ("specprefetch_m2_res50", "engine_naive_m2_res50"):
         c = rows[name]["copies"]  # ReadyRecall: executed experts neither loaded on demand nor still in flight
         want = 1 - (c["demand_per_token"] + c["prefetch_late_per_token"]) / (L * TINY_SHAPE["num_experts_per_tok"])

@@ -268,3 +268,38 @@ def test_batch_priorities_sum_the_valid_tokens_softmaxes():
     assert torch.allclose(p.batch_priorities(0, x), p.priorities(0, x.reshape(-1, 8)).sum(0))
     with pytest.raises(ValueError, match="valid has 3 entries for 8 tokens"):
         p.batch_priorities(0, x, torch.ones(3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_engine_graphs_with_a_predictor_are_router_preserving(shipped):
+    """On the GPU, offloaded to CUDA slots with captured graphs (float32): exact routing with the predictor's
+    prefetches gives the tokens of exact routing with the pre-gate's, the same selections as the eager step, and
+    the same prefetch and demand counts as the eager step (decisions do not depend on the graphs)."""
+    cpu_model, calibration, ids = shipped
+    predictor = _predictor(cpu_model, 2, seed=4, scale=2.0)  # on the CPU: the controller moves it
+    model = cpu_model.to("cuda")
+    ids = ids.to("cuda")
+    results = {}
+    try:
+        for name, config, pred in (("pregate", dict(SPEC, prefetch="pregate"), None), ("spec", SPEC, predictor)):
+            with psr_hf.patched(model, RoutingConfig(**config), calibration=calibration, predictor=pred,
+                                offload=psr_hf.OffloadConfig(device="cuda")):
+                for graphs in (False, True):
+                    ctl = psr_hf.controller(model)
+                    ctl.reset()
+                    ctl.reset_stats()
+                    decoder = GraphDecoder(model, ids.shape[1] + 12, graphs=graphs)
+                    with ctl.record() as rec:
+                        seq = decoder.generate_greedy(ids, 10)
+                    results[name, graphs] = seq.cpu(), rec.recordings[0], ctl.stats()
+    finally:
+        cpu_model.to("cpu")
+    for graphs in (False, True):
+        assert torch.equal(results["spec", graphs][0], results["pregate", graphs][0])
+        np.testing.assert_array_equal(results["spec", graphs][1].selected, results["pregate", graphs][1].selected)
+    np.testing.assert_array_equal(results["spec", True][1].selected, results["spec", False][1].selected)
+    for name in ("prefetch_per_token", "demand_per_token"):
+        assert results["spec", True][2].total[name] == results["spec", False][2].total[name], name
+    # the prefetch ranking is the predictor's, not the pre-gate's
+    assert not np.array_equal(results["spec", True][1].pregate, results["pregate", True][1].pregate)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import psr_hf
-from psr_hf.assets import HELD_OUT_TEXT, SHIPPED
+from psr_hf.assets import HELD_OUT_TEXT, shipped_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from psr_hf.assets.grow import default_target, grow
 from psr_hf.bench.workloads import text_windows
@@ -44,13 +44,13 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--json", required=True)
-    p.add_argument("--models", default="olmoe-routing,moonlight-routing", help="shipped models, comma-separated")
+    p.add_argument("--models", default="olmoe-routing,moonlight-routing", help="named models (shipped or built), comma-separated")
     args = p.parse_args()
     records = []
     for name in args.models.split(","):
         t0 = time.time()
-        small = AutoModelForCausalLM.from_pretrained(SHIPPED[name], dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(SHIPPED[name])
+        small = AutoModelForCausalLM.from_pretrained(shipped_dir(name), dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(shipped_dir(name))
         small = small.cuda()
         ids = [w[:, : args.tokens] for w in text_windows([HELD_OUT_TEXT.read_text()], tokenizer,
                                                           windows=args.windows, tokens=args.tokens)]

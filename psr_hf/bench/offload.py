@@ -821,6 +821,26 @@ def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             c = compare_rows(rows, numerator, denominator)
             if c is not None:
                 out.append(c)
+        out.extend(_prefetch_comparisons(rows, suffix))
+    return out
+
+
+def _prefetch_comparisons(rows: Sequence[Mapping[str, Any]], suffix: str) -> list[dict[str, Any]]:
+    """SpecPrefetch's speed-ups (its Tables 4-5) at one capacity, per budget M, in the transformers rows and in the
+    engine rows: OFF / SpecPrefetch (``exact_lru`` over ``specprefetch_mM``), Naive / SpecPrefetch and OFF / Naive
+    (> 1: the denominator is faster)."""
+    out = []
+    names = {str(row["configuration"]) for row in rows}
+    for prefix in ("", ENGINE_PREFIX):
+        budgets = sorted({int(name[len(prefix) + len("naive_m"):-len(suffix)]) for name in names
+                          if name.startswith(prefix + "naive_m") and name.endswith(suffix)
+                          and name[len(prefix) + len("naive_m"):-len(suffix)].isdigit()})
+        for m in budgets:
+            off, spec, naive = (prefix + name + suffix for name in ("exact_lru", f"specprefetch_m{m}", f"naive_m{m}"))
+            for numerator, denominator in ((off, spec), (naive, spec), (off, naive)):
+                c = compare_rows(rows, numerator, denominator)
+                if c is not None:
+                    out.append(c)
     return out
 
 
