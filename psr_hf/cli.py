@@ -752,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-budgets", help="SpecPrefetch's system comparison: comma-separated budgets M; adds "
                                               "naive_mM (previous token's experts) and, with --predictor, "
                                               "specprefetch_mM rows at every capacity (and their engine rows, "
-                                              "PRED0 = the copies-skipped specprefetch row)")
+                                              "PRED0 = the copies-skipped specprefetch row, against the "
+                                              "copies-skipped exact_lru row)")
     p.add_argument("--predictor", help="a SpecPrefetch predictor (.safetensors, psr-hf train-predictor) for the "
                                        "specprefetch_mM rows; one trained on a shipped model serves its grown-* "
                                        "version")

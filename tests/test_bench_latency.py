@@ -385,7 +385,7 @@ def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, qui
     rows = {row["configuration"]: row for row in record["results"]}
     assert set(rows) == {"resident", "specprefetch_m2_res50", "naive_m2_res50", "engine_resident",
                          "engine_exact_lru_res50", "engine_specprefetch_m2_res50", "engine_naive_m2_res50",
-                         "engine_specprefetch_m2_res50_nocopy"}
+                         "engine_specprefetch_m2_res50_nocopy", "engine_exact_lru_res50_nocopy"}
     assert rows["specprefetch_m2_res50"]["routing"]["prefetch"] == "predictor"
     assert rows["naive_m2_res50"]["routing"]["prefetch"] == "previous"
     for name in ("specprefetch_m2_res50", "naive_m2_res50"):
@@ -402,8 +402,9 @@ def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, qui
     pairs = {(c["numerator"], c["denominator"]): c for c in record["comparisons"]}
     e = "engine_"
     for num, den in ((e + "exact_lru", e + "specprefetch_m2"), (e + "naive_m2", e + "specprefetch_m2"),
-                     (e + "exact_lru", e + "naive_m2"), ("naive_m2", "specprefetch_m2")):
-        c = pairs[num + "_res50", den + "_res50"]
+                     (e + "exact_lru", e + "naive_m2"), ("naive_m2", "specprefetch_m2"),
+                     (e + "specprefetch_m2_res50_nocopy", e + "exact_lru_res50_nocopy")):
+        c = pairs[(num + "_res50", den + "_res50") if "nocopy" not in num else (num, den)]
         assert c["ci95"][0] <= c["ratio"] <= c["ci95"][1] and c["ratio"] > 0
     assert ("exact_lru_res50", "specprefetch_m2_res50") not in pairs
     for name in ("specprefetch_m2_res50", "engine_naive_m2_res50"):

@@ -210,3 +210,46 @@ def test_every_family_trains_a_predictor_the_runtime_accepts(family, quiet_psr_h
             record_router_inputs(model, _windows(1, 6))
     finally:
         psr_hf.unpatch(model)
+
+
+def test_targets_follow_the_routers_selection(olmoe, deepseek):
+    """Softmax routers: the target is log_softmax(W x). DeepSeek-V3 (sigmoid + e_score_correction_bias): the
+    target ranks the experts as the router selects them, bias included, with the spread of the logits; training
+    and the loss use it."""
+    from psr_hf.prefetch.train import RouterTargets, moe_routers, router_targets
+
+    xs = record_router_inputs(olmoe, _windows(2, 16))
+    plain = router_targets(olmoe, xs)
+    assert plain.scores is None
+    torch.testing.assert_close(plain.log_probs(1, xs[1]), F.log_softmax(F.linear(xs[1], router_weights(olmoe)[1]), -1))
+
+    family, layers = moe_routers(deepseek)
+    biases = [layer.router.e_score_correction_bias for layer in layers]
+    saved = [b.clone() for b in biases]
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for b in biases:  # a bias that reorders the experts (a trained DeepSeek-V3's is learned by balancing)
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+        xs = record_router_inputs(deepseek, _windows(2, 16, seed=1))
+        targets = router_targets(deepseek, xs)
+        assert targets.scores is not None and all(t > 0 for t in targets.scales)
+        W = router_weights(deepseek)
+        for layer, x in enumerate(xs):
+            logp = targets.log_probs(layer, x)
+            selection = family.selection_scores(layers[layer].router, F.linear(x, W[layer]))
+            assert torch.equal(torch.argsort(logp, dim=-1, descending=True, stable=True),
+                               torch.argsort(selection, dim=-1, descending=True, stable=True))
+            assert not torch.equal(logp.argmax(-1), F.linear(x, W[layer]).argmax(-1))  # the bias matters here
+            kept = torch.isfinite(selection)  # a group-limited router's masked experts: -1e4, never selected
+            assert (logp[~kept] < -1e3).all() and (logp[kept] > -1e3).all()
+            spread = logp[kept].std()
+            assert 0.5 < float(spread / F.linear(x, W[layer]).std()) < 2.0
+        predictor = train_predictor(deepseek, rank=4, router_inputs=xs, lr=1e-2, batch_size=8, dtype=torch.float32)
+        assert "sigmoid + bias" in predictor.metadata["objective"]
+        loss = distillation_loss(deepseek, xs, predictor)["loss"]
+        assert loss == pytest.approx(distillation_loss(targets, xs, predictor)["loss"])
+    finally:
+        for b, s in zip(biases, saved):
+            b.copy_(s)
+    with pytest.raises(ValueError, match="both scores and scales"):
+        RouterTargets(W, scores=lambda layer, z: z)

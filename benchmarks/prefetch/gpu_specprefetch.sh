@@ -8,7 +8,7 @@
 #    (benchmarks/prefetch/predictor_olmoe-routing.safetensors, padded to the grown model's hidden size);
 # 3. the same at M_max and 50% with every copy slowed by one and by three expert copy times (2x and 4x slower link);
 # 4. the sweep of M at 50% residency, in the time left.
-# M and T (one copy, ms) override the profiled values; SKIP="mmax slow2x" leaves out those runs. The records come
+# M and T (one copy, ms) override the profiled values; SKIP="tests window mmax slow2x" leaves out those steps. The records come
 # back as one archive, specprefetch_records.tar.gz.
 set -uo pipefail
 START=$SECONDS
@@ -18,9 +18,10 @@ DEVICE=${DEVICE:-cuda:0}
 python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
 export PYTHONPATH=$PWD
 P=benchmarks/prefetch/predictor_olmoe-routing.safetensors
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_prefetch_runtime.py 2>&1 | tail -15 \
+skipped() { case " ${SKIP:-} " in *" $1 "*) return 0;; esac; return 1; }
+skipped tests || timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_prefetch_runtime.py 2>&1 | tail -15 \
     | tee "$OUT/prefetch_cuda_tests.txt"
-python3 -m psr_hf.cli profile-window --model "$MODEL" --device "$DEVICE" --tokens 64 --json "$OUT/window.json" 2>&1 \
+skipped window || python3 -m psr_hf.cli profile-window --model "$MODEL" --device "$DEVICE" --tokens 64 --json "$OUT/window.json" 2>&1 \
     | grep -v "Loading weights" | tail -25 | tee "$OUT/window.txt"
 M=${M:-$(python3 -c "import json; print(min(64, max(1, json.load(open('$OUT/window.json'))['budget'])))" 2>/dev/null || echo 4)}
 T=${T:-$(python3 -c "import json; print(json.load(open('$OUT/window.json'))['copy_ms_median'])" 2>/dev/null || echo 0.1)}
@@ -39,7 +40,7 @@ bench_run() {  # name, budgets, share of the time left (seconds), extra args
   grep -i "error\|traceback" "$OUT/bench_$1.err" | tail -3
 }
 [ -n "${SKIP:-}" ] && echo "skipping: $SKIP"
-run() { case " ${SKIP:-} " in *" $1 "*) return;; esac; bench_run "$@"; }
+run() { skipped "$1" || bench_run "$@"; }
 run mmax "$M" 200
 run slow2x "$M" 110 "--capacities 0.5 --copy-delay-ms $T"
 run slow4x "$M" 110 "--capacities 0.5 --copy-delay-ms $(python3 -c "print(3 * $T)")"

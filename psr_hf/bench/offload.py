@@ -138,7 +138,8 @@ def prefetch_configs(budgets: Sequence[int], predictor: bool = True) -> dict[str
     """SpecPrefetch's system comparison (its Tables 4-5, Figure 4) as routed rows, per prefetch budget ``M``:
     ``specprefetch_mM`` (exact routing, prefetches ranked by the learned predictor, at most M per layer and token,
     over every expert) and ``naive_mM`` (the same with the previous token's scores: Naive Prefetch). OFF is
-    ``exact_lru`` (no prefetch); PRED0 is the engine's copies-skipped row of ``specprefetch_mM``."""
+    ``exact_lru`` (no prefetch); PRED0 is the engine's copies-skipped row of ``specprefetch_mM``, measured against
+    the copies-skipped ``exact_lru`` row (the bench adds both)."""
     out: dict[str, dict[str, Any]] = {}
     for m in budgets:
         if not isinstance(m, int) or m < 1:
@@ -208,10 +209,13 @@ def default_configs(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, acceler
         rows.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
         rows.extend(BenchConfig(ENGINE_PREFIX + row.name, "engine", row.policy, row.routing, row.residency)
                     for row in routed)
-        # copies skipped (the paper's Table 9): the same routing decisions on the all-resident copy, no copy at all
+        # copies skipped (the paper's Table 9): the same routing decisions on the all-resident copy, no copy at all;
+        # PRED0 (SpecPrefetch's Table 4: prediction and control, no transfers) is specprefetch_mM's, against OFF's
+        # (exact_lru's) when there are prefetch rows: their ratio is the prediction and control path's cost
+        nocopy = {PSR_GOAL} | ({"exact_lru"} if prefetch_budgets else set())
         rows.extend(BenchConfig(ENGINE_PREFIX + row.name + NOCOPY_SUFFIX, "engine", row.policy, row.routing,
                                 row.residency, skip_copies=True) for row in routed
-                    if row.policy == PSR_GOAL or row.policy.startswith("specprefetch_"))  # PRED0
+                    if row.policy in nocopy or row.policy.startswith("specprefetch_"))
     return rows
 
 
@@ -828,7 +832,8 @@ def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def _prefetch_comparisons(rows: Sequence[Mapping[str, Any]], suffix: str) -> list[dict[str, Any]]:
     """SpecPrefetch's speed-ups (its Tables 4-5) at one capacity, per budget M, in the transformers rows and in the
     engine rows: OFF / SpecPrefetch (``exact_lru`` over ``specprefetch_mM``), Naive / SpecPrefetch and OFF / Naive
-    (> 1: the denominator is faster)."""
+    (> 1: the denominator is faster); in the engine rows also PRED0 / OFF, both with copies skipped (> 1: the
+    prediction and control path costs time)."""
     out = []
     names = {str(row["configuration"]) for row in rows}
     for prefix in ("", ENGINE_PREFIX):
@@ -837,7 +842,10 @@ def _prefetch_comparisons(rows: Sequence[Mapping[str, Any]], suffix: str) -> lis
                           and name[len(prefix) + len("naive_m"):-len(suffix)].isdigit()})
         for m in budgets:
             off, spec, naive = (prefix + name + suffix for name in ("exact_lru", f"specprefetch_m{m}", f"naive_m{m}"))
-            for numerator, denominator in ((off, spec), (naive, spec), (off, naive)):
+            pairs = [(off, spec), (naive, spec), (off, naive)]
+            if prefix:  # PRED0 / OFF with no copy on either side: what prediction and control cost
+                pairs.append((spec + NOCOPY_SUFFIX, off + NOCOPY_SUFFIX))
+            for numerator, denominator in pairs:
                 c = compare_rows(rows, numerator, denominator)
                 if c is not None:
                     out.append(c)

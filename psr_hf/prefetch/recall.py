@@ -30,7 +30,7 @@ from torch import nn
 
 from .._text import text_table
 from .train import (PairMLP, SingleMLP, fit, model_facts, moe_routers, record_router_inputs_with_positions,
-                    router_weights, train_predictor)
+                    router_targets, train_predictor)
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def recall_table(model: nn.Module, train_windows: Any, heldout_windows: Any, *, 
     started = time.perf_counter()
     train_inputs, _ = record_router_inputs_with_positions(model, train_windows, progress=progress)
     held_inputs, positions = record_router_inputs_with_positions(model, heldout_windows, progress=progress)
-    weights = router_weights(model)
+    weights = router_targets(model, train_inputs)
 
     if predictor is not None:
         spec = Predictor.coerce(predictor)

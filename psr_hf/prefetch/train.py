@@ -2,7 +2,8 @@
 baselines trained with the same supervision (the paper's Tables 1-3).
 
 Supervision: for each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each valid token, the frozen native router
-of layer ``l + 1`` on its own input gives the target ``pi = softmax(W[l + 1] x[l + 1])``; a predictor sees only
+of layer ``l + 1`` on its own input gives the target ``pi = softmax(W[l + 1] x[l + 1])`` (for routers that select by
+other scores, DeepSeek-V3's sigmoid plus bias, those scores scaled: :class:`RouterTargets`); a predictor sees only
 layer ``l``'s router input ``x[l]`` and is trained to minimise
 
     L_pred = 1 / (L - 1) sum_l  1 / |Omega| sum_tokens  KL(pi || softmax(predicted logits of layer l + 1)).
@@ -73,6 +74,72 @@ def router_weights(model: nn.Module) -> list[torch.Tensor]:
     """``[L]`` of ``[E, D]``: each MoE layer's router weight, float32 on the CPU, detached."""
     _, layers = moe_routers(model)
     return [layer.router.weight.detach().float().cpu() for layer in layers]
+
+
+class RouterTargets:
+    """The supervision: each MoE layer's router on its own input ``x`` as log-probabilities over the experts.
+
+    Softmax routers (OLMoE, Qwen; ``scores`` None): ``log_softmax(W x)``, the paper's target. Routers that select by
+    other scores (DeepSeek-V3: ``sigmoid(W x) + e_score_correction_bias``): ``log_softmax(s / tau[l])`` with ``s``
+    the family's selection scores and ``tau[l] = std(s) / std(W x)`` over the recorded tokens of layer ``l``, so the
+    target ranks the experts as the router selects them (bias included) with the spread of its logits. A
+    predictor's ``softmax(B A x)`` (the runtime's prefetch ranking, docs/ALGORITHM.md) then learns the router's
+    selection, not the bias-free logits. Experts a group-limited router masks (``-inf``) get ``-1e4``."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], scores: Any = None, scales: Sequence[float] | None = None):
+        self.weights = [w.detach().float() for w in weights]
+        if (scores is None) != (scales is None):
+            raise ValueError("RouterTargets: give both scores and scales (selection-score targets) or neither")
+        self.scores, self.scales = scores, None if scales is None else [float(t) for t in scales]
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def log_probs(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        z = F.linear(x.float(), self.weights[layer])
+        if self.scores is None:
+            return F.log_softmax(z, dim=-1)
+        s = self.scores(layer, z) / self.scales[layer]
+        return F.log_softmax(torch.nan_to_num(s, neginf=-1e4), dim=-1)
+
+    @property
+    def description(self) -> str:
+        if self.scores is None:
+            return "mean over pairs and tokens of KL(softmax(W[l+1] x[l+1]) || softmax(B A x[l]))"
+        return ("mean over pairs and tokens of KL(softmax(s[l+1] / tau[l+1]) || softmax(B A x[l])), s = the "
+                "router's selection scores of W[l+1] x[l+1] (sigmoid + bias), tau = std(s) / std(W x)")
+
+
+@torch.no_grad()
+def router_targets(model: nn.Module, router_inputs: Sequence[torch.Tensor], *, chunk: int = 8192) -> RouterTargets:
+    """:class:`RouterTargets` of ``model``: the plain softmax targets where the family's selection scores are the
+    logits, else selection-score targets scaled on ``router_inputs`` (recorded by :func:`record_router_inputs`)."""
+    family, layers = moe_routers(model)
+    weights = router_weights(model)
+    probe = torch.zeros(1, weights[0].shape[0])
+    if family.selection_scores(layers[0].router, probe) is probe:  # softmax routers: the scores are the logits
+        return RouterTargets(weights)
+    _check_inputs(router_inputs, weights)
+
+    def scores(layer: int, z: torch.Tensor) -> torch.Tensor:
+        router = layers[layer].router
+        return family.selection_scores(router, z.to(router.weight.device)).float().to(z.device)
+
+    scales = []
+    for layer, x in enumerate(router_inputs):
+        z = torch.cat([F.linear(x[s:s + chunk].float(), weights[layer]) for s in range(0, x.shape[0], chunk)])
+        sel = torch.cat([scores(layer, z[s:s + chunk]) for s in range(0, z.shape[0], chunk)])
+        finite = sel[torch.isfinite(sel)]
+        spread = float(z.std())
+        if finite.numel() < 2 or spread == 0.0 or float(finite.std()) == 0.0:
+            raise ValueError(f"MoE layer {layer}: the router's scores do not vary over the recorded tokens; record "
+                             "router inputs on real text")
+        scales.append(float(finite.std()) / spread)
+    return RouterTargets(weights, scores, scales)
+
+
+def _as_targets(targets: Any) -> RouterTargets:
+    return targets if isinstance(targets, RouterTargets) else RouterTargets(targets)
 
 
 # ---------------------------------------------------------------------------------------------------- recording
@@ -276,18 +343,19 @@ def _pair_loss(module: Any, pair: int, x: torch.Tensor, target_logp: torch.Tenso
     return F.kl_div(logq, target_logp, log_target=True, reduction="batchmean")
 
 
-def _targets(weights: Sequence[torch.Tensor], router_inputs: Sequence[torch.Tensor], pair: int,
+def _targets(targets: RouterTargets, router_inputs: Sequence[torch.Tensor], pair: int,
              idx: torch.Tensor | slice) -> torch.Tensor:
-    return F.log_softmax(F.linear(router_inputs[pair + 1][idx], weights[pair + 1]), dim=-1)
+    return targets.log_probs(pair + 1, router_inputs[pair + 1][idx])
 
 
 @torch.no_grad()
 def distillation_loss(model_or_weights: Any, router_inputs: Sequence[torch.Tensor], module: Any, *,
                       chunk: int = 8192) -> dict[str, Any]:
     """The objective ``L_pred`` of ``module`` (anything with ``logits(pair, x)``, a :class:`Predictor` included)
-    on recorded router inputs, in float32: ``{"loss": mean over pairs, "per_pair": [...]}`` (nats)."""
-    weights = router_weights(model_or_weights) if isinstance(model_or_weights, nn.Module) else \
-        [w.float() for w in model_or_weights]
+    on recorded router inputs, in float32: ``{"loss": mean over pairs, "per_pair": [...]}`` (nats).
+    ``model_or_weights``: the model (its :func:`router_targets`), :class:`RouterTargets`, or router weights."""
+    weights = router_targets(model_or_weights, router_inputs) if isinstance(model_or_weights, nn.Module) else \
+        _as_targets(model_or_weights)
     _check_inputs(router_inputs, weights)
     n = router_inputs[0].shape[0]
     per_pair = []
@@ -308,8 +376,10 @@ def fit(module: nn.Module, weights: Sequence[torch.Tensor], router_inputs: Seque
     """Train ``module`` (an ``nn.Module`` with ``logits(pair, x)``) in place on the objective of the module
     docstring: each step a minibatch of ``batch_size`` recorded tokens, the loss averaged over all pairs.
 
-    Returns the training facts: ``steps``, ``tokens``, ``initial_loss`` and ``final_loss`` (the objective over all
-    recorded tokens before and after, float32), ``last_step_loss`` and the settings."""
+    ``weights``: the supervision, :class:`RouterTargets` (:func:`router_targets`) or the routers' weights (plain
+    softmax targets). Returns the training facts: ``steps``, ``tokens``, ``initial_loss`` and ``final_loss`` (the
+    objective over all recorded tokens before and after, float32), ``last_step_loss`` and the settings."""
+    weights = _as_targets(weights)
     _check_inputs(router_inputs, weights)
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype {dtype}: use torch.bfloat16 (autocast over float32 master weights) or "
@@ -317,7 +387,6 @@ def fit(module: nn.Module, weights: Sequence[torch.Tensor], router_inputs: Seque
     if epochs < 1 or batch_size < 1 or lr <= 0 or not 0 <= warmup < 1 or clip <= 0:
         raise ValueError(f"epochs={epochs}, batch_size={batch_size} (>= 1), lr={lr}, clip={clip} (> 0) and "
                          f"warmup={warmup} (in [0, 1)) are out of range")
-    weights = [w.float() for w in weights]
     n = router_inputs[0].shape[0]
     pairs = len(weights) - 1
     per_epoch = math.ceil(n / batch_size)
@@ -377,7 +446,7 @@ def train_module(model: nn.Module, module: nn.Module, windows: Any = None, *,
     """Train any predictor module (``logits(pair, x)``) on ``model``'s routing over ``windows`` (or already
     recorded ``router_inputs``) with :func:`fit`'s ``settings``; returns its facts."""
     inputs = _inputs(model, windows, router_inputs, bool(settings.get("progress")))
-    return fit(module, router_weights(model), inputs, **settings)
+    return fit(module, router_targets(model, inputs), inputs, **settings)
 
 
 def train_predictor(model: nn.Module, windows: Any = None, *, rank: int, epochs: int = 1, lr: float = 1e-4,
@@ -394,11 +463,11 @@ def train_predictor(model: nn.Module, windows: Any = None, *, rank: int, epochs:
     before and after training and the settings."""
     facts = model_facts(model)
     inputs = _inputs(model, windows, router_inputs, progress)
-    weights = router_weights(model)
-    module = LowRankAdapters(weights, rank, init=init, seed=seed)
-    trained = fit(module, weights, inputs, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup, clip=clip,
+    targets = router_targets(model, inputs)
+    module = LowRankAdapters(targets.weights, rank, init=init, seed=seed)
+    trained = fit(module, targets, inputs, epochs=epochs, lr=lr, batch_size=batch_size, warmup=warmup, clip=clip,
                   dtype=dtype, seed=seed, progress=progress, desc="SpecPrefetch")
     metadata = {"model_type": facts["model_type"], "top_k": facts["top_k"], "rank": rank, "init": init,
-                "objective": "mean over pairs and tokens of KL(softmax(W[l+1] x[l+1]) || softmax(B A x[l]))",
+                "objective": targets.description,
                 **trained}
     return module.to_predictor(metadata)
