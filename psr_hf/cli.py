@@ -323,6 +323,46 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .bench.frontier import ablation_markdown, orderings_markdown, plot_frontier, table2_markdown
+    from .bench.sweep import SweepStopped, run_sweep, select, sweep_grid
+
+    grid = select(sweep_grid(lams=_floats("--lams", args.lams), budgets=_ints("--budgets", args.budgets),
+                             evictions=[e.strip() for e in args.evictions.split(",") if e.strip()],
+                             published=not args.no_published),
+                  None if args.configs is None else args.configs.split(","))
+    residencies = _floats("--residencies", args.residencies)
+    _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))
+    print(f"psr-hf sweep: {args.model} on {args.device}, {len(grid)} configurations x {len(residencies)} "
+          f"residencies; latency: {args.windows} window(s) x {args.tokens} tokens, {args.rounds} interleaved rounds; "
+          f"divergence: {args.selfgen_windows} selfgen and {args.heldout_windows} held-out windows")
+    try:
+        with _compile_notice():
+            record = run_sweep(
+                model=args.model, device=args.device, residencies=residencies, grid=grid, rounds=args.rounds,
+                windows=args.windows, tokens=args.tokens, selfgen_windows=args.selfgen_windows,
+                selfgen_tokens=args.selfgen_tokens, heldout_windows=args.heldout_windows,
+                heldout_tokens=args.heldout_tokens, seed=args.seed,
+                engine=None if args.engine is None else args.engine == "on", calibration=args.calibration,
+                calibration_tokens=args.calibration_tokens, json_path=args.json, max_minutes=args.max_minutes,
+                progress=lambda msg: _err("  " + msg))
+    except SweepStopped as stopped:
+        print(f"psr-hf sweep: incomplete: {stopped}")
+        return 3
+    text = "\n\n".join([table2_markdown(record["points"]), ablation_markdown(record["points"]),
+                         orderings_markdown(record["orderings"])])
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+        print(f"Markdown: {args.markdown}")
+    if args.json:
+        print(f"JSON record: {args.json}")
+    if args.plot:
+        title = f"psr-hf sweep: {args.model}, latency vs selfgen divergence"
+        print(f"plot: {plot_frontier(record['points'], args.plot, title=title)}")
+    return 0
+
+
 def _load_model(args: argparse.Namespace, command: str) -> tuple[Any, Any, dict]:
     """``--threads`` for ``--model`` on ``--device`` (a typo in the model's name fails here), then the model: what
     the commands that run one model (kl, train-predictor, recall, profile-window) do first."""
@@ -778,6 +818,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write the latency-vs-copies plot here (PNG)")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="the latency-divergence frontier: every policy, lam, budget, eviction and "
+                                     "residency timed (engine on a GPU) and scored on selfgen and held-out text; "
+                                     "resumable (the paper's Figure 1, Table 2, Section 6.6)")
+    p.add_argument("--model", default="grown-olmoe-routing",
+                   help="as in psr-hf bench (default grown-olmoe-routing); a grown model's divergence is measured "
+                        "on the small trained model it was grown from (same function, float32)")
+    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu for the small models)")
+    p.add_argument("--residencies", default="0.5,0.25", help="residencies (default 0.5,0.25; the paper adds 0.375 "
+                                                             "for Moonlight)")
+    p.add_argument("--lams", default="0.1,0.15,0.2,0.25,0.3", help="bonus scales (default 0.1,0.15,0.2,0.25,0.3)")
+    p.add_argument("--budgets", default="1,2,8", help="PSR prefetch budgets n (default 1,2,8; 8 = unbounded)")
+    p.add_argument("--evictions", default="score,lru", help="Cache-Prior and PSR evictions (default score,lru)")
+    p.add_argument("--no-published", action="store_true",
+                   help="leave out Cache-Prior as published (top-J 1 and 2, running bonus scale)")
+    p.add_argument("--configs", help="comma-separated grid names to keep (e.g. exact_lru,cp_lam0.2,psr_lam0.2_n1)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved latency rounds, at least 3 (default 3)")
+    p.add_argument("--windows", type=int, default=2, help="latency windows per round (default 2)")
+    p.add_argument("--tokens", type=int, default=64, help="timed decode positions per window (default 64)")
+    p.add_argument("--selfgen-windows", type=int, default=8, help="windows sampled from the exact model (default 8)")
+    p.add_argument("--selfgen-tokens", type=int, default=256, help="tokens sampled per window (default 256)")
+    p.add_argument("--heldout-windows", type=int, default=8, help="held-out text windows (default 8)")
+    p.add_argument("--heldout-tokens", type=int, default=256, help="tokens per held-out window (default 256)")
+    p.add_argument("--engine", choices=("on", "off"),
+                   help="time the engine's rows (default: on for a CUDA device) or the transformers offload path")
+    p.add_argument("--calibration", help="a saved calibration (.safetensors); default: the model's, else calibrate "
+                                         "on stdlib sources")
+    p.add_argument("--calibration-tokens", type=int, default=8192,
+                   help="tokens of the default calibration (default 8192)")
+    p.add_argument("--max-minutes", type=float,
+                   help="stop (saving the record) once this much time has passed; the same command continues")
+    p.add_argument("--seed", type=int, default=0, help="seed of the selfgen sampling and random weights (default 0)")
+    p.add_argument("--json", help="the record: written as the sweep goes, read to continue an interrupted sweep")
+    p.add_argument("--plot", help="write the latency-vs-divergence frontier here (PNG)")
+    p.add_argument("--markdown", help="write Table 2, the ablations and the orderings here (Markdown)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
     p.add_argument("record", help="JSON record written by psr-hf bench --json")

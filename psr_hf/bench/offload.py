@@ -616,6 +616,9 @@ def bench_latency(
     calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, accelerate_tokens: int = 8,
     offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0, graphs: bool | None = None,
     progress: Callable[[str], None] | None = None, predictor: Any = None,
+    resume: Mapping[str, list[list[WindowRun]]] | None = None,
+    on_round: Callable[[int, Mapping[str, list[list[WindowRun]]]], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Time teacher-forced decoding of ``windows`` under each configuration, interleaved over ``rounds``.
 
@@ -635,6 +638,11 @@ def bench_latency(
         graphs: whether the engine rows' :class:`~psr_hf.engine.graphs.GraphDecoder` replays CUDA graphs (default:
             on CUDA; the CPU runs the same step eagerly).
         predictor: the :class:`psr_hf.prefetch.Predictor` of the rows with ``prefetch="predictor"``.
+        resume: rounds already timed (name -> one list of :class:`WindowRun` per round, the same number for every
+            row, as ``on_round`` saw them): timing continues with the next round (a resumed sweep).
+        on_round: called after each timed round with its index and every row's rounds so far (to save them).
+        stop: checked before each timed round; True ends the timing there (the rows then hold fewer rounds; no
+            rows at all if none was timed).
 
     Returns one dict per row, in ``configs`` order (see :func:`run_bench` for the record around them).
     """
@@ -673,7 +681,11 @@ def bench_latency(
     engine = (_EngineRows(model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs),
                           any(c.kind == "engine" for c in configs), predictor) if engine_rows else None)
     accelerated = None
-    results: dict[str, list[list[WindowRun]]] = {name: [] for name in names}
+    results: dict[str, list[list[WindowRun]]] = {name: list((resume or {}).get(name, [])) for name in names}
+    done_rounds = {len(v) for v in results.values()}
+    if len(done_rounds) != 1:
+        raise ValueError("resume: every row must hold the same number of timed rounds (as on_round saw them)")
+    first_round = done_rounds.pop()
     memory: dict[str, Any] = {}
     capacity: dict[str, int] = {}
     with quiet_uncalibrated(), contextlib.ExitStack() as stack:
@@ -721,11 +733,16 @@ def bench_latency(
                     bar.update(1)
                 if progress is not None:
                     progress(f"warm-up {w + 1}/{warmup} done")
-            for r in range(rounds):
+            bar.update(first_round * len(configs))
+            for r in range(first_round, rounds):
+                if stop is not None and stop():
+                    break
                 for config in rotated(configs, r):
                     bar.set_postfix_str(f"round {r + 1}/{rounds}: {config.name}")
                     results[config.name].append(run_row(config, windows_of(config)))
                     bar.update(1)
+                if on_round is not None:
+                    on_round(r, results)
                 if progress is not None:
                     means = {n: np.mean([t for w in results[n][-1] for t in w.ms]) for n in names}
                     progress(f"round {r + 1}/{rounds}: ms/token " + ", ".join(f"{n} {m:.2f}" for n, m in means.items()))
@@ -738,6 +755,8 @@ def bench_latency(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    if not results[RESIDENT]:
+        return []  # stopped before the first timed round
     model_info = describe_model(model)
     reference_ms = {RESIDENT: [[w.ms for w in run] for run in results[RESIDENT]]}
     if ENGINE_RESIDENT in results:

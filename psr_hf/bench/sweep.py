@@ -1,0 +1,358 @@
+"""``psr-hf sweep``: the latency-divergence frontier (the paper's Figure 1, Table 2 and the ablations of its
+Section 6.6) in one resumable run.
+
+For every residency and every configuration of the grid (:func:`sweep_grid`: exact routing with LRU and with the
+A priority and prefetch, Cache-Prior with LRU and with the A priority, PSR with budgets n in {1, 2, 8} and both
+evictions, speculative execution, and Cache-Prior as published with top-J 1 / 2 and the running bonus scale, each
+at every lam) it measures
+
+- **divergence** on the *quality model*: the excess NLL over exact routing on text sampled from the exact model
+  (*selfgen*, :mod:`psr_hf.eval.selfgen`; ``sg%`` = excess perplexity) and on held-out text, each with its 95%
+  interval over windows (:func:`psr_hf.eval.divergence.divergence`). For a grown model (``grown-olmoe-routing``)
+  the quality model is the small trained model it was grown from, in float32: the grown model computes the same
+  function, so its routing decisions and divergence are the small model's, without bf16 rounding;
+- **latency** on the latency model: teacher-forced batch-1 decoding of held-out windows in the engine
+  (``engine_<name>`` rows, CUDA graphs on a GPU) or in the transformers offload path (the CPU default), every
+  configuration of a residency interleaved over the rounds with the ``resident`` reference rows
+  (:func:`psr_hf.bench.offload.bench_latency`).
+
+The record (``--json``) is written after every measured unit (the sampled windows, each configuration's
+divergence, each timed round); running the same command again with the same record continues where it stopped
+(a device command's time limit, ``--max-minutes``). The outputs come from :mod:`psr_hf.bench.frontier`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..policy.config import RoutingConfig
+from .offload import (CALIBRATION_TOKENS, ENGINE_PREFIX, ENGINE_RESIDENT, MIN_ROUNDS, RESIDENT, BenchConfig,
+                      WindowRun, bench_latency, capacity_suffix, describe_model)
+
+logger = logging.getLogger(__name__)
+
+SWEEP_LAMS = (0.1, 0.15, 0.2, 0.25, 0.3)
+SWEEP_BUDGETS = (1, 2, 8)
+SWEEP_RESIDENCIES = (0.5, 0.25)
+EVICTIONS = ("score", "lru")
+RECORD_VERSION = 1
+
+
+class SweepStopped(Exception):
+    """The sweep stopped before the end (``--max-minutes``); its record holds everything measured so far."""
+
+
+def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = SWEEP_BUDGETS,
+               evictions: Sequence[str] = EVICTIONS, published: bool = True) -> dict[str, dict[str, Any]]:
+    """name -> :class:`RoutingConfig` fields (no residency): ``exact_lru``, ``exact_a_pf`` (A priority, prefetch
+    budget 1), ``spec``, and per lam ``cp_lam{lam}`` (Cache-Prior, LRU) and ``cp_lam{lam}_a`` (A priority),
+    ``psr_lam{lam}_n{n}`` (A priority) and ``psr_lam{lam}_n{n}_lru`` per budget ``n``, and with ``published``
+    Cache-Prior as published: ``cp_lam{lam}_j1``, ``cp_lam{lam}_j2`` (top-J protected, LRU) and
+    ``cp_lam{lam}_j2_run`` (J = 2 with the running bonus scale). ``evictions`` ("score", "lru") limits the
+    Cache-Prior and PSR rows to those evictions."""
+    unknown = sorted(set(evictions) - set(EVICTIONS))
+    if unknown or not evictions:
+        raise ValueError(f"evictions {list(evictions)}: give a non-empty subset of {', '.join(EVICTIONS)}")
+    if not lams or any(not 0.0 < float(lam) for lam in lams):
+        raise ValueError(f"lams {list(lams)}: give one or more bonus scales > 0 (the paper sweeps 0.1 .. 0.3)")
+    if not budgets or any(not isinstance(n, int) or n < 1 for n in budgets):
+        raise ValueError(f"budgets {list(budgets)}: give prefetch budgets n as ints >= 1 (the paper: 1, 2, 8)")
+    grid: dict[str, dict[str, Any]] = {
+        "exact_lru": dict(policy="exact", eviction="lru", budget=0),
+        "exact_a_pf": dict(policy="exact", eviction="score", budget=1),
+    }
+    for lam in lams:
+        lam = float(lam)
+        if "lru" in evictions:
+            grid[f"cp_lam{lam:g}"] = dict(policy="cache_prior", lam=lam, eviction="lru", budget=0)
+        if "score" in evictions:
+            grid[f"cp_lam{lam:g}_a"] = dict(policy="cache_prior", lam=lam, eviction="score", budget=0)
+        for n in budgets:
+            if "score" in evictions:
+                grid[f"psr_lam{lam:g}_n{n}"] = dict(policy="psr", lam=lam, eviction="score", budget=n)
+            if "lru" in evictions:
+                grid[f"psr_lam{lam:g}_n{n}_lru"] = dict(policy="psr", lam=lam, eviction="lru", budget=n)
+        if published:
+            for j in (1, 2):
+                grid[f"cp_lam{lam:g}_j{j}"] = dict(policy="cache_prior", lam=lam, eviction="lru", top_j=j)
+            grid[f"cp_lam{lam:g}_j2_run"] = dict(policy="cache_prior", lam=lam, eviction="lru", top_j=2,
+                                                 delta_mode="running")
+    grid["spec"] = dict(policy="spec")
+    for name, fields in grid.items():
+        RoutingConfig(residency=0.5, **fields)  # every entry valid before anything runs
+    return grid
+
+
+def select(grid: Mapping[str, dict[str, Any]], only: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+    """The entries of ``grid`` named in ``only`` (all when None); an unknown name raises ``ValueError``."""
+    if only is None:
+        return dict(grid)
+    wanted = [name.strip() for name in only if name.strip()]
+    unknown = [name for name in wanted if name not in grid]
+    if unknown or not wanted:
+        raise ValueError(f"--configs: unknown {', '.join(unknown) or '(none given)'}; allowed: {', '.join(grid)}")
+    return {name: grid[name] for name in grid if name in wanted}
+
+
+def quality_model_name(model: str) -> str:
+    """The model whose function the divergence is measured on: the small trained model of a grown one."""
+    from .workloads import GROWN
+
+    return GROWN[model][0] if model in GROWN else model
+
+
+# ---------------------------------------------------------------------------------------------------- record
+def _window_runs(data: Mapping[str, Any]) -> dict[str, list[list[WindowRun]]]:
+    return {name: [[WindowRun(**w) for w in run] for run in runs] for name, runs in data.items()}
+
+
+def _runs_data(results: Mapping[str, list[list[WindowRun]]]) -> dict[str, Any]:
+    return {name: [[dataclasses.asdict(dataclasses.replace(w, logits=None)) for w in run] for run in runs]
+            for name, runs in results.items()}
+
+
+def _save(record: Mapping[str, Any], path: Path | None) -> None:
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)  # a kill while writing leaves the previous record whole
+
+
+def _load_record(path: Path | None, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The record at ``path`` to continue, or None where there is none; ``ValueError`` where it was made with
+    other settings (continuing would mix two sweeps)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a sweep record (invalid JSON: {e}); give another --json path") from None
+    if record.get("benchmark") != "sweep" or record.get("version") != RECORD_VERSION:
+        raise ValueError(f"{path} is not a psr-hf sweep record (version {RECORD_VERSION}); give another --json path")
+    theirs = record.get("settings", {})
+    differing = sorted(k for k in settings if k != "max_minutes" and theirs.get(k) != settings[k])
+    if differing:
+        raise ValueError(f"{path} holds a sweep with other settings ({', '.join(differing)}); to continue it, run "
+                         f"the same command; to start another, give another --json path")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------- points
+def _interval_pct(ci: Sequence[float]) -> list[float]:
+    from ..eval.selfgen import sg_percent
+
+    return [sg_percent(float(v)) for v in ci]
+
+
+def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One point per configuration and residency with both measurements (the schema of
+    :mod:`psr_hf.bench.frontier`): routing fields, latency (mean ms/token with its interval, p99, per-round
+    means, copies and demand copies per token) and divergence (sg% and the selfgen excess NLL with intervals and
+    per-window values; the held-out excess NLL)."""
+    from ..eval.selfgen import sg_percent
+
+    points = []
+    prefix = ENGINE_PREFIX if record["settings"]["engine"] else ""
+    for residency in record["settings"]["residencies"]:
+        suffix = capacity_suffix(residency)
+        latency = record.get("latency", {}).get(suffix, {})
+        rows = {row["configuration"]: row for row in latency.get("rows", [])}
+        for name in record["grid"]:
+            row = rows.get(prefix + name + suffix)
+            quality = record.get("quality", {}).get(name + suffix)
+            if row is None or quality is None:
+                continue
+            routing, selfgen, held = row["routing"], quality["selfgen"], quality.get("heldout")
+            copies = row["copies"]
+            points.append({
+                "name": name + suffix, "policy": routing["policy"],
+                "lam": routing["lam"] if routing["policy"] in ("cache_prior", "psr") else None,
+                "budget": int(routing["budget"]) if routing["policy"] != "spec" else 0,
+                "eviction": routing["eviction"], "top_j": int(routing["top_j"]), "delta_mode": routing["delta_mode"],
+                "residency": float(residency), "capacity": row["capacity"],
+                "ms": row["ms_per_token"]["mean"], "ms_ci95": row["ms_per_token"]["ci95"], "p99_ms": row["p99_ms"],
+                "round_ms": [r["ms_per_token"] for r in row["rounds"]],
+                "copies_per_token": copies.get("copies_per_token"), "demand_per_token": copies.get("demand_per_token"),
+                "sg_pct": sg_percent(selfgen["excess_nll"]), "sg_pct_ci95": _interval_pct(selfgen["excess_nll_ci95"]),
+                "selfgen_excess_nll": selfgen["excess_nll"], "selfgen_window_excess": selfgen["window_excess"],
+                "heldout_excess_nll": None if held is None else held["excess_nll"],
+                "heldout_excess_nll_ci95": None if held is None else held["excess_nll_ci95"],
+            })
+    return points
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float] = SWEEP_RESIDENCIES,
+              grid: Mapping[str, dict[str, Any]] | None = None, rounds: int = MIN_ROUNDS, windows: int = 2,
+              tokens: int = 64, selfgen_windows: int = 8, selfgen_tokens: int = 256, heldout_windows: int = 8,
+              heldout_tokens: int = 256, seed: int = 0, engine: bool | None = None, calibration: str | None = None,
+              calibration_tokens: int = CALIBRATION_TOKENS, json_path: str | Path | None = None,
+              max_minutes: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run (or continue, from the record at ``json_path``) the sweep; returns the record, with ``points``,
+    ``frontier`` and ``orderings`` once every unit is measured. Raises :class:`SweepStopped` (after saving) when
+    ``max_minutes`` ran out first: the same call continues it."""
+    import torch
+
+    from ..eval.divergence import divergence
+    from ..eval.selfgen import describe, sample_windows, start_tokens
+    from .common import machine, quiet_uncalibrated, versions
+    from .workloads import default_texts, load_model, module_sources, text_windows, WINDOW_MODULES
+
+    started = time.monotonic()
+    deadline = None if max_minutes is None else started + 60.0 * float(max_minutes)
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} (latency intervals are over rounds)")
+    for name, value in (("windows", windows), ("tokens", tokens), ("selfgen_windows", selfgen_windows),
+                        ("selfgen_tokens", selfgen_tokens), ("heldout_windows", heldout_windows),
+                        ("heldout_tokens", heldout_tokens)):
+        if not isinstance(value, int) or value < (2 if name.endswith("windows") and name != "windows" else 1):
+            raise ValueError(f"{name}={value!r} is too small (windows: intervals over windows need at least 2)")
+    residencies = [float(r) for r in residencies]
+    if not residencies or any(not 0.0 < r < 1.0 for r in residencies):
+        raise ValueError(f"residencies {residencies}: give one or more in (0, 1) (0.5 = half of each layer's experts)")
+    grid = dict(sweep_grid() if grid is None else grid)
+    path = None if json_path is None else Path(json_path)
+    settings = {"model": model, "device": str(device), "residencies": residencies, "rounds": rounds,
+                "windows": windows, "tokens": tokens, "selfgen_windows": selfgen_windows,
+                "selfgen_tokens": selfgen_tokens, "heldout_windows": heldout_windows,
+                "heldout_tokens": heldout_tokens, "seed": seed, "calibration": calibration,
+                "calibration_tokens": calibration_tokens, "configs": list(grid),
+                "engine": bool(torch.device(device).type == "cuda") if engine is None else bool(engine),
+                "max_minutes": max_minutes}
+    record = _load_record(path, settings)
+    if record is None:
+        record = {"benchmark": "sweep", "version": RECORD_VERSION, "settings": settings,
+                  "grid": {name: dict(fields) for name, fields in grid.items()},
+                  "quality": {}, "latency": {}}
+    else:
+        record["settings"]["max_minutes"] = max_minutes
+        if "points" in record:  # finished: nothing left to measure
+            return record
+    say = progress or (lambda text: None)
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    def stop_here() -> None:
+        _save(record, path)
+        raise SweepStopped(f"stopped after {(time.monotonic() - started) / 60:.1f} minutes (--max-minutes "
+                           f"{max_minutes}); the record holds what was measured: run the same command to continue")
+
+    # ---- divergence, on the quality model
+    quality_name = quality_model_name(model)
+    say(f"loading {quality_name} on {device} (divergence)")
+    qmodel, qtokenizer, qinfo = load_model(quality_name, device, seed=seed)
+    calib = _calibration(qmodel, qtokenizer, qinfo, calibration, calibration_tokens, say)
+    held_texts = default_texts(model) or module_sources(WINDOW_MODULES)
+    if "heldout" not in record:
+        held = text_windows([t for _, t in held_texts], qtokenizer, windows=heldout_windows, tokens=heldout_tokens)
+        record["heldout"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in held]}
+    held = [torch.tensor([ids]) for ids in record["heldout"]["ids"]]
+    if "selfgen" not in record:
+        say(f"sampling {selfgen_windows} selfgen windows of {selfgen_tokens} tokens from the exact model")
+        prompts = start_tokens(qmodel, held[:selfgen_windows] + held[:1] * max(0, selfgen_windows - len(held)))
+        sampled = sample_windows(qmodel, prompts, tokens=selfgen_tokens, seed=seed, progress=progress is not None)
+        record["selfgen"] = describe(sampled, prompts=prompts, seed=seed, temperature=1.0, tokens=selfgen_tokens)
+        record["quality_model"] = {**{k: v for k, v in qinfo.items() if k != "calibration_file"},
+                                   **describe_model(qmodel)}
+        _save(record, path)
+    selfgen = [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
+    with quiet_uncalibrated():
+        for residency in residencies:
+            suffix = capacity_suffix(residency)
+            for name, fields in grid.items():
+                key = name + suffix
+                if key in record["quality"]:
+                    continue
+                if out_of_time():
+                    stop_here()
+                config = {key: RoutingConfig(residency=residency, **fields)}
+                sg = divergence(qmodel, selfgen, config, calibration=calib)[0]
+                ho = divergence(qmodel, held, config, calibration=calib)[0]
+                record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
+                say(f"divergence {key}: sg {100 * np.expm1(sg.excess_nll):.2f}%, held-out excess "
+                    f"{ho.excess_nll:.4f} nats/token, {sg.copies_per_token:.1f} copies/token")
+                _save(record, path)
+    del qmodel
+    # ---- latency, on the latency model (a grown model routes with the small model's calibration: same routing)
+    say(f"loading {model} on {device} (latency)")
+    lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
+    lat_ids = text_windows([t for _, t in held_texts], ltokenizer, windows=windows, tokens=tokens)
+    record["model"] = {**{k: v for k, v in linfo.items() if k != "calibration_file"}, **describe_model(lmodel)}
+    record["latency_windows"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in lat_ids]}
+    engine_rows = record["settings"]["engine"]
+    for residency in residencies:
+        suffix = capacity_suffix(residency)
+        entry = record["latency"].setdefault(suffix, {"runs": {}})
+        if "rows" in entry:
+            continue
+        configs = [BenchConfig(RESIDENT, "resident", RESIDENT)]
+        if engine_rows:
+            configs.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
+        for name, fields in grid.items():
+            routing = RoutingConfig(residency=residency, **fields)
+            configs.append(BenchConfig((ENGINE_PREFIX if engine_rows else "") + name + suffix,
+                                       "engine" if engine_rows else "offload", name, routing, residency))
+
+        def saved(r: int, results: Mapping[str, list[list[WindowRun]]], entry: dict = entry) -> None:
+            entry["runs"] = _runs_data(results)
+            _save(record, path)
+
+        say(f"timing {len(configs)} rows at {100 * residency:g}% residency, {rounds} rounds "
+            f"(done: {len(next(iter(entry['runs'].values()), []))})")
+        with quiet_uncalibrated():
+            rows = bench_latency(lmodel, lat_ids, configs=configs, calibration=calib, rounds=rounds,
+                                 resume=_window_runs(entry["runs"]) or None, on_round=saved, stop=out_of_time,
+                                 progress=progress)
+        if not rows or len(rows[0]["rounds"]) < rounds:
+            stop_here()
+        entry.pop("runs", None)
+        entry["rows"] = rows
+        _save(record, path)
+    del lmodel
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    record["machine"], record["versions"] = machine(torch.device(device)), versions()
+    finish(record)
+    _save(record, path)
+    return record
+
+
+def finish(record: dict[str, Any]) -> dict[str, Any]:
+    """Adds ``points``, ``frontier`` (names per residency) and ``orderings`` (the paper's claims, verdicts with
+    intervals) to a complete record (:mod:`psr_hf.bench.frontier`)."""
+    from .frontier import orderings, pareto_front
+
+    points = make_points(record)
+    record["points"] = points
+    record["frontier"] = {capacity_suffix(r): pareto_front([p for p in points if p["residency"] == r])
+                          for r in record["settings"]["residencies"]}
+    record["orderings"] = orderings(points)
+    return record
+
+
+def _calibration(model: Any, tokenizer: Any, info: Mapping[str, Any], calibration: str | None,
+                 calibration_tokens: int, say: Callable[[str], None]) -> Any:
+    """The routed rows' calibration: ``calibration`` (a file), else the one saved beside the model, else
+    :func:`psr_hf.calibrate` on standard-library modules that the windows never use."""
+    from ..policy.calibration import Calibration
+    from .workloads import CALIBRATION_MODULES, module_sources
+
+    if calibration is not None:
+        return Calibration.load(calibration)
+    if info.get("calibration_file"):
+        return Calibration.load(info["calibration_file"])
+    from ..hf.calibrate import calibrate
+
+    say(f"calibrating on {calibration_tokens} tokens of {', '.join(CALIBRATION_MODULES)}")
+    return calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer, max_length=512,
+                     batch_size=4, max_tokens=calibration_tokens, progress=False)
