@@ -345,7 +345,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 heldout_tokens=args.heldout_tokens, seed=args.seed,
                 engine=None if args.engine is None else args.engine == "on", calibration=args.calibration,
                 calibration_tokens=args.calibration_tokens, json_path=args.json, max_minutes=args.max_minutes,
-                progress=lambda msg: _err("  " + msg))
+                quality_device=args.quality_device, stage=args.stage, progress=lambda msg: _err("  " + msg))
     except SweepStopped as stopped:
         print(f"psr-hf sweep: incomplete: {stopped}")
         return 3
@@ -847,6 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "on stdlib sources")
     p.add_argument("--calibration-tokens", type=int, default=8192,
                    help="tokens of the default calibration (default 8192)")
+    p.add_argument("--quality-device", help="device of the divergence stage (default --device; cpu runs a grown "
+                                            "model's small twin there)")
+    p.add_argument("--stage", choices=("quality", "all"), default="all",
+                   help="quality: stop after the divergence stage (exit 3; continue with --stage all)")
     p.add_argument("--max-minutes", type=float,
                    help="stop (saving the record) once this much time has passed; the same command continues")
     p.add_argument("--seed", type=int, default=0, help="seed of the selfgen sampling and random weights (default 0)")

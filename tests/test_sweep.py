@@ -92,8 +92,15 @@ def test_sweep_stops_continues_and_measures_every_point(tmp_path):
     assert first["quality"] == {} and len(first["selfgen"]["ids"]) == 2  # sampled and saved before stopping
     with pytest.raises(ValueError, match="other settings"):
         run_sweep(**{**SMALL, "tokens": 6}, grid=grid, json_path=path)
+    with pytest.raises(SweepStopped, match="divergence stage is done"):
+        run_sweep(**SMALL, grid=grid, json_path=path, stage="quality", quality_device="cpu")
+    quality_only = json.loads(path.read_text())
+    assert set(quality_only["quality"]) == {name + "_res50" for name in grid} and quality_only["latency"] == {}
+    with pytest.raises(ValueError, match="quality_device"):  # another divergence device: another sweep
+        run_sweep(**SMALL, grid=grid, json_path=path, quality_device="meta")
     record = run_sweep(**SMALL, grid=grid, json_path=path)
     assert record["selfgen"]["ids"] == first["selfgen"]["ids"]  # continued, not sampled again
+    assert record["quality"] == quality_only["quality"]
     saved = json.loads(path.read_text())
     assert saved["points"] == json.loads(json.dumps(record["points"]))
     points = {p["name"]: p for p in record["points"]}

@@ -196,10 +196,16 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
               tokens: int = 64, selfgen_windows: int = 8, selfgen_tokens: int = 256, heldout_windows: int = 8,
               heldout_tokens: int = 256, seed: int = 0, engine: bool | None = None, calibration: str | None = None,
               calibration_tokens: int = CALIBRATION_TOKENS, json_path: str | Path | None = None,
-              max_minutes: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              max_minutes: float | None = None, quality_device: str | None = None, stage: str = "all",
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or continue, from the record at ``json_path``) the sweep; returns the record, with ``points``,
     ``frontier`` and ``orderings`` once every unit is measured. Raises :class:`SweepStopped` (after saving) when
-    ``max_minutes`` ran out first: the same call continues it."""
+    ``max_minutes`` ran out first: the same call continues it.
+
+    ``quality_device`` (default ``device``) runs the divergence stage elsewhere, e.g. on the CPU for a grown
+    model's small float32 twin while the GPU is busy or lent for minutes only; ``stage="quality"`` stops after that
+    stage (raising :class:`SweepStopped`), and a later call with ``stage="all"`` and the same record times the
+    rows."""
     import torch
 
     from ..eval.divergence import divergence
@@ -207,6 +213,9 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
     from .common import machine, quiet_uncalibrated, versions
     from .workloads import default_texts, load_model, module_sources, text_windows, WINDOW_MODULES
 
+    if stage not in ("quality", "all"):
+        raise ValueError(f"stage={stage!r}: use 'quality' (divergence only) or 'all'")
+    quality_device = str(quality_device or device)
     started = time.monotonic()
     deadline = None if max_minutes is None else started + 60.0 * float(max_minutes)
     if rounds < MIN_ROUNDS:
@@ -227,7 +236,7 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                 "heldout_tokens": heldout_tokens, "seed": seed, "calibration": calibration,
                 "calibration_tokens": calibration_tokens, "configs": list(grid),
                 "engine": bool(torch.device(device).type == "cuda") if engine is None else bool(engine),
-                "max_minutes": max_minutes}
+                "quality_device": quality_device, "max_minutes": max_minutes}
     record = _load_record(path, settings)
     if record is None:
         record = {"benchmark": "sweep", "version": RECORD_VERSION, "settings": settings,
@@ -249,8 +258,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
 
     # ---- divergence, on the quality model
     quality_name = quality_model_name(model)
-    say(f"loading {quality_name} on {device} (divergence)")
-    qmodel, qtokenizer, qinfo = load_model(quality_name, device, seed=seed)
+    say(f"loading {quality_name} on {quality_device} (divergence)")
+    qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=seed)
     calib = _calibration(qmodel, qtokenizer, qinfo, calibration, calibration_tokens, say)
     held_texts = default_texts(model) or module_sources(WINDOW_MODULES)
     if "heldout" not in record:
@@ -283,6 +292,10 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                     f"{ho.excess_nll:.4f} nats/token, {sg.copies_per_token:.1f} copies/token")
                 _save(record, path)
     del qmodel
+    if stage == "quality":
+        _save(record, path)
+        raise SweepStopped("the divergence stage is done (stage 'quality'); time the rows with the same command "
+                           "and --stage all, on the latency device")
     # ---- latency, on the latency model (a grown model routes with the small model's calibration: same routing)
     say(f"loading {model} on {device} (latency)")
     lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
