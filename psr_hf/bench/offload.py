@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 import math
 import time
@@ -235,9 +234,9 @@ class WindowRun:
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
-    # transformers 5.23+ calls the KV cache argument ``cache`` (``past_key_values`` warns); 5.17 only knows the latter
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    from ..hf.controller import cache_keyword
+
+    return cache_keyword(model)
 
 
 def _offload_dict(stats: Any) -> dict[str, float] | None:

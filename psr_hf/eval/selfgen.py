@@ -52,9 +52,9 @@ def sample_windows(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, t
         raise ValueError("no prompts: give one prompt (token ids) per window")
     from transformers import DynamicCache
 
-    from ..bench.offload import _cache_keyword
+    from ..hf.controller import cache_keyword
 
-    keyword = _cache_keyword(model)
+    keyword = cache_keyword(model)
     device = next(model.parameters()).device
     model.eval()
     out = []

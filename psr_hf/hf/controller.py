@@ -46,6 +46,14 @@ _CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.23+ names 
 _ATTR = "_psr_hf_controller"  # the model's instance attribute that holds its Controller while it is patched
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of ``model.forward``'s KV cache argument: ``cache`` from transformers 5.23 (``past_key_values``
+    warns there), ``past_key_values`` before (5.17 knows only that)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 @dataclass(frozen=True)
 class RoutingStats:
     """Routing statistics of a patched model.

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The latency stage of `psr-hf sweep` on the lent GPU, continuing a committed record whose divergence stage ran on
+# the CPU (the grown model's small float32 twin computes the same function):
+#   device run:  bash benchmarks/sweep/gpu_sweep.sh grown-olmoe-routing
+# It copies benchmarks/sweep/MODEL.json to $OUT (unless $OUT already holds it), times the rows for MINUTES
+# (default 8.5, inside the 10-minute command limit) and writes the record back to $OUT, with the frontier plot and
+# the Markdown tables once it is complete (exit 0; exit 3: incomplete, run again with the returned record put back
+# in benchmarks/sweep/). The sweep's settings must be the ones the record was started with (SETTINGS below).
+#
+# grown-moonlight-routing needs moonlight-routing on the device: one command first builds it into an ignored folder
+# that stays while the machine is warm (carry ["shards_xz"], see benchmarks/grown/gpu_moonlight.sh):
+#   PSR_HF_MODELS=$PWD/.models bash benchmarks/grown/gpu_moonlight.sh
+# then, within the idle window, PSR_HF_MODELS=$PWD/.models bash benchmarks/sweep/gpu_sweep.sh grown-moonlight-routing
+set -uo pipefail
+MODEL=${1:-grown-olmoe-routing}
+python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
+export PYTHONPATH=$PWD
+case "$MODEL" in
+  grown-moonlight-routing) RES=0.5,0.375,0.25 ;;
+  *) RES=0.5,0.25 ;;
+esac
+SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu"
+[ -f "$OUT/$MODEL.json" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --max-minutes "${MINUTES:-8.5}" \
+    --json "$OUT/$MODEL.json" --plot "$OUT/$MODEL.png" --markdown "$OUT/$MODEL.md" 2>"$OUT/$MODEL.err"
+status=$?
+grep -v "it/s\]\|row/s\]" "$OUT/$MODEL.err" | tail -5
+echo "psr-hf sweep exit $status"
