@@ -849,8 +849,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the default calibration (default 8192)")
     p.add_argument("--quality-device", help="device of the divergence stage (default --device; cpu runs a grown "
                                             "model's small twin there)")
-    p.add_argument("--stage", choices=("quality", "all"), default="all",
-                   help="quality: stop after the divergence stage (exit 3; continue with --stage all)")
+    p.add_argument("--stage", choices=("quality", "latency", "all"), default="all",
+                   help="quality: only the divergence stage; latency: only the timing (each exits 3 while the "
+                        "other is missing; --stage all with the same record completes it)")
     p.add_argument("--max-minutes", type=float,
                    help="stop (saving the record) once this much time has passed; the same command continues")
     p.add_argument("--seed", type=int, default=0, help="seed of the selfgen sampling and random weights (default 0)")

@@ -135,3 +135,19 @@ def test_cli_sweep_writes_record_plot_and_tables(tmp_path, capsys):
     assert main(args[:-6] + ["--json", str(out), "--max-minutes", "0"]) == 0  # complete: nothing left to stop
     assert main(["sweep", "--model", "tiny", "--device", "cpu", "--evictions", "fifo"]) == 2
     assert "evictions" in capsys.readouterr().err
+
+
+def test_timing_first_then_the_divergence(tmp_path):
+    """--stage latency times the rows alone (the GPU first, while the model is on the device); the divergence stage
+    then completes the same record and the points join both."""
+    path = tmp_path / "sweep.json"
+    grid = select(_grid(), ["exact_lru", "psr_lam0.3_n1"])
+    with pytest.raises(SweepStopped, match="divergence stage is still to run"):
+        run_sweep(**SMALL, grid=grid, json_path=path, stage="latency")
+    timed = json.loads(path.read_text())
+    assert timed["quality"] == {} and "selfgen" not in timed and "rows" in timed["latency"]["_res50"]
+    record = run_sweep(**SMALL, grid=grid, json_path=path)
+    assert record["latency"]["_res50"]["rows"] == timed["latency"]["_res50"]["rows"]  # not timed again
+    assert {p["name"] for p in record["points"]} == {"exact_lru_res50", "psr_lam0.3_n1_res50"}
+    with pytest.raises(ValueError, match="stage="):
+        run_sweep(**SMALL, grid=grid, json_path=tmp_path / "other.json", stage="timing")

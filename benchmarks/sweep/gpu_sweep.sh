@@ -7,10 +7,16 @@
 # the Markdown tables once it is complete (exit 0; exit 3: incomplete, run again with the returned record put back
 # in benchmarks/sweep/). The sweep's settings must be the ones the record was started with (SETTINGS below).
 #
-# grown-moonlight-routing needs moonlight-routing on the device: one command first builds it into an ignored folder
-# that stays while the machine is warm (carry ["shards_xz"], see benchmarks/grown/gpu_moonlight.sh):
-#   PSR_HF_MODELS=$PWD/.models bash benchmarks/grown/gpu_moonlight.sh
-# then, within the idle window, PSR_HF_MODELS=$PWD/.models bash benchmarks/sweep/gpu_sweep.sh grown-moonlight-routing
+# grown-moonlight-routing: a sweep belongs to one set of model files (benchmarks/grown/moonlight_routing_sha256.txt
+# names the ones behind the committed divergence record), and moonlight-routing is built, not shipped: it does not
+# fit beside the tree in one device command, and a rebuild differs (cuDNN attention backward is not deterministic).
+# So its sweep starts from a new record, timing first, on the machine that built the model, within its idle window
+# (files written into ignored folders stay while the machine is warm; carry ["shards_xz"] for the build):
+#   PSR_HF_MODELS=$PWD/.models bash benchmarks/grown/gpu_moonlight.sh             # 8.5 min; the model comes back
+#   NEW=1 STAGE=latency PSR_HF_MODELS=$PWD/.models bash benchmarks/sweep/gpu_sweep.sh grown-moonlight-routing
+# then, on the CPU with the returned model unpacked into ~/.cache/psr_hf/models/:
+#   psr-hf sweep --model grown-moonlight-routing --device cuda:0 <SETTINGS below> --stage quality --json RECORD
+#   psr-hf sweep ... --stage all --json RECORD --plot ... --markdown ...          # joins both (no device needed)
 set -uo pipefail
 MODEL=${1:-grown-olmoe-routing}
 python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
@@ -20,9 +26,9 @@ case "$MODEL" in
   *) RES=0.5,0.25 ;;
 esac
 SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu"
-[ -f "$OUT/$MODEL.json" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
+[ -f "$OUT/$MODEL.json" ] || [ -n "${NEW:-}" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --max-minutes "${MINUTES:-8.5}" \
+python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-8.5}" \
     --json "$OUT/$MODEL.json" --plot "$OUT/$MODEL.png" --markdown "$OUT/$MODEL.md" 2>"$OUT/$MODEL.err"
 status=$?
 grep -v "it/s\]\|row/s\]" "$OUT/$MODEL.err" | tail -5

@@ -205,8 +205,9 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
 
     ``quality_device`` (default ``device``) runs the divergence stage elsewhere, e.g. on the CPU for a grown
     model's small float32 twin while the GPU is busy or lent for minutes only; ``stage="quality"`` stops after that
-    stage (raising :class:`SweepStopped`), and a later call with ``stage="all"`` and the same record times the
-    rows."""
+    stage and ``stage="latency"`` runs only the timing (each raising :class:`SweepStopped` while the other stage
+    is missing); ``stage="all"`` with the same record completes whichever is missing. A grown model's divergence
+    belongs to the exact small model it was grown from: time and score the same model files."""
     import torch
 
     from ..eval.divergence import divergence
@@ -214,8 +215,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
     from .common import machine, quiet_uncalibrated, versions
     from .workloads import default_texts, load_model, module_sources, text_windows, WINDOW_MODULES
 
-    if stage not in ("quality", "all"):
-        raise ValueError(f"stage={stage!r}: use 'quality' (divergence only) or 'all'")
+    if stage not in ("quality", "latency", "all"):
+        raise ValueError(f"stage={stage!r}: use 'quality' (divergence only), 'latency' (timing only) or 'all'")
     quality_device = str(quality_device or device)
     started = time.monotonic()
     deadline = None if max_minutes is None else started + 60.0 * float(max_minutes)
@@ -257,83 +258,97 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
         raise SweepStopped(f"stopped after {(time.monotonic() - started) / 60:.1f} minutes (--max-minutes "
                            f"{max_minutes}); the record holds what was measured: run the same command to continue")
 
-    # ---- divergence, on the quality model
-    quality_name = quality_model_name(model)
-    say(f"loading {quality_name} on {quality_device} (divergence)")
-    qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=seed)
-    calib = _calibration(qmodel, qtokenizer, qinfo, calibration, calibration_tokens, say)
     held_texts = default_texts(model) or module_sources(WINDOW_MODULES)
-    if "heldout" not in record:
-        held = text_windows([t for _, t in held_texts], qtokenizer, windows=heldout_windows, tokens=heldout_tokens)
-        record["heldout"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in held]}
-    held = [torch.tensor([ids]) for ids in record["heldout"]["ids"]]
-    if "selfgen" not in record:
-        say(f"sampling {selfgen_windows} selfgen windows of {selfgen_tokens} tokens from the exact model")
-        prompts = start_tokens(qmodel, held[:selfgen_windows] + held[:1] * max(0, selfgen_windows - len(held)))
-        sampled = sample_windows(qmodel, prompts, tokens=selfgen_tokens, seed=seed, progress=progress is not None)
-        record["selfgen"] = describe(sampled, prompts=prompts, seed=seed, temperature=1.0, tokens=selfgen_tokens)
-        record["quality_model"] = {**{k: v for k, v in qinfo.items() if k != "calibration_file"},
-                                   **describe_model(qmodel)}
-        _save(record, path)
-    selfgen = [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
+    calib = None
     pending = [(name + capacity_suffix(r), RoutingConfig(residency=r, **fields)) for r in residencies
                for name, fields in grid.items() if name + capacity_suffix(r) not in record["quality"]]
-    with quiet_uncalibrated():
-        for start in range(0, len(pending), QUALITY_CHUNK):  # the exact NLLs once per chunk, saved per chunk
-            if out_of_time():
-                stop_here()
-            chunk = dict(pending[start:start + QUALITY_CHUNK])
-            sg_rows = divergence(qmodel, selfgen, chunk, calibration=calib)
-            ho_rows = divergence(qmodel, held, chunk, calibration=calib)
-            for key, sg, ho in zip(chunk, sg_rows, ho_rows):
-                record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
-                say(f"divergence {key}: sg {100 * np.expm1(sg.excess_nll):.2f}%, held-out excess "
-                    f"{ho.excess_nll:.4f} nats/token, {sg.copies_per_token:.1f} copies/token")
+    if stage != "latency" and (pending or "selfgen" not in record):
+        # ---- divergence, on the quality model
+        quality_name = quality_model_name(model)
+        say(f"loading {quality_name} on {quality_device} (divergence)")
+        qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=seed)
+        calib = _calibration(qmodel, qtokenizer, qinfo, calibration, calibration_tokens, say)
+        if "heldout" not in record:
+            held = text_windows([t for _, t in held_texts], qtokenizer, windows=heldout_windows,
+                                tokens=heldout_tokens)
+            record["heldout"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in held]}
+        held = [torch.tensor([ids]) for ids in record["heldout"]["ids"]]
+        if "selfgen" not in record:
+            say(f"sampling {selfgen_windows} selfgen windows of {selfgen_tokens} tokens from the exact model")
+            prompts = start_tokens(qmodel, held[:selfgen_windows] + held[:1] * max(0, selfgen_windows - len(held)))
+            sampled = sample_windows(qmodel, prompts, tokens=selfgen_tokens, seed=seed, progress=progress is not None)
+            record["selfgen"] = describe(sampled, prompts=prompts, seed=seed, temperature=1.0, tokens=selfgen_tokens)
+            record["quality_model"] = {**{k: v for k, v in qinfo.items() if k != "calibration_file"},
+                                       **describe_model(qmodel)}
+            record["quality_machine"] = machine(torch.device(quality_device))
             _save(record, path)
-    del qmodel
+        selfgen = [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
+        with quiet_uncalibrated():
+            for begin in range(0, len(pending), QUALITY_CHUNK):  # the exact NLLs once per chunk, saved per chunk
+                if out_of_time():
+                    stop_here()
+                chunk = dict(pending[begin:begin + QUALITY_CHUNK])
+                sg_rows = divergence(qmodel, selfgen, chunk, calibration=calib)
+                ho_rows = divergence(qmodel, held, chunk, calibration=calib)
+                for key, sg, ho in zip(chunk, sg_rows, ho_rows):
+                    record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
+                    say(f"divergence {key}: sg {100 * np.expm1(sg.excess_nll):.2f}%, held-out excess "
+                        f"{ho.excess_nll:.4f} nats/token, {sg.copies_per_token:.1f} copies/token")
+                _save(record, path)
+        del qmodel
     if stage == "quality":
         _save(record, path)
         raise SweepStopped("the divergence stage is done (stage 'quality'); time the rows with the same command "
-                           "and --stage all, on the latency device")
+                           "and --stage all (or latency), on the latency device")
     # ---- latency, on the latency model (a grown model routes with the small model's calibration: same routing)
-    say(f"loading {model} on {device} (latency)")
-    lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
-    lat_ids = text_windows([t for _, t in held_texts], ltokenizer, windows=windows, tokens=tokens)
-    record["model"] = {**{k: v for k, v in linfo.items() if k != "calibration_file"}, **describe_model(lmodel)}
-    record["latency_windows"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in lat_ids]}
-    engine_rows = record["settings"]["engine"]
-    for residency in residencies:
-        suffix = capacity_suffix(residency)
-        entry = record["latency"].setdefault(suffix, {"runs": {}})
-        if "rows" in entry:
-            continue
-        configs = [BenchConfig(RESIDENT, "resident", RESIDENT)]
-        if engine_rows:
-            configs.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
-        for name, fields in grid.items():
-            routing = RoutingConfig(residency=residency, **fields)
-            configs.append(BenchConfig((ENGINE_PREFIX if engine_rows else "") + name + suffix,
-                                       "engine" if engine_rows else "offload", name, routing, residency))
+    untimed = [r for r in residencies if "rows" not in record["latency"].get(capacity_suffix(r), {})]
+    if untimed:
+        say(f"loading {model} on {device} (latency)")
+        lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
+        if calib is None:  # the latency stage alone: the same calibration the divergence stage uses
+            calib = _calibration(lmodel, ltokenizer, linfo, calibration, calibration_tokens, say)
+        lat_ids = text_windows([t for _, t in held_texts], ltokenizer, windows=windows, tokens=tokens)
+        record["model"] = {**{k: v for k, v in linfo.items() if k != "calibration_file"}, **describe_model(lmodel)}
+        record["latency_windows"] = {"sources": [n for n, _ in held_texts],
+                                     "ids": [w[0].tolist() for w in lat_ids]}
+        engine_rows = record["settings"]["engine"]
+        for residency in residencies:
+            suffix = capacity_suffix(residency)
+            entry = record["latency"].setdefault(suffix, {"runs": {}})
+            if "rows" in entry:
+                continue
+            configs = [BenchConfig(RESIDENT, "resident", RESIDENT)]
+            if engine_rows:
+                configs.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
+            for name, fields in grid.items():
+                routing = RoutingConfig(residency=residency, **fields)
+                configs.append(BenchConfig((ENGINE_PREFIX if engine_rows else "") + name + suffix,
+                                           "engine" if engine_rows else "offload", name, routing, residency))
 
-        def saved(r: int, results: Mapping[str, list[list[WindowRun]]], entry: dict = entry) -> None:
-            entry["runs"] = _runs_data(results)
+            def saved(r: int, results: Mapping[str, list[list[WindowRun]]], entry: dict = entry) -> None:
+                entry["runs"] = _runs_data(results)
+                _save(record, path)
+
+            say(f"timing {len(configs)} rows at {100 * residency:g}% residency, {rounds} rounds "
+                f"(done: {len(next(iter(entry['runs'].values()), []))})")
+            with quiet_uncalibrated():
+                rows = bench_latency(lmodel, lat_ids, configs=configs, calibration=calib, rounds=rounds,
+                                     resume=_window_runs(entry["runs"]) or None, on_round=saved, stop=out_of_time,
+                                     progress=progress)
+            if not rows or len(rows[0]["rounds"]) < rounds:
+                stop_here()
+            entry.pop("runs", None)
+            entry["rows"] = rows
             _save(record, path)
-
-        say(f"timing {len(configs)} rows at {100 * residency:g}% residency, {rounds} rounds "
-            f"(done: {len(next(iter(entry['runs'].values()), []))})")
-        with quiet_uncalibrated():
-            rows = bench_latency(lmodel, lat_ids, configs=configs, calibration=calib, rounds=rounds,
-                                 resume=_window_runs(entry["runs"]) or None, on_round=saved, stop=out_of_time,
-                                 progress=progress)
-        if not rows or len(rows[0]["rounds"]) < rounds:
-            stop_here()
-        entry.pop("runs", None)
-        entry["rows"] = rows
+        del lmodel
+        record["machine"], record["versions"] = machine(torch.device(device)), versions()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if stage == "latency" and any(name + capacity_suffix(r) not in record["quality"] for r in residencies
+                                  for name in grid):
         _save(record, path)
-    del lmodel
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    record["machine"], record["versions"] = machine(torch.device(device)), versions()
+        raise SweepStopped("the rows are timed (stage 'latency'); the divergence stage is still to run: the same "
+                           "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")
     finish(record)
     _save(record, path)
     return record
