@@ -286,7 +286,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     capacities = _floats("--capacities", args.capacities)
     configs = None if args.configs is None else [c for c in args.configs.split(",") if c.strip()]
     hf_configs = None if args.hf_configs is None else [c for c in args.hf_configs.split(",") if c.strip()]
-    budgets = [] if not args.prefetch_budgets else _ints("--prefetch-budgets", args.prefetch_budgets)
+    budgets = ([] if not args.prefetch_budgets else args.prefetch_budgets.strip()
+               if args.prefetch_budgets.strip() == "window" else _ints("--prefetch-budgets", args.prefetch_budgets))
     if args.predictor and not budgets:
         raise ValueError("--predictor is used by the specprefetch_mM rows: give --prefetch-budgets too (e.g. 2,4,8)")
     _set_threads(args, device=args.device, hidden_size=_hidden_size(args.model, _bench_models()))  # a typo fails here
@@ -584,21 +585,15 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
 def cmd_profile_window(args: argparse.Namespace) -> int:
     from .bench.common import quiet_uncalibrated
-    from .bench.offload import describe_model
     from .bench.workloads import WINDOW_MODULES, default_texts, module_sources, text_windows
-    from .hf.patching import patched
-    from .policy.config import RoutingConfig
-    from .prefetch.window import profile_window
+    from .prefetch.window import profile_unpatched
 
     model, tokenizer, info = _load_model(args, "profile-window")
     texts = default_texts(args.model) or module_sources(WINDOW_MODULES)
     (ids,) = text_windows([t for _, t in texts][:1], tokenizer, windows=1, tokens=args.tokens)
-    num_experts = describe_model(model)["num_experts"]
-    # the computation alone: every expert cached, nothing offloaded, nothing waits for a copy
-    with quiet_uncalibrated(), patched(model, RoutingConfig(policy="exact", capacity=num_experts)), \
-            _compile_notice():  # every expert cached: no warm set or prior matters
-        profile = profile_window(model, ids[0].tolist(), warmup=args.warmup, copies=args.copies,
-                                 quantile=args.quantile)
+    with quiet_uncalibrated(), _compile_notice():
+        profile = profile_unpatched(model, ids[0].tolist(), warmup=args.warmup, copies=args.copies,
+                                    quantile=args.quantile)
     record = profile.to_dict()
     record.update(model=str(info["name"]), tokens=args.tokens)
     rows = [[str(pair), f"{w:.3f}", str(m)] for pair, (w, m) in
@@ -789,7 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-configs", help="with --engine: the routed transformers rows to keep as references "
                                         "(comma-separated, as --configs; '' keeps none); the engine rows still "
                                         "mirror every row --configs keeps")
-    p.add_argument("--prefetch-budgets", help="SpecPrefetch's system comparison: comma-separated budgets M; adds "
+    p.add_argument("--prefetch-budgets", help="SpecPrefetch's system comparison: comma-separated budgets M, or "
+                                              "'window': M_max = the budget psr-hf profile-window measures on "
+                                              "the model first (at least 1); adds "
                                               "naive_mM (previous token's experts) and, with --predictor, "
                                               "specprefetch_mM rows at every capacity (and their engine rows, "
                                               "PRED0 = the copies-skipped specprefetch row, against the "

@@ -414,3 +414,20 @@ def test_specprefetch_rows_off_pred0_naive_and_a_grown_predictor(tiny_model, qui
     with pytest.raises(ValueError, match="need a predictor: --predictor FILE"):
         run_bench(model="tiny", device="cpu", rounds=3, windows=1, tokens=4, capacities=(0.5,), accelerate=False,
                   configs=["specprefetch_m2"], prefetch_budgets=(2,), predictor=None, calibration_tokens=256)
+
+
+def test_prefetch_budget_from_the_overlap_window(quiet_psr_hf):
+    """--prefetch-budgets window: the budget is M_max, profiled on the loaded model first (at least 1, at most a
+    layer's experts), the prefetch rows follow it, and the record keeps the profile."""
+    from psr_hf.bench.offload import run_bench
+
+    record = run_bench(model="tiny", device="cpu", rounds=3, windows=1, tokens=4, capacities=(0.5,),
+                       accelerate=False, configs=["exact_lru", "naive_m2"], prefetch_budgets="window",
+                       calibration_tokens=256)
+    profile = record["settings"]["prefetch_budget_from_window"]
+    m = min(max(1, profile["budget"]), TINY_SHAPE["num_experts"])
+    assert profile["copy_ms_median"] > 0 and len(profile["budget_per_pair"]) == TINY_SHAPE["num_hidden_layers"] - 1
+    assert record["settings"]["prefetch_budgets"] == [m]
+    assert {row["configuration"] for row in record["results"]} == {"resident", "exact_lru_res50", f"naive_m{m}_res50"}
+    with pytest.raises(ValueError, match="'window'"):
+        run_bench(model="tiny", device="cpu", rounds=3, capacities=(0.5,), prefetch_budgets="max")

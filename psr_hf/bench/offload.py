@@ -126,6 +126,7 @@ class BenchConfig:
 
 
 NOCOPY_SUFFIX = "_nocopy"
+PREFETCH_ROWS = ("specprefetch_", "naive_")  # the names of prefetch_configs' rows
 
 
 def capacity_suffix(residency: float) -> str:
@@ -1010,7 +1011,7 @@ def run_bench(
     max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
     calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
-    hf_configs: Sequence[str] | None = None, prefetch_budgets: Sequence[int] = (), predictor: Any = None,
+    hf_configs: Sequence[str] | None = None, prefetch_budgets: Sequence[int] | str = (), predictor: Any = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Load or build the model, cut the windows, calibrate, run :func:`bench_latency`; returns the JSON-ready
@@ -1021,12 +1022,22 @@ def run_bench(
     saved :class:`psr_hf.Calibration`; otherwise :func:`psr_hf.calibrate` on ``calibration_tokens`` tokens of
     :data:`CALIBRATION_MODULES`' sources. ``offload`` False runs the routed rows without offload (logical cache
     only). ``engine`` adds the engine rows (:func:`default_configs`): psr_hf's batch-1 decoder, CUDA graphs on
-    CUDA."""
+    CUDA. ``prefetch_budgets="window"``: the one budget ``M_max`` (at least 1, at most a layer's experts) that
+    :func:`psr_hf.prefetch.window.profile_unpatched` measures on the loaded model first (SpecPrefetch's
+    window-aware budget; the profile goes into the record's settings)."""
     if rounds < MIN_ROUNDS:  # before building anything
         raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} rounds are needed; latency ratios come from a paired "
                          f"t-test on log latency over rounds (the round, not the token, is the unit)")
-    rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine, hf_only=hf_configs,
-                                  prefetch_budgets=prefetch_budgets, predictor=predictor is not None)
+    from_window = isinstance(prefetch_budgets, str)
+    if from_window and prefetch_budgets != "window":
+        raise ValueError(f"prefetch_budgets={prefetch_budgets!r}: give budgets (ints >= 1) or 'window'")
+    # names checked before loading anything (the prefetch rows of the profiled budget only after profiling)
+    rows_wanted = default_configs(
+        capacities, accelerate=accelerate, engine=engine, predictor=predictor is not None,
+        only=None if configs is None else [c for c in configs if not (from_window and c.startswith(PREFETCH_ROWS))],
+        hf_only=None if hf_configs is None else [c for c in hf_configs
+                                                  if not (from_window and c.startswith(PREFETCH_ROWS))],
+        prefetch_budgets=() if from_window else prefetch_budgets)
     if texts:
         sources = []
         for name in texts:
@@ -1042,6 +1053,31 @@ def run_bench(
     net, tokenizer, description = load_model(model, device, seed=seed)
     beside = description.pop("calibration_file", None)  # the record names it by description["calibration"]
     ids = text_windows([text for _, text in sources], tokenizer, windows=windows, tokens=tokens)
+    window_profile = None
+    if from_window:
+        from ..prefetch.window import profile_unpatched
+
+        if progress is not None:
+            progress("profiling the overlap window for the prefetch budget (psr-hf profile-window)")
+        with quiet_uncalibrated():
+            profile = profile_unpatched(net, ids[0][0].tolist())
+        # at least 1, at most a layer's experts (a CPU's window holds hundreds of small copies)
+        prefetch_budgets = [min(max(1, profile.budget), int(describe_model(net)["num_experts"]))]
+        window_profile = {k: v for k, v in profile.to_dict().items() if k in (
+            "copy_ms_median", "window_ms_median", "budget", "quantile", "budget_per_pair", "bytes_per_expert")}
+        logger.info("prefetch budget from the overlap window: M_max %d (used: %d)", profile.budget,
+                    prefetch_budgets[0])
+        m = prefetch_budgets[0]
+        wanted = [f"specprefetch_m{m}"] * (predictor is not None) + [f"naive_m{m}"]
+        # the rows at the profiled budget are always kept; names of other budgets are dropped
+        if configs is not None:
+            configs = [c for c in configs if not c.startswith(PREFETCH_ROWS)] + wanted
+        if hf_configs is not None:
+            hf_configs = [c for c in hf_configs if not c.startswith(PREFETCH_ROWS)] + (
+                wanted if any(c.startswith(PREFETCH_ROWS) for c in hf_configs) else [])
+        rows_wanted = default_configs(capacities, accelerate=accelerate, only=configs, engine=engine,
+                                      hf_only=hf_configs, prefetch_budgets=prefetch_budgets,
+                                      predictor=predictor is not None)
     vocab = int(net.config.get_text_config().vocab_size)
     if max(int(w.max()) for w in ids) >= vocab:
         raise ValueError(f"token ids exceed the model's vocabulary ({vocab}): is the tokenizer the model's?")
@@ -1082,6 +1118,7 @@ def run_bench(
             "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
             "hf_configs": None if hf_configs is None else list(hf_configs),
             "prefetch_budgets": [int(m) for m in prefetch_budgets], "predictor": predictor_info,
+            "prefetch_budget_from_window": window_profile,
             "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
             "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,

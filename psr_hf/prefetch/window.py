@@ -184,3 +184,17 @@ def profile_window(model: torch.nn.Module, tokens: Sequence[int], *, warmup: int
                          top_k=ctl.top_k, quantile=quantile,
                          notes={"routing": ctl.config.to_dict(), "offloaded": ctl.offload is not None,
                                 "graphs": bool(getattr(decoder, "graphs", False))})
+
+
+def profile_unpatched(model: torch.nn.Module, tokens: Sequence[int], *, warmup: int = 8, copies: int = 20,
+                      quantile: float = 0.5) -> WindowProfile:
+    """:func:`profile_window` on an unpatched model: the computation alone, patched for the measurement with every
+    expert cached (exact routing, nothing offloaded, nothing waits for a copy), unpatched after. What
+    ``psr-hf profile-window`` and ``psr-hf bench --prefetch-budgets window`` measure."""
+    from ..hf.patching import patched
+    from ..policy.config import RoutingConfig
+    from .train import model_facts
+
+    num_experts = model_facts(model)["num_experts"]
+    with patched(model, RoutingConfig(policy="exact", capacity=num_experts)):  # no warm set or prior matters
+        return profile_window(model, tokens, warmup=warmup, copies=copies, quantile=quantile)
