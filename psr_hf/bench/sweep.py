@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ SWEEP_RESIDENCIES = (0.5, 0.25)
 EVICTIONS = ("score", "lru")
 RECORD_VERSION = 1
 QUALITY_CHUNK = 8  # configurations per divergence call (one exact pass over the windows per call)
+RECORD_DIGITS = 6  # significant digits of the floats a record keeps
 
 
 class SweepStopped(Exception):
@@ -120,11 +122,24 @@ def _runs_data(results: Mapping[str, list[list[WindowRun]]]) -> dict[str, Any]:
             for name, runs in results.items()}
 
 
+def _rounded(value: Any) -> Any:
+    """``value`` with every float rounded to :data:`RECORD_DIGITS` significant digits (far below any measured
+    interval; keeps a sweep record small enough to travel to a lent GPU with the tree)."""
+    if isinstance(value, float):
+        return float(f"{value:.{RECORD_DIGITS}g}") if math.isfinite(value) else value
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def _save(record: Mapping[str, Any], path: Path | None) -> None:
+    """Writes the record (floats to :data:`RECORD_DIGITS` significant digits, compact JSON)."""
     if path is None:
         return
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps(_rounded(record), separators=(",", ":")))
     tmp.replace(path)  # a kill while writing leaves the previous record whole
 
 
@@ -200,7 +215,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
               max_minutes: float | None = None, quality_device: str | None = None, stage: str = "all",
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or continue, from the record at ``json_path``) the sweep; returns the record, with ``points``,
-    ``frontier`` and ``orderings`` once every unit is measured. Raises :class:`SweepStopped` (after saving) when
+    ``frontier`` and ``orderings`` once every unit is measured (as the record file holds it: floats to
+    :data:`RECORD_DIGITS` significant digits). Raises :class:`SweepStopped` (after saving) when
     ``max_minutes`` ran out first: the same call continues it.
 
     ``quality_device`` (default ``device``) runs the divergence stage elsewhere, e.g. on the CPU for a grown
@@ -351,7 +367,7 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                            "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")
     finish(record)
     _save(record, path)
-    return record
+    return json.loads(json.dumps(_rounded(record)))  # what the record file holds
 
 
 def finish(record: dict[str, Any]) -> dict[str, Any]:
