@@ -3,7 +3,7 @@
 # the CPU (the grown model's small float32 twin computes the same function):
 #   device run:  bash benchmarks/sweep/gpu_sweep.sh grown-olmoe-routing
 # It copies benchmarks/sweep/MODEL.json to $OUT (unless $OUT already holds it), times the rows for MINUTES
-# (default 8.5, inside the 10-minute command limit) and writes the record back to $OUT, with the frontier plot and
+# (default 7: a round started before then still ends inside the 10-minute command limit) and writes the record back to $OUT, with the frontier plot and
 # the Markdown tables once it is complete (exit 0; exit 3: incomplete, run again with the returned record put back
 # in benchmarks/sweep/). The sweep's settings must be the ones the record was started with (SETTINGS below).
 #
@@ -28,7 +28,7 @@ esac
 SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu"
 [ -f "$OUT/$MODEL.json" ] || [ -n "${NEW:-}" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-8.5}" \
+python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-7}" \
     --json "$OUT/$MODEL.json" --plot "$OUT/$MODEL.png" --markdown "$OUT/$MODEL.md" 2>"$OUT/$MODEL.err"
 status=$?
 grep -v "it/s\]\|row/s\]" "$OUT/$MODEL.err" | tail -5
