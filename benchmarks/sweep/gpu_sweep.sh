@@ -21,11 +21,16 @@ set -uo pipefail
 MODEL=${1:-grown-olmoe-routing}
 python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
 export PYTHONPATH=$PWD
+# the Moonlight shape (26 MoE layers, 3 residencies) times the paper's main rows only, so that it fits one
+# session's device time after its build: exact+LRU, exact+A+prefetch, spec, Cache-Prior (LRU) and PSR n=1 (A) at
+# every lam; CONFIGS= (empty) times the whole grid
+LAMS="0.1 0.15 0.2 0.25 0.3"
+MAIN="exact_lru,exact_a_pf,spec$(for l in $LAMS; do printf ',cp_lam%s,psr_lam%s_n1' "$l" "$l"; done)"
 case "$MODEL" in
-  grown-moonlight-routing) RES=0.5,0.375,0.25 ;;
-  *) RES=0.5,0.25 ;;
+  grown-moonlight-routing) RES=0.5,0.375,0.25; CONFIGS=${CONFIGS-$MAIN} ;;
+  *) RES=0.5,0.25; CONFIGS=${CONFIGS-} ;;
 esac
-SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu"
+SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu${CONFIGS:+ --configs $CONFIGS}"
 [ -f "$OUT/$MODEL.json" ] || [ -n "${NEW:-}" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-7}" \
