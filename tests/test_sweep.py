@@ -151,3 +151,17 @@ def test_timing_first_then_the_divergence(tmp_path):
     assert {p["name"] for p in record["points"]} == {"exact_lru_res50", "psr_lam0.3_n1_res50"}
     with pytest.raises(ValueError, match="stage="):
         run_sweep(**SMALL, grid=grid, json_path=tmp_path / "other.json", stage="timing")
+
+
+def test_a_timing_stopped_by_the_deadline_continues(tmp_path):
+    """--max-minutes reached in the timing stage: the record keeps what was timed (here: no round yet) and the
+    same command times the rest."""
+    path = tmp_path / "sweep.json"
+    grid = select(_grid(), ["exact_lru", "cp_lam0.3"])
+    with pytest.raises(SweepStopped, match="run the same command to continue"):
+        run_sweep(**SMALL, grid=grid, json_path=path, stage="latency", max_minutes=0.0)
+    stopped = json.loads(path.read_text())
+    assert "rows" not in stopped["latency"]["_res50"] and stopped["quality"] == {}
+    with pytest.raises(SweepStopped, match="divergence stage is still to run"):
+        run_sweep(**SMALL, grid=grid, json_path=path, stage="latency")
+    assert len(json.loads(path.read_text())["latency"]["_res50"]["rows"][0]["rounds"]) == 3
