@@ -139,7 +139,8 @@ def test_table2_orders_rows_marks_the_frontier_and_formats_numbers():
     p = next(q for q in pts if q["name"].startswith("psr_lam0.2_n1_score") and q["residency"] == 0.5)
     p.update(ms=7.98765, ms_ci95=[7.5, 8.456], p99_ms=9.999, copies_per_token=3.14159, demand_per_token=1.26,
              sg_pct=2.0, sg_pct_ci95=[1.84, 2.36], heldout_excess_nll=0.012345,
-             heldout_excess_nll_ci95=[0.01, 0.0149])
+             heldout_excess_nll_ci95=[0.01, 0.0149], prefetch_late_per_token=0.84, prefetch_in_time_per_token=0.5,
+             prefetch_unused_per_token=0.45)
     text = table2_markdown(pts)
     sections = text.split("### ")
     assert sections[1].startswith("50% residency (C=32)") and sections[2].startswith("25% residency (C=16)")
@@ -154,8 +155,9 @@ def test_table2_orders_rows_marks_the_frontier_and_formats_numbers():
     assert starred == {"exact+A+prefetch", "PSR n=1, lam=0.1", "PSR n=1, lam=0.2", "PSR n=1, lam=0.4"}
     assert len(front) == len(starred)
     row = rows[labels.index("PSR n=1, lam=0.2")]
-    assert row == ("| PSR n=1, lam=0.2* | 7.99 [7.50, 8.46] | 10.00 | 3.1 (1.3) | 2.0 [1.8, 2.4] | "
+    assert row == ("| PSR n=1, lam=0.2* | 7.99 [7.50, 8.46] | 10.00 | 3.1 (1.3) | 0.8 / 0.5 / 0.5 | 2.0 [1.8, 2.4] | "
                    "0.0123 [0.0100, 0.0149] |")
+    assert "| – / – / – |" in rows[2]  # a point without the prefetch breakdown (no offload)
     assert rows[0].endswith("| – |")  # no held-out NLL
     assert text.count("\\* on the latency-divergence frontier") == 2
 

@@ -38,6 +38,7 @@ REQUIRED_KEYS = ("name", "policy", "lam", "budget", "eviction", "top_j", "delta_
                  "selfgen_excess_nll", "selfgen_window_excess", "heldout_excess_nll", "heldout_excess_nll_ci95")
 LABELLED_FAMILIES = ("Cache-Prior", "PSR n=1")
 FRONTIER_NOTE = "\\* on the latency-divergence frontier"
+PREFETCH_KEYS = ("prefetch_late_per_token", "prefetch_in_time_per_token", "prefetch_unused_per_token")
 VERDICTS = ("reproduced", "reversed", "not resolved")
 CLAIM_A = "at the same lam PSR is both faster and closer than Cache-Prior"
 CLAIM_B = "n=1 is the fastest at every divergence its lam sweep covers"
@@ -268,7 +269,8 @@ def _with_ci(value: float | None, ci: Sequence[float] | None, digits: int) -> st
 
 def table2_markdown(points: Iterable[Point]) -> str:
     """The paper's Table 2 as Markdown, one table per residency (highest first) under a ``###`` heading: columns
-    configuration, ms [95% CI], p99, copies (demand), sg% [95% CI] and held-out excess NLL; rows exact+LRU,
+    configuration, ms [95% CI], p99, copies (demand), prefetch copies late / in time / unused per token (a dash
+    where a point has none: no offload), sg% [95% CI] and held-out excess NLL; rows exact+LRU,
     exact+A+prefetch, Cache-Prior by lam, PSR by budget then lam, the other families, spec last. Frontier points
     (each residency's :func:`pareto_front`) carry a ``*`` after the configuration, explained by a footnote line.
     Returns the Markdown text. Raises ``ValueError`` for no points."""
@@ -277,13 +279,15 @@ def table2_markdown(points: Iterable[Point]) -> str:
     for residency, group in _by_residency(pts):
         front = set(pareto_front(group))
         lines += [f"### {_residency_title(residency, group)}", "",
-                  "| configuration | ms [95% CI] | p99 | copies (demand) | sg% [95% CI] | held-out excess NLL |",
-                  "|---|---|---|---|---|---|"]
+                  "| configuration | ms [95% CI] | p99 | copies (demand) | prefetch late / in time / unused | "
+                  "sg% [95% CI] | held-out excess NLL |",
+                  "|---|---|---|---|---|---|---|"]
         for p in sorted(group, key=_order_key):
             star = "*" if p["name"] in front else ""
             copies = f"{_num(p['copies_per_token'], 1)} ({_num(p['demand_per_token'], 1)})"
+            prefetch = " / ".join(_num(p.get(k), 1) for k in PREFETCH_KEYS)
             lines.append(f"| {_label(p)}{star} | {_with_ci(p['ms'], p['ms_ci95'], 2)} | {_num(p['p99_ms'], 2)} | "
-                         f"{copies} | {_with_ci(p['sg_pct'], p['sg_pct_ci95'], 1)} | "
+                         f"{copies} | {prefetch} | {_with_ci(p['sg_pct'], p['sg_pct_ci95'], 1)} | "
                          f"{_with_ci(p['heldout_excess_nll'], p['heldout_excess_nll_ci95'], 4)} |")
         lines += ["", FRONTIER_NOTE, ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..policy.config import RoutingConfig
 from .offload import (CALIBRATION_TOKENS, ENGINE_PREFIX, ENGINE_RESIDENT, MIN_ROUNDS, RESIDENT, BenchConfig,
@@ -198,6 +199,9 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "ms": row["ms_per_token"]["mean"], "ms_ci95": row["ms_per_token"]["ci95"], "p99_ms": row["p99_ms"],
                 "round_ms": [r["ms_per_token"] for r in row["rounds"]],
                 "copies_per_token": copies.get("copies_per_token"), "demand_per_token": copies.get("demand_per_token"),
+                "prefetch_late_per_token": copies.get("prefetch_late_per_token"),
+                "prefetch_in_time_per_token": copies.get("prefetch_in_time_per_token"),
+                "prefetch_unused_per_token": copies.get("prefetch_unused_per_token"),
                 "sg_pct": sg_percent(selfgen["excess_nll"]), "sg_pct_ci95": _interval_pct(selfgen["excess_nll_ci95"]),
                 "selfgen_excess_nll": selfgen["excess_nll"], "selfgen_window_excess": selfgen["window_excess"],
                 "heldout_excess_nll": None if held is None else held["excess_nll"],
@@ -299,7 +303,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
             record["quality_machine"] = machine(torch.device(quality_device))
             _save(record, path)
         selfgen = [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
-        with quiet_uncalibrated():
+        bar = tqdm(total=len(pending), unit="config", desc="divergence", disable=progress is None)
+        with quiet_uncalibrated(), bar:
             for begin in range(0, len(pending), QUALITY_CHUNK):  # the exact NLLs once per chunk, saved per chunk
                 if out_of_time():
                     stop_here()
@@ -308,8 +313,9 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                 ho_rows = divergence(qmodel, held, chunk, calibration=calib)
                 for key, sg, ho in zip(chunk, sg_rows, ho_rows):
                     record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
-                    say(f"divergence {key}: sg {100 * np.expm1(sg.excess_nll):.2f}%, held-out excess "
-                        f"{ho.excess_nll:.4f} nats/token, {sg.copies_per_token:.1f} copies/token")
+                    logger.info("divergence %s: sg %.2f%%, held-out excess %.4f nats/token, %.1f copies/token", key,
+                                100 * np.expm1(sg.excess_nll), ho.excess_nll, sg.copies_per_token)
+                bar.update(len(chunk))
                 _save(record, path)
         del qmodel
     if stage == "quality":
