@@ -376,9 +376,8 @@ def _load_model(args: argparse.Namespace, command: str) -> tuple[Any, Any, dict]
 
 # ---------------------------------------------------------------------------------------------------- kl
 def cmd_kl(args: argparse.Namespace) -> int:
-    from .bench.workloads import WINDOW_MODULES, default_texts, module_sources, text_windows
+    from .bench.workloads import WINDOW_MODULES, default_texts, model_calibration, module_sources, text_windows
     from .eval.divergence import divergence, format_rows, predictor_pairs, sweep_configs
-    from .policy.calibration import Calibration
 
     model, tokenizer, info = _load_model(args, "kl")
     beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
@@ -391,17 +390,11 @@ def cmd_kl(args: argparse.Namespace) -> int:
         text_names = args.text or [f"stdlib:{m}" for m in WINDOW_MODULES]
     windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
     residencies, lams = _floats("--residencies", args.residencies), _floats("--lams", args.lams)
-    if args.calibration:
-        calibration, calibrated_on = Calibration.load(args.calibration), args.calibration
-    elif beside is not None:  # saved beside the model
-        calibration, calibrated_on = Calibration.load(beside), info["calibration"]
-    else:  # never on the windows' text: other standard-library modules
-        from .bench.workloads import CALIBRATION_MODULES
-        from .hf.calibrate import calibrate
-
-        calibration = calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
-                                max_length=512, batch_size=4, max_tokens=args.calibration_tokens, progress=True)
-        calibrated_on = f"{args.calibration_tokens} tokens of stdlib {', '.join(CALIBRATION_MODULES)}"
+    # the file given, else the one saved beside the model, else other standard-library modules than the windows'
+    calibration, how = model_calibration(model, tokenizer, tokens=args.calibration_tokens,
+                                         calibration=args.calibration or None, beside=beside,
+                                         beside_name=info.get("calibration"), bar=True)
+    calibrated_on = how["file"] if "file" in how else f"{how['tokens']} tokens of stdlib {', '.join(how['modules'])}"
     print(f"psr-hf kl: {info['name']}, {len(windows)} window(s) x {args.tokens + 1} tokens, excess NLL over exact "
           f"routing (nats per token; 95% interval over windows); text: {', '.join(text_names)}; calibration: "
           f"{calibrated_on}")

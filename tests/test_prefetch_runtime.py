@@ -52,6 +52,17 @@ def _generate(model, ids, new=10):
     return out, rec.recordings[0], ctl.stats()
 
 
+def _engine_generate(model, ids, graphs=False, new=10):
+    """(tokens, recording, stats) of the engine's greedy decoding of ``ids`` on the patched model."""
+    ctl = psr_hf.controller(model)
+    ctl.reset()
+    ctl.reset_stats()
+    decoder = GraphDecoder(model, ids.shape[1] + 12, graphs=graphs)
+    with ctl.record() as rec:
+        seq = decoder.generate_greedy(ids, new)
+    return seq, rec.recordings[0], ctl.stats()
+
+
 def _router_inputs(model, ids):
     """[L] router inputs of every position of ``ids`` (one forward of the unpatched model)."""
     family = get_patch(model.config.model_type)(model)
@@ -156,13 +167,7 @@ def test_offload_and_engine_make_the_same_decisions(shipped):
     config = RoutingConfig(**SPEC)
     with psr_hf.patched(model, config, calibration=calibration, predictor=predictor):
         hf, hf_rec, hf_stats = _generate(model, ids)
-        ctl = psr_hf.controller(model)
-        ctl.reset()
-        ctl.reset_stats()
-        decoder = GraphDecoder(model, ids.shape[1] + 12, graphs=False)
-        with ctl.record() as rec:
-            seq = decoder.generate_greedy(ids, 10)
-        eng_rec, eng_stats = rec.recordings[0], ctl.stats()
+        seq, eng_rec, eng_stats = _engine_generate(model, ids)
     assert torch.equal(seq, hf.sequences)
     np.testing.assert_array_equal(eng_rec.selected, hf_rec.selected)
     for name in ("prefetch_per_token", "demand_per_token"):
@@ -286,13 +291,8 @@ def test_cuda_engine_graphs_with_a_predictor_are_router_preserving(shipped):
             with psr_hf.patched(model, RoutingConfig(**config), calibration=calibration, predictor=pred,
                                 offload=psr_hf.OffloadConfig(device="cuda")):
                 for graphs in (False, True):
-                    ctl = psr_hf.controller(model)
-                    ctl.reset()
-                    ctl.reset_stats()
-                    decoder = GraphDecoder(model, ids.shape[1] + 12, graphs=graphs)
-                    with ctl.record() as rec:
-                        seq = decoder.generate_greedy(ids, 10)
-                    results[name, graphs] = seq.cpu(), rec.recordings[0], ctl.stats()
+                    seq, recording, stats = _engine_generate(model, ids, graphs=graphs)
+                    results[name, graphs] = seq.cpu(), recording, stats
     finally:
         cpu_model.to("cpu")
     for graphs in (False, True):

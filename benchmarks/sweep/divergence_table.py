@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from psr_hf.eval.selfgen import sg_percent
+from psr_hf.eval.divergence import excess_ppl_percent as sg_percent
 from psr_hf.eval.stats import mean_interval
 
 

@@ -61,10 +61,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..hf.controller import cache_keyword
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import MAX_EXPERTS, RoutingConfig
 from .common import device_sync, machine, paired_summary, quiet_uncalibrated, rotated, summarize, versions
-from .workloads import (CALIBRATION_MODULES, GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, module_sources,
+from .workloads import (GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources,
                         text_windows)
 
 logger = logging.getLogger(__name__)
@@ -234,12 +235,6 @@ class WindowRun:
     host_ms: list[float] | None = None  # engine rows: the host's own ms per position (not blocked on the GPU)
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-    from ..hf.controller import cache_keyword
-
-    return cache_keyword(model)
-
-
 def _offload_dict(stats: Any) -> dict[str, float] | None:
     if stats.offload is None:
         return None
@@ -268,7 +263,7 @@ def decode_window(model: torch.nn.Module, ids: torch.Tensor, *, device: torch.de
     ids = ids.to(device)
     ctl = getattr(model, "_psr_hf_controller", None)
     kv = DynamicCache(config=model.config)
-    kwarg = _cache_keyword(model)
+    kwarg = cache_keyword(model)
     ms: list[float] = []
     logits: list[torch.Tensor] = []
     start_stats = None
@@ -1084,23 +1079,9 @@ def run_bench(
     calib = None
     calibration_info: dict[str, Any]
     if any(row.kind in ("offload", "engine") for row in rows_wanted):
-        from ..policy.calibration import Calibration
-
-        if calibration is None and beside is not None:
-            calib = Calibration.load(beside)
-            calibration_info = {"file": description["calibration"]}
-        elif calibration is not None:
-            calib = Calibration.load(calibration)
-            calibration_info = {"file": str(calibration)}
-        else:
-            from ..hf.calibrate import calibrate
-
-            if progress is not None:
-                progress(f"calibrating on {calibration_tokens} tokens of {', '.join(CALIBRATION_MODULES)}")
-            calib = calibrate(net, [text for _, text in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
-                              max_length=512, batch_size=4, max_tokens=calibration_tokens, progress=False)
-            calibration_info = {"modules": list(CALIBRATION_MODULES), "tokens": calibration_tokens,
-                                "how": "psr_hf.calibrate (exact routing), windows of 512 tokens"}
+        calib, calibration_info = model_calibration(net, tokenizer, tokens=calibration_tokens,
+                                                    calibration=calibration, beside=beside,
+                                                    beside_name=description.get("calibration"), progress=progress)
     else:
         calibration_info = {"none": "no routed rows"}
     device_used = next(net.parameters()).device

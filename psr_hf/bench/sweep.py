@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from ..policy.config import RoutingConfig
@@ -165,9 +164,9 @@ def _load_record(path: Path | None, settings: Mapping[str, Any]) -> dict[str, An
 
 # ---------------------------------------------------------------------------------------------------- points
 def _interval_pct(ci: Sequence[float]) -> list[float]:
-    from ..eval.selfgen import sg_percent
+    from ..eval.divergence import excess_ppl_percent
 
-    return [sg_percent(float(v)) for v in ci]
+    return [excess_ppl_percent(float(v)) for v in ci]
 
 
 def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -175,7 +174,7 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     :mod:`psr_hf.bench.frontier`): routing fields, latency (mean ms/token with its interval, p99, per-round
     means, copies and demand copies per token) and divergence (sg% and the selfgen excess NLL with intervals and
     per-window values; the held-out excess NLL)."""
-    from ..eval.selfgen import sg_percent
+    from ..eval.divergence import excess_ppl_percent
 
     points = []
     prefix = ENGINE_PREFIX if record["settings"]["engine"] else ""
@@ -202,7 +201,7 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "prefetch_late_per_token": copies.get("prefetch_late_per_token"),
                 "prefetch_in_time_per_token": copies.get("prefetch_in_time_per_token"),
                 "prefetch_unused_per_token": copies.get("prefetch_unused_per_token"),
-                "sg_pct": sg_percent(selfgen["excess_nll"]), "sg_pct_ci95": _interval_pct(selfgen["excess_nll_ci95"]),
+                "sg_pct": excess_ppl_percent(selfgen["excess_nll"]), "sg_pct_ci95": _interval_pct(selfgen["excess_nll_ci95"]),
                 "selfgen_excess_nll": selfgen["excess_nll"], "selfgen_window_excess": selfgen["window_excess"],
                 "heldout_excess_nll": None if held is None else held["excess_nll"],
                 "heldout_excess_nll_ci95": None if held is None else held["excess_nll_ci95"],
@@ -233,7 +232,7 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
     from ..eval.divergence import divergence
     from ..eval.selfgen import describe, sample_windows, start_tokens
     from .common import machine, quiet_uncalibrated, versions
-    from .workloads import default_texts, load_model, module_sources, text_windows, WINDOW_MODULES
+    from .workloads import WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources, text_windows
 
     if stage not in ("quality", "latency", "all"):
         raise ValueError(f"stage={stage!r}: use 'quality' (divergence only), 'latency' (timing only) or 'all'")
@@ -287,7 +286,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
         quality_name = quality_model_name(model)
         say(f"loading {quality_name} on {quality_device} (divergence)")
         qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=seed)
-        calib = _calibration(qmodel, qtokenizer, qinfo, calibration, calibration_tokens, say)
+        calib, _ = model_calibration(qmodel, qtokenizer, tokens=calibration_tokens, calibration=calibration,
+                                     beside=qinfo.get("calibration_file"), progress=say)
         if "heldout" not in record:
             held = text_windows([t for _, t in held_texts], qtokenizer, windows=heldout_windows,
                                 tokens=heldout_tokens)
@@ -314,7 +314,7 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                 for key, sg, ho in zip(chunk, sg_rows, ho_rows):
                     record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
                     logger.info("divergence %s: sg %.2f%%, held-out excess %.4f nats/token, %.1f copies/token", key,
-                                100 * np.expm1(sg.excess_nll), ho.excess_nll, sg.copies_per_token)
+                                sg.excess_ppl_pct, ho.excess_nll, sg.copies_per_token)
                 bar.update(len(chunk))
                 _save(record, path)
         del qmodel
@@ -328,7 +328,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
         say(f"loading {model} on {device} (latency)")
         lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
         if calib is None:  # the latency stage alone: the same calibration the divergence stage uses
-            calib = _calibration(lmodel, ltokenizer, linfo, calibration, calibration_tokens, say)
+            calib, _ = model_calibration(lmodel, ltokenizer, tokens=calibration_tokens, calibration=calibration,
+                                         beside=linfo.get("calibration_file"), progress=say)
         lat_ids = text_windows([t for _, t in held_texts], ltokenizer, windows=windows, tokens=tokens)
         record["model"] = {**{k: v for k, v in linfo.items() if k != "calibration_file"}, **describe_model(lmodel)}
         record["latency_windows"] = {"sources": [n for n, _ in held_texts],
@@ -387,21 +388,3 @@ def finish(record: dict[str, Any]) -> dict[str, Any]:
                           for r in record["settings"]["residencies"]}
     record["orderings"] = orderings(points)
     return record
-
-
-def _calibration(model: Any, tokenizer: Any, info: Mapping[str, Any], calibration: str | None,
-                 calibration_tokens: int, say: Callable[[str], None]) -> Any:
-    """The routed rows' calibration: ``calibration`` (a file), else the one saved beside the model, else
-    :func:`psr_hf.calibrate` on standard-library modules that the windows never use."""
-    from ..policy.calibration import Calibration
-    from .workloads import CALIBRATION_MODULES, module_sources
-
-    if calibration is not None:
-        return Calibration.load(calibration)
-    if info.get("calibration_file"):
-        return Calibration.load(info["calibration_file"])
-    from ..hf.calibrate import calibrate
-
-    say(f"calibrating on {calibration_tokens} tokens of {', '.join(CALIBRATION_MODULES)}")
-    return calibrate(model, [t for _, t in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer, max_length=512,
-                     batch_size=4, max_tokens=calibration_tokens, progress=False)

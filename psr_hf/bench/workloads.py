@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +230,26 @@ def text_windows(texts: Sequence[str], tokenizer: Any, *, windows: int, tokens: 
                              f"[{start}, {start + tokens + 1}): give fewer --windows or --tokens, or longer --text")
         out.append(torch.tensor([window], dtype=torch.long))
     return out
+
+
+def model_calibration(model: torch.nn.Module, tokenizer: Any, *, tokens: int, calibration: str | Path | None = None,
+                      beside: str | Path | None = None, beside_name: str | None = None,
+                      progress: Callable[[str], None] | None = None, bar: bool = False) -> tuple[Any, dict[str, Any]]:
+    """``(calibration, how)`` of the routed rows of a benchmark: the file ``calibration`` when given, else the one
+    saved ``beside`` the model (named ``beside_name`` in records), else :func:`psr_hf.calibrate` on ``tokens``
+    tokens of :data:`CALIBRATION_MODULES` (never the windows' text). ``how`` is the record's description:
+    ``{"file": ...}`` or ``{"modules", "tokens", "how"}``; ``bar`` shows calibrate's progress bar."""
+    from ..policy.calibration import Calibration
+
+    if calibration is not None:
+        return Calibration.load(calibration), {"file": str(calibration)}
+    if beside is not None:
+        return Calibration.load(beside), {"file": beside_name or str(beside)}
+    from ..hf.calibrate import calibrate
+
+    if progress is not None:
+        progress(f"calibrating on {tokens} tokens of {', '.join(CALIBRATION_MODULES)}")
+    calib = calibrate(model, [text for _, text in module_sources(CALIBRATION_MODULES)], tokenizer=tokenizer,
+                      max_length=512, batch_size=4, max_tokens=tokens, progress=bar)
+    return calib, {"modules": list(CALIBRATION_MODULES), "tokens": tokens,
+                   "how": "psr_hf.calibrate (exact routing), windows of 512 tokens"}

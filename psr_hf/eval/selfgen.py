@@ -1,7 +1,7 @@
 """The *selfgen* diagnostic's text (the paper's Section 6.1, "Diagnostic"): windows sampled from the exact-routing
 model at temperature 1. Because the text comes from the exact model, a configuration's excess NLL on it
 (:func:`psr_hf.eval.divergence.divergence`) estimates its KL divergence from exact routing; ``sg%`` is the excess
-perplexity ``100 * (exp(excess) - 1)``.
+perplexity ``100 * (exp(excess) - 1)`` (:func:`~psr_hf.eval.divergence.excess_ppl_percent`).
 
 Sampling is plain ancestral sampling (no top-k, no top-p) with a seeded CPU generator per window: the logits of
 each step are moved to the CPU in float64, divided by the temperature and sampled with ``torch.multinomial``. The
@@ -80,13 +80,6 @@ def sample_windows(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, t
     logger.info("selfgen: %d windows of %d sampled tokens (seed %d, temperature %g)", len(out), tokens, seed,
                 temperature)
     return out
-
-
-def sg_percent(excess_nll: float) -> float:
-    """``sg%``: the excess perplexity ``100 * (exp(excess) - 1)`` of a mean excess NLL (nats per token)."""
-    import math
-
-    return 100.0 * math.expm1(excess_nll)
 
 
 def describe(windows: Sequence[torch.Tensor], *, prompts: Sequence[torch.Tensor], seed: int, temperature: float,
