@@ -168,6 +168,34 @@ def test_fewer_than_three_rounds_are_rejected_with_the_reason(tiny_model, window
     assert "psr-hf bench: error: rounds=2: at least 3 rounds" in err and "paired t-test" in err
 
 
+def test_the_bench_frees_its_model_copies_when_it_returns(tiny_model, window):
+    """Each routed kind works on copies of the model that refer to themselves through their patch; the bench must
+    free them on return, not leave them to a later cycle collection (on a GPU a sweep's next residency ran out of
+    memory beside a real-size copy left over from the one before)."""
+    import gc
+
+    from psr_hf.bench.offload import ENGINE_RESIDENT, RESIDENT, BenchConfig
+
+    routing = RoutingConfig(policy="psr", lam=0.3, residency=0.5)
+    configs = [BenchConfig(RESIDENT, "resident", RESIDENT),
+               BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT),
+               BenchConfig("psr_res50", "offload", "psr", routing, 0.5),
+               BenchConfig("engine_psr_res50", "engine", "psr", routing, 0.5)]
+
+    def copies() -> int:  # instances of the model's class that exist, reachable or not yet collected
+        return sum(type(o) is type(tiny_model) for o in gc.get_objects())
+
+    gc.collect()
+    before = copies()
+    gc.disable()
+    try:
+        rows = bench_latency(tiny_model, [window], configs=configs, rounds=3)
+        assert copies() == before
+    finally:
+        gc.enable()
+    assert [len(r["rounds"]) for r in rows] == [3, 3, 3, 3]
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 def test_cli_bench_tiny_writes_a_record_a_table_and_a_plot(tmp_path, capsys, quiet_psr_hf):
     from psr_hf.cli import main

@@ -217,6 +217,16 @@ def test_claim_a_not_resolved_when_the_intervals_overlap():
     assert half["verdict"] == "not resolved" and "faster holds" in half["detail"]
 
 
+def test_claim_a_reversed_when_one_half_is_reversed():
+    # closer with its interval but slower with its interval: "both faster and closer" is refuted
+    slower = by_key(orderings(pair(0.2, 12.0, 1.0, 10.0, 3.0)), "a")[0]
+    assert slower["verdict"] == "reversed"
+    assert "slower (reversed)" in slower["detail"] and "closer holds" in slower["detail"]
+    farther = by_key(orderings(pair(0.2, 8.0, 3.0, 10.0, 1.0)), "a")[0]
+    assert farther["verdict"] == "reversed"
+    assert "faster holds" in farther["detail"] and "farther (reversed)" in farther["detail"]
+
+
 def n1_curve() -> list[dict[str, Any]]:
     return [point("psr", lam, budget=1, eviction="score", ms=ms, sg=sg, phase=lam)
             for lam, sg, ms in ((0.1, 1.0, 10.0), (0.2, 2.0, 8.0), (0.4, 4.0, 6.0))]

@@ -399,6 +399,7 @@ def _claim_a(residency: float, group: Sequence[Point]) -> list[dict[str, Any]]:
         d_lo, d_hi = diff["ci95"]
         faster, slower = r_lo > 1.0, r_hi < 1.0
         closer, farther = d_hi < 0.0, d_lo > 0.0
+        # the claim is a conjunction: refuted ("reversed") as soon as either half is reversed with its interval
         if faster and closer:
             verdict, how = "reproduced", "PSR is faster and closer"
         elif slower and farther:
@@ -406,7 +407,7 @@ def _claim_a(residency: float, group: Sequence[Point]) -> list[dict[str, Any]]:
         else:
             speed = "faster holds" if faster else ("slower (reversed)" if slower else "faster not resolved")
             distance = "closer holds" if closer else ("farther (reversed)" if farther else "closer not resolved")
-            verdict, how = "not resolved", f"{speed}; {distance}"
+            verdict, how = ("reversed" if slower or farther else "not resolved"), f"{speed}; {distance}"
         detail = (f"lam={float(p['lam']):g}: latency Cache-Prior/PSR {_interval_text(ratio['ratio'], ratio['ci95'], 3)}"
                   f" over {len(p['round_ms'])} rounds; excess NLL PSR-Cache-Prior "
                   f"{_interval_text(diff['mean'], diff['ci95'], 4)} over {len(p['selfgen_window_excess'])} windows; "
@@ -505,11 +506,12 @@ def _claim_c(residency: float, group: Sequence[Point]) -> dict[str, Any]:
 def orderings(points: Iterable[Point]) -> list[dict[str, Any]]:
     """The paper's three orderings, judged per residency (highest first) from the intervals: (a) at each lam PSR
     n=1 is faster (Cache-Prior/PSR ms ratio paired by round) and closer (PSR - Cache-Prior excess NLL paired by
-    window) than Cache-Prior; (b) n=1 is the fastest at every divergence its lam sweep covers (other points
-    against the n=1 curve interpolated at their sg%); (c) exact+LRU is the slowest (its ms over each other
-    point's, paired by round). Returns a list of dicts with ``claim``, ``key`` (``a``/``b``/``c``), ``residency``,
-    ``verdict`` (``reproduced``, ``reversed`` or ``not resolved``), ``detail`` (the numbers and intervals in words)
-    and the numbers as fields. Raises ``ValueError`` for no points or unpaired rounds or windows."""
+    window) than Cache-Prior, reversed when either half is reversed with its interval; (b) n=1 is the fastest at
+    every divergence its lam sweep covers (other points against the n=1 curve interpolated at their sg%); (c)
+    exact+LRU is the slowest (its ms over each other point's, paired by round). Returns a list of dicts with
+    ``claim``, ``key`` (``a``/``b``/``c``), ``residency``, ``verdict`` (``reproduced``, ``reversed`` or ``not
+    resolved``), ``detail`` (the numbers and intervals in words) and the numbers as fields. Raises ``ValueError``
+    for no points or unpaired rounds or windows."""
     pts = _check_points(points, "orderings")
     out: list[dict[str, Any]] = []
     for residency, group in _by_residency(pts):
