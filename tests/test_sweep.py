@@ -114,9 +114,17 @@ def test_sweep_stops_continues_and_measures_every_point(tmp_path):
         assert p["sg_pct_ci95"][0] <= p["sg_pct"] <= p["sg_pct_ci95"][1]
     assert set(record["frontier"]["_res50"]) <= set(points)
     assert {o["verdict"] for o in record["orderings"]} <= {"reproduced", "reversed", "not resolved"}
-    # a finished record is final: running again measures nothing more and gives the same points
+    # a finished record is final: running again measures nothing more and gives the same points; what is derived
+    # from the measurements (points, front, verdicts) is derived again, so a stale or edited verdict is replaced
+    stale = json.loads(path.read_text())
+    stale["orderings"] = [{**o, "verdict": "stale"} for o in stale["orderings"]]
+    path.write_text(json.dumps(stale))
     again = run_sweep(**SMALL, grid=grid, json_path=path)
-    assert again["points"] == json.loads(json.dumps(record["points"]))
+    assert [p["name"] for p in again["points"]] == [p["name"] for p in record["points"]]
+    assert [p["ms"] for p in again["points"]] == pytest.approx([p["ms"] for p in record["points"]], rel=1e-5)
+    # (derived again from the record's 6-digit measurements: equal to the first derivation up to that rounding)
+    assert [o["verdict"] for o in again["orderings"]] == [o["verdict"] for o in record["orderings"]]
+    assert json.loads(path.read_text())["orderings"] == again["orderings"]
 
 
 def test_cli_sweep_writes_record_plot_and_tables(tmp_path, capsys):

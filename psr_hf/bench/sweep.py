@@ -265,8 +265,10 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
                   "quality": {}, "latency": {}}
     else:
         record["settings"]["max_minutes"] = max_minutes
-        if "points" in record:  # finished: nothing left to measure
-            return record
+        if "points" in record:  # finished: nothing left to measure; the points, front and verdicts are derived
+            finish(record)      # again from the measurements, so that this version of psr_hf judges them
+            _save(record, path)
+            return json.loads(json.dumps(_rounded(record)))
     say = progress or (lambda text: None)
 
     def out_of_time() -> bool:
