@@ -523,8 +523,7 @@ class _EngineRows:
         self.shared.clear()
         if self.resident is not None:
             unpatch(self.resident)
-            self.resident = None
-        _release(self.device)
+            self.resident = None  # freed by the caller's _release (bench_latency's finally)
 
 
 def _release(device: torch.device) -> None:

@@ -266,9 +266,7 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
     else:
         record["settings"]["max_minutes"] = max_minutes
         if "points" in record:  # finished: nothing left to measure; the points, front and verdicts are derived
-            finish(record)      # again from the measurements, so that this version of psr_hf judges them
-            _save(record, path)
-            return json.loads(json.dumps(_rounded(record)))
+            return _completed(record, path)  # again, so that this version of psr_hf judges the measurements
     say = progress or (lambda text: None)
 
     def out_of_time() -> bool:
@@ -374,9 +372,14 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
         _save(record, path)
         raise SweepStopped("the rows are timed (stage 'latency'); the divergence stage is still to run: the same "
                            "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")
+    return _completed(record, path)
+
+
+def _completed(record: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """:func:`finish` a complete record, save it, and return what the record file holds (rounded)."""
     finish(record)
     _save(record, path)
-    return json.loads(json.dumps(_rounded(record)))  # what the record file holds
+    return json.loads(json.dumps(_rounded(record)))
 
 
 def finish(record: dict[str, Any]) -> dict[str, Any]:
