@@ -301,8 +301,8 @@ def test_default_configs_engine_rows_mirror_the_routed_rows():
     rows = default_configs((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)
     assert [row.name for row in rows] == ["resident", "exact_lru_res50", "psr_lam0.3_n1_res50", "engine_resident",
                                           "engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50",
-                                          "engine_psr_lam0.3_n1_res50_nocopy"]
-    assert [row.skip_copies for row in rows].count(True) == 1
+                                          "engine_exact_lru_res50_nocopy", "engine_psr_lam0.3_n1_res50_nocopy"]
+    assert [row.skip_copies for row in rows].count(True) == 2
     by_name = {row.name: row for row in rows}
     assert by_name["engine_psr_lam0.3_n1_res50"].routing == by_name["psr_lam0.3_n1_res50"].routing
     assert by_name["engine_resident"].kind == "engine_resident" and by_name["engine_exact_lru_res50"].kind == "engine"
@@ -314,7 +314,7 @@ def test_hf_configs_keep_few_transformers_rows_beside_every_engine_row():
     names = [row.name for row in rows]
     assert [n for n in names if not n.startswith("engine_")] == ["resident", "psr_lam0.3_n1_res50",
                                                                   "psr_lam0.3_n1_res25"]
-    assert len([n for n in names if n.startswith("engine_")]) == 1 + 2 * len(POLICY_CONFIGS) + 2
+    assert len([n for n in names if n.startswith("engine_")]) == 1 + 2 * len(POLICY_CONFIGS) + 4
     none = default_configs((0.5,), accelerate=False, engine=True, hf_only=[])
     assert [row.name for row in none if row.kind == "offload"] == []
     with pytest.raises(ValueError, match="--hf-configs: unknown psr_lam9"):
@@ -338,7 +338,8 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
     assert list(rows) == [row.name for row in default_configs((0.5, 0.25), accelerate=False, engine=True)]
     assert record["settings"]["engine"] is True and record["settings"]["engine_graphs"] is False
     engine_rows = [name for name in rows if name.startswith("engine_")]
-    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS) + 2  # + psr_lam0.3_n1 with copies skipped, per capacity
+    # + exact_lru and psr_lam0.3_n1 with copies skipped, per capacity
+    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS) + 4
     for name in engine_rows:
         row = rows[name]
         assert name in out
@@ -370,8 +371,10 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
             assert c[key] == pytest.approx(h[key]), (name, key)
     assert rows["engine_exact_lru_res25"]["copies"]["demand_per_token"] > 0
     goals = [g for g in record["goals"] if "engine" in g["goal"]]
-    assert len(goals) == 8 and all(g["status"] == "needs a GPU" for g in goals)  # + host time, per copies-skipped row
-    assert "goal engine_psr_lam0.3_n1_res25_nocopy host time <= 60 us per MoE layer: needs a GPU" in out
+    # ms/token (3), exact_lru / psr (2), cp / psr (2), host time per layer and per copy for each copies-skipped twin
+    assert len(goals) == 15 and all(g["status"] == "needs a GPU" for g in goals)
+    assert "goal engine_psr_lam0.3_n1_res25_nocopy host time <= 15 us per MoE layer: needs a GPU" in out
+    assert "goal engine_exact_lru_res25 host time <= 5 us per issued copy: needs a GPU" in out
     moe_layers = record["model"]["moe_layers"]
     for name, row in rows.items():
         host = row["host_us_per_moe_layer"]
@@ -382,8 +385,19 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
         for us, ms in zip(host["rounds"], row["rounds"]):
             assert 0 < us <= ms["ms_per_token"] * 1e3 / moe_layers * 1.0001
     assert "engine host time per MoE layer" in out
-    assert "goal engine_resident <= 2 ms/token: needs a GPU" in out
-    assert "goal engine_exact_lru_res50 >= 2x engine_psr_lam0.3_n1_res50: needs a GPU" in out
+    # the host's cost per issued copy, against the copies-skipped twin, round by round
+    for name in ("engine_exact_lru_res50", "engine_exact_lru_res25", "engine_psr_lam0.3_n1_res25"):
+        row, twin = rows[name], rows[name + "_nocopy"]
+        per_copy = row["host_us_per_copy"]
+        copies = [r["stats"]["offload"]["copies_per_token"] for r in row["rounds"]]
+        expected = [(h - b) * moe_layers / c for h, b, c in zip(row["host_us_per_moe_layer"]["rounds"],
+                                                                twin["host_us_per_moe_layer"]["rounds"], copies)]
+        assert per_copy["rounds"] == pytest.approx(expected) and len(expected) == rounds
+    assert "host_us_per_copy" not in rows["engine_cp_lam0.2_res50"]  # no twin
+    assert "engine host time per issued copy" in out
+    assert "goal engine_resident <= 1.4 ms/token: needs a GPU" in out
+    assert "goal engine_exact_lru_res50 >= 2.3x engine_psr_lam0.3_n1_res50: needs a GPU" in out
+    assert "goal engine_exact_lru_res25 >= 3x engine_psr_lam0.3_n1_res25: needs a GPU" in out
     assert {g["status"] for g in record["goals"] if "engine" not in g["goal"]} <= {"met", "not met", "not shown", "not measured"}
     names = {(c["numerator"], c["denominator"]) for c in record["comparisons"]}
     assert ("engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50") in names

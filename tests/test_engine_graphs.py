@@ -81,9 +81,12 @@ def test_graph_bodies_and_order(case):
     model, _, _, _ = case("deepseek_v3")
     with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
         decoder = GraphDecoder(model, MAX_LEN, graphs=False)
-        names = [name for name, _ in decoder._bodies]
         M = len(decoder.moe_layers)
-        assert names == [x for m in range(M) for x in (f"A{m}", f"B{m}")] + ["C"]
+        assert list(decoder._bodies) == [x for m in range(M) for x in (f"A{m}", f"B{m}")] + ["C"]
+        # replayed as A_0, then B_m with A_{m+1} (B_{M-1} with C): one launch per MoE layer
+        units = [decoder._unit_bodies(u) for u in range(M + 1)]
+        assert units == [["A0"]] + [[f"B{m}", f"A{m + 1}"] for m in range(M - 1)] + [[f"B{M - 1}", "C"]]
+        assert len(decoder._units) == M + 1
         assert decoder.moe_layers[0] > 0  # the dense first layers run inside graph A_0
         assert decoder.pool is None and not decoder._graphs
 
@@ -159,7 +162,8 @@ def test_cuda_timing_never_changes_outputs(name):
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
     results = []
     settings = [dict(max_in_flight=1), dict(max_in_flight=2), dict(max_in_flight=4),
-                dict(max_in_flight=2, copy_delay_ms=2.0)]
+                dict(max_in_flight=2, copy_delay_ms=2.0), dict(max_in_flight=2, copy_api="torch"),
+                dict(max_in_flight=1, copy_delay_ms=1.0, copy_api="torch")]
     for setting in settings:
         with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]),
                             offload=psr_hf.OffloadConfig(device="cuda", **setting)):
@@ -168,6 +172,25 @@ def test_cuda_timing_never_changes_outputs(name):
         torch.testing.assert_close(result[0], results[0][0], rtol=0, atol=0, msg=str(setting))
         torch.testing.assert_close(result[1], results[0][1], rtol=0, atol=0, msg=str(setting))
         np.testing.assert_array_equal(result[2][0].selected, results[0][2][0].selected, err_msg=str(setting))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_cuda_one_graph_per_layer_equals_one_graph_per_body(name, offloaded):
+    """B_m and A_{m+1} captured as one graph (the default: one launch per MoE layer) against one graph per body:
+    the same kernels in the same order, so tokens, logits and selections are bitwise equal."""
+    model = _cuda_model(name)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=offload):
+        merged = GraphDecoder(model, MAX_LEN, graphs=True)
+        split = GraphDecoder(model, MAX_LEN, graphs=True, merge=False)
+        assert merged.merged and not split.merged
+        assert len(merged._graphs) == len(merged.moe_layers) + 1 and len(split._graphs) == 2 * len(split.moe_layers) + 1
+        one, per_body = _run(model, ids, merged), _run(model, ids, split)
+    _assert_bitwise(one, per_body)
 
 
 @pytest.mark.cuda

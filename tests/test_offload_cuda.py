@@ -72,6 +72,53 @@ def test_greedy_tokens_do_not_depend_on_copy_timing(family):
         torch.testing.assert_close(logits[0], ref_logits[0], rtol=0.05, atol=0.05)
 
 
+def test_raw_copy_calls_equal_torch_calls():
+    """Copies issued by cuda-python (the default when it imports) and by torch's calls: the same tokens, logits,
+    routing statistics and copy counts; with 3 events in the link's ring (reused every 3 copies, waited for when
+    still in flight) and every slot checked against the host store."""
+    from psr_hf.offload import cuda_runtime, runtime_link
+
+    ok, why = cuda_runtime.available()
+    if not ok:
+        pytest.skip(why)
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    prompts = [(_ids(1, 1, 1), None), (_ids(2, 1, 9), None)]
+    runs = {}
+    for api, ring in (("torch", None), ("cuda-python", None), ("cuda-python", 3)):
+        previous = runtime_link.RING
+        if ring is not None:
+            runtime_link.RING = ring
+        try:
+            with psr_hf.patched(model, CONFIG, offload=OffloadConfig(device="cuda:0", copy_api=api,
+                                                                       check_slots=ring is not None)):
+                link = psr_hf.controller(model).offload.link
+                assert isinstance(link, runtime_link.RuntimeLink) == (api == "cuda-python")
+                outputs = [_generate(model, p, m) for p, m in prompts]
+                stats = psr_hf.controller(model).stats()
+        finally:
+            runtime_link.RING = previous
+        runs[(api, ring)] = (outputs, stats)
+    (ref_out, ref_stats) = runs[("torch", None)]
+    for key, (outputs, stats) in runs.items():
+        for (tokens, logits), (ref_tokens, ref_logits) in zip(outputs, ref_out):
+            assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits), key
+        assert stats.total == ref_stats.total, key
+        for field in ("demand", "prefetch", "dropped", "warm", "bytes"):
+            assert getattr(stats.offload, field) == getattr(ref_stats.offload, field), (key, field)
+        assert stats.offload.demand + stats.offload.prefetch > 0
+
+
+def test_copy_api_cuda_python_without_it_is_a_clear_error(monkeypatch):
+    from psr_hf.offload import cuda_runtime
+
+    monkeypatch.setattr(cuda_runtime, "available", lambda: (False, "cuda-python is not importable (test)"))
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="copy_api='cuda-python'.*not importable"):
+        psr_hf.patch(model, CONFIG, offload=OffloadConfig(device="cuda:0", copy_api="cuda-python"))
+    with pytest.raises(ValueError, match="not patched"):  # the failed install left nothing on the model
+        psr_hf.controller(model)
+
+
 def test_slots_hold_the_executed_experts_on_cuda():
     model = tiny_model("olmoe", dtype=torch.bfloat16)
     psr_hf.patch(model, CONFIG, offload=OffloadConfig(device="cuda:0", check_slots=True, max_in_flight=1))

@@ -58,6 +58,8 @@ import torch
 from psr_hf.hf.patching import controller as _controller
 from .decoder import Sequences, moe_layers_of
 from .layers import DecodeLayers, build_layers
+from psr_hf.offload import cuda_runtime
+from psr_hf.offload.cuda_runtime import Runtime, raw_current_stream
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
 
 logger = logging.getLogger(__name__)
@@ -70,10 +72,11 @@ class GraphDecoder(Sequences):
     :meth:`reset`. ``warmup``: eager runs of every graph body on the capture stream before capture.
     ``compile``: the attention blocks through ``torch.compile`` (:meth:`DecodeLayers.compile_blocks`: the
     norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
-    (default): on CUDA when triton imports."""
+    (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
+    layer; False: one graph per body, the same kernels in the same order)."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
-                 backend: str = "auto", warmup: int = 2, compile: bool | None = None):
+                 backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True):
         self.model = model
         self.controller = ctl = _controller(model)
         L = build_layers(model, max_len, absorb_mla=absorb_mla)
@@ -123,18 +126,31 @@ class GraphDecoder(Sequences):
         self._host_ids = [torch.zeros(1, K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
         self._host_slots = [torch.zeros(K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
         self._slot_ids = torch.zeros(K, dtype=torch.int64, device=self.device)  # offloaded: graph B's slots
-        self._event = torch.cuda.Event() if self.cuda else None
-        # the graph bodies, in replay order: A_0, B_0, A_1, B_1, ..., C
-        self._bodies: list[tuple[str, Callable[[], None]]] = []
+        # numpy views of the pinned buffers (a Tensor.numpy() costs microseconds per call)
+        self._host_scores_np = [t.numpy() for t in self._host_scores]
+        self._host_ids_np = [t.numpy()[0] for t in self._host_ids]
+        self._host_slots_np = [t.numpy() for t in self._host_slots]
+        # the host's wait for graph A: a raw event when cuda-python imports (0.5 us to record, against 5.2)
+        self._runtime = Runtime(self.device) if self.cuda and cuda_runtime.available()[0] else None
+        self._event: Any = None
+        if self._runtime is not None:
+            self._event = self._runtime.event()
+        elif self.cuda:
+            self._event = torch.cuda.Event()
+        # the graph bodies: A_0, B_0, A_1, B_1, ..., C
+        self._bodies: dict[str, Callable[[], None]] = {}
         previous = -1
         for m, d in enumerate(self.moe_layers):
-            self._bodies.append((f"A{m}", self._body_a(m, range(previous + 1, d), d)))
-            self._bodies.append((f"B{m}", self._body_b(m, d)))
+            self._bodies[f"A{m}"] = self._body_a(m, range(previous + 1, d), d)
+            self._bodies[f"B{m}"] = self._body_b(m, d)
             previous = d
-        self._bodies.append(("C", self._body_c(range(previous + 1, L.num_layers))))
-        self._run: dict[str, Callable[[], None]] = dict(self._bodies)
-        # MoE layers whose graph A could not capture the D2H copy of the scores: copied eagerly after the replay
-        self._d2h_outside: set[int] = set()
+        self._bodies["C"] = self._body_c(range(previous + 1, L.num_layers))
+        # what is replayed: unit 0 is A_0; unit m + 1 is B_m then A_{m+1} (C after the last B), nothing on the host
+        # between the two, so one graph each (``merged``); split (one graph per body) where A's D2H copy of the
+        # scores could not be captured
+        self._merge = self.merged = bool(merge)
+        self._d2h_outside: set[int] = set()  # MoE layers whose scores are copied to the host after the replay
+        self._units: list[Callable[[], None]] = self._eager_units()
         self._graphs: dict[str, Any] = {}
         self.pool = None
         if self.graphs:
@@ -223,6 +239,31 @@ class GraphDecoder(Sequences):
             capacity = self._slot_buffers[m][0].shape[0]
             self._host_slots[m].copy_(torch.arange(K, dtype=torch.int64) % capacity)
 
+    def _unit_bodies(self, unit: int) -> list[str]:
+        """The bodies of replay unit ``unit``: ``["A0"]``, then ``["B{m}", "A{m+1}"]`` (``["B{M-1}", "C"]``)."""
+        if unit == 0:
+            return ["A0"]
+        m = unit - 1
+        return [f"B{m}", f"A{m + 1}" if m + 1 < len(self.moe_layers) else "C"]
+
+    def _eager_units(self) -> list[Callable[[], None]]:
+        def unit(names: list[str]) -> Callable[[], None]:
+            bodies = [self._bodies[name] for name in names]
+
+            def run() -> None:
+                for body in bodies:
+                    body()
+
+            return run
+
+        return [unit(self._unit_bodies(u)) for u in range(len(self.moe_layers) + 1)]
+
+    def _capture_graph(self, body: Callable[[], None], stream: Any) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            body()
+        return graph
+
     @torch.no_grad()
     def _capture(self, warmup: int) -> None:
         device = self.device
@@ -236,34 +277,67 @@ class GraphDecoder(Sequences):
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(warmup):
-                for _, body in self._bodies:
-                    body()
+                for unit in self._units:
+                    unit()
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         self.pool = torch.cuda.graph_pool_handle()
-        for name, body in self._bodies:
-            graph = torch.cuda.CUDAGraph()
+        if not self._merge:
+            self._capture_split(stream)
+        else:
+            self._capture_merged(stream)
+        torch.cuda.synchronize(device)
+        logger.debug("GraphDecoder: captured %d graphs (%d MoE layers)", len(self._graphs), len(self.moe_layers))
+
+    def _capture_merged(self, stream: Any) -> None:
+        """One graph per replay unit (B_m with A_{m+1}); one per body if that fails."""
+        try:
+            graphs = [self._capture_graph(unit, stream) for unit in self._units]
+            self._units = [graph.replay for graph in graphs]
+            self._graphs = {"+".join(self._unit_bodies(u)): graph for u, graph in enumerate(graphs)}
+        except RuntimeError as error:
+            logger.warning("GraphDecoder: capturing B_m and A_{m+1} as one graph failed (%s); one graph per body",
+                           error)
+            torch.cuda.synchronize(self.device)
+            self.pool = torch.cuda.graph_pool_handle()
+            self._capture_split(stream)
+
+    def _capture_split(self, stream: Any) -> None:
+        """One graph per body; graph A without its D2H copy where that cannot be captured (the host enqueues the
+        copy after the replay)."""
+        self.merged = False
+        graphs: dict[str, Any] = {}
+        for name, body in self._bodies.items():
             try:
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                    body()
+                graphs[name] = self._capture_graph(body, stream)
             except RuntimeError as error:
                 if not name.startswith("A"):
                     raise
-                # fallback: graph A without its D2H copy, which the host then enqueues after each replay
                 m = int(name[1:])
                 logger.warning("GraphDecoder: graph %s could not capture the D2H copy of the scores (%s); it is "
                                "issued after the replay instead", name, error)
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(self.device)
                 prev = -1 if m == 0 else self.moe_layers[m - 1]
-                body = self._body_a(m, range(prev + 1, self.moe_layers[m]), self.moe_layers[m], d2h=False)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                    body()
+                graphs[name] = self._capture_graph(
+                    self._body_a(m, range(prev + 1, self.moe_layers[m]), self.moe_layers[m], d2h=False), stream)
                 self._d2h_outside.add(m)
-            self._graphs[name] = graph
-        torch.cuda.synchronize(device)
-        self._run = {name: graph.replay for name, graph in self._graphs.items()}
-        logger.debug("GraphDecoder: captured %d graphs (%d MoE layers)", len(self._graphs), len(self.moe_layers))
+        self._graphs = graphs
+
+        def unit(names: list[str]) -> Callable[[], None]:
+            replays = [graphs[name].replay for name in names]
+            last = names[-1]
+            outside = int(last[1:]) if last.startswith("A") and int(last[1:]) in self._d2h_outside else None
+
+            def run() -> None:
+                for replay in replays:
+                    replay()
+                if outside is not None:
+                    width = self._widths[outside]
+                    self._host_scores[outside].copy_(self._scores_f32[:, :width], non_blocking=True)
+
+            return run
+
+        self._units = [unit(self._unit_bodies(u)) for u in range(len(self.moe_layers) + 1)]
 
     # ------------------------------------------------------------------ sequences
     def reset(self) -> None:
@@ -286,9 +360,11 @@ class GraphDecoder(Sequences):
                 raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
                                    "changed dtype or device); build a new GraphDecoder")
             self.layers.check_prefetch_source(ctl)
+            stream = raw_current_stream(self.device) if self._runtime is not None else 0
+            self._units[0]()
+            self._record(stream)
             for m in range(len(self.moe_layers)):
-                self._moe_layer(m)
-            self._run["C"]()
+                self._moe_layer(m, stream)
         self.position = position + 1
         return b.logits
 
@@ -305,34 +381,51 @@ class GraphDecoder(Sequences):
             return int(token[0])
         return int(token)
 
-    def _moe_layer(self, m: int) -> None:
+    def _record(self, stream: int) -> None:
+        """Mark the end of the replay just enqueued on the current stream (``stream``: its raw handle)."""
+        if self._runtime is not None:
+            self._runtime.record(self._event, stream)
+        elif self._event is not None:
+            self._event.record()
+
+    def _wait(self) -> None:
+        """The host waits for the latest :meth:`_record` (graph A's scores are in the pinned buffer)."""
+        if self._event is None:
+            return
+        begin = time.perf_counter()
+        if self._runtime is not None:
+            self._runtime.synchronize(self._event)
+        else:
+            self._event.synchronize()
+        self.blocked_s += time.perf_counter() - begin
+
+    def _moe_layer(self, m: int, stream: int) -> None:
+        """Layer ``m``: wait for graph A_m's scores, make the selection, replay B_m (with A_{m+1} or C), and only
+        then do the host work the replay does not need (the next layer's part 1 and the prefetch copies), so that
+        it overlaps with the GPU."""
         ctl, E = self.controller, self.layers.num_experts
-        self._run[f"A{m}"]()
-        if m in self._d2h_outside:
-            width = self._widths[m]
-            self._host_scores[m].copy_(self._scores_f32[:, :width], non_blocking=True)
-        if self._event is not None:
-            self._event.record()  # on the current stream, after graph A_m
-            begin = time.perf_counter()
-            self._event.synchronize()  # the host waits for this event only
-            self.blocked_s += time.perf_counter() - begin
+        self._wait()
         marks = self.marks
         if marks is not None:  # the prediction for layer m + 1 is available from here on
             marks.append(("pred", m, self._mark()))
-        host = self._host_scores[m].numpy().copy()  # [1, width] (a copy: the buffer is rewritten next step)
-        pregate = host[0, E:] if host.shape[1] > E and ctl.needs_pregate else None
-        selection = ctl.select(m, host[0, :E], pregate)
-        if pregate is not None:
-            ctl.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
+        host = self._host_scores_np[m][0].copy()  # [width] (a copy: the buffer is rewritten next step)
+        pregate = host[E:] if host.shape[0] > E and ctl.needs_pregate else None
+        selection = ctl.select(m, host[:E], pregate)
         # graph B_m of the previous step (the last reader of this buffer) is complete: graph A_m came after it
-        np.copyto(self._host_ids[m].numpy()[0], selection.experts)
+        self._host_ids_np[m][:] = selection.experts
         offload = ctl.offload
         if offload is not None:
-            slots = offload.decode_slots(m, selection.experts)  # on CUDA: the current stream waits for the copies
-            np.copyto(self._host_slots[m].numpy(), slots)
+            # on CUDA the current stream waits for the copies
+            self._host_slots_np[m][:] = offload.decode_slots(m, selection.experts)
         if marks is not None:  # layer m's experts start here (on CUDA: when the stream reaches graph B_m)
             marks.append(("exec", m, self._mark()))
-        self._run[f"B{m}"]()
+        self._units[m + 1]()  # B_m, then A_{m+1} (or C)
+        if m + 1 < len(self.moe_layers):
+            self._record(stream)
+        if pregate is not None:
+            # part 1 of the next MoE layer: the logical decisions in the same order as before the replay (select
+            # m, prefetch m + 1, select m + 1), its copies queued and issued below while the GPU computes
+            ctl.prefetch(m + 1)
         if offload is not None:
             offload.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
 

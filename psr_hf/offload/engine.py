@@ -19,12 +19,21 @@ from torch import nn
 
 from .config import OffloadConfig
 from .placement import OffloadMemory, place
+from . import cuda_runtime
+from .runtime_link import RuntimeLink
 from .scheduler import CudaLink, SlotScheduler, ThreadLink
 
 logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "psr_offload"
 _ATTR = "_psr_offload"
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
 
 
 @dataclass(frozen=True)
@@ -174,17 +183,34 @@ class OffloadEngine:
                        for name, t in layer.items()} for layer in store]
         dst = [[[t[s] for t in layer.values()] for s in range(C)] for layer in self.slots]
         src = [[[t[e] for t in layer.values()] for e in range(self.num_experts)] for layer in store]
-        cuda = self.device.type == "cuda"
-        self.link = CudaLink(self.device, self.config.copy_delay_ms) if cuda else ThreadLink(self.config.copy_delay_ms)
+        self.link = self._new_link()
+        if hasattr(self.link, "prepare"):  # the raw link copies between addresses, fixed for these buffers
+            dst, src = self.link.prepare(dst, src)
         self.scheduler = SlotScheduler(self.num_layers, self.num_experts, C, self.link, self.config.max_in_flight,
                                        self.placement.bytes_per_expert, src, dst)
         self._proxies = [_SlotExperts(m, w, C) for m, w in zip(self.modules, self.slots)]
         E, L = self.num_experts, self.num_layers
-        if cuda:
+        if self.device.type == "cuda":
             self._map_device = [torch.zeros(E, dtype=torch.int64, device=self.device) for _ in range(L)]
             self._map_host = [[torch.zeros(E, dtype=torch.int64, pin_memory=True) for _ in range(2)] for _ in range(L)]
             self._map_turn = [0] * L
         self._pending: list[Any] = [None] * L
+
+    def _new_link(self) -> Any:
+        """The copy link: a copy thread on the CPU; on CUDA raw runtime calls (``copy_api``) or torch's."""
+        delay = self.config.copy_delay_ms
+        if self.device.type != "cuda":
+            return ThreadLink(delay)
+        api = self.config.copy_api
+        if api != "torch":
+            ok, why = cuda_runtime.available()
+            if ok:
+                return RuntimeLink(self.device, delay)
+            if api == "cuda-python":
+                raise ValueError(f"OffloadConfig(copy_api='cuda-python'): {why}")
+            _log_once(f"psr_hf offload: copies are issued by torch's calls ({why}); about 20-30 us of host time "
+                      "per copy instead of about 3")
+        return CudaLink(self.device, delay)
 
     def resize(self, capacity: int) -> None:
         """New slot buffers for ``capacity`` slots per layer (empty; the next sequence copies its warm set)."""

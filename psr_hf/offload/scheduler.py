@@ -347,17 +347,22 @@ class SlotScheduler:
             slot = self._victim(layer, None, resident)
         self._assign(layer, expert, int(slot), kind)
 
-    def _use(self, layer: int, experts: np.ndarray, protect: np.ndarray, resident: np.ndarray | None) -> None:
-        """Make ``experts`` present for an execution (demand loads for missing ones) and record first uses."""
+    def _use(self, layer: int, experts: np.ndarray, protect: np.ndarray | None, resident: np.ndarray | None) -> None:
+        """Make ``experts`` present for an execution (demand loads for missing ones) and record first uses.
+        ``protect``: [E] bool, the experts no load may evict (None: ``experts``, built only when a load is needed)."""
         st = self.layers[layer]
         self._clock += 1
-        for e in experts:
-            slot = st.expert_slot[e]
+        clock, expert_slot, jobs = self._clock, st.expert_slot, st.jobs
+        for e in experts.tolist():
+            slot = expert_slot[e]
             if slot < 0:
-                self._assign(layer, int(e), self._victim(layer, protect, resident), DEMAND)
-                slot = st.expert_slot[e]
-            st.last_use[slot] = self._clock
-            job = st.jobs[slot]
+                if protect is None:
+                    protect = np.zeros(self.num_experts, dtype=bool)
+                    protect[experts] = True
+                self._assign(layer, e, self._victim(layer, protect, resident), DEMAND)
+                slot = expert_slot[e]
+            st.last_use[slot] = clock
+            job = jobs[slot]
             if job is None or job.used:
                 continue
             job.used = True
@@ -473,9 +478,7 @@ class SlotScheduler:
             experts, evicted = plan.demand_experts[0, 0], plan.demand_evicted[0, 0]
             for i in range(count):
                 self.insert(layer, int(experts[i]), int(evicted[i]), DEMAND, resident)
-        protect = np.zeros(self.num_experts, dtype=bool)
-        protect[chosen] = True
-        self._use(layer, chosen, protect, resident)
+        self._use(layer, chosen, None, resident)
 
     def decode_prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
         """One row, one position: queue the copies of the plan's prefetch insertions into ``layer``."""

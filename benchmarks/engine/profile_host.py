@@ -1,0 +1,95 @@
+"""Where the engine's host time goes: a cProfile of GraphDecoder steps on a grown model, per routing row.
+
+    device run:  python3 benchmarks/engine/profile_host.py --out $OUT/profile_host.txt
+
+For each row (engine resident, psr_lam0.3_n1 copies skipped, psr_lam0.3_n1 and exact_lru offloaded at 50%): the
+plain ms/token and host us per MoE layer (the step's wall time less its waits on graph A) over ``--tokens``
+teacher-forced steps, then the same steps under cProfile, top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import psr_hf
+from psr_hf.bench.offload import offload_config
+from psr_hf.bench.workloads import default_texts, load_model, model_calibration, text_windows
+from psr_hf.engine.graphs import GraphDecoder
+
+
+def _steps(decoder: GraphDecoder, tokens: list[int]) -> tuple[float, float]:
+    decoder.reset()
+    decoder.step(tokens[0])
+    torch.cuda.synchronize()
+    blocked = decoder.blocked_s
+    begin = time.perf_counter()
+    host = 0.0
+    for token in tokens[1:]:
+        b0, t0 = decoder.blocked_s, time.perf_counter()
+        decoder.step(token)
+        host += (time.perf_counter() - t0) - (decoder.blocked_s - b0)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - begin
+    del blocked
+    n = len(tokens) - 1
+    return wall * 1e3 / n, host * 1e6 / n / len(decoder.moe_layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="grown-olmoe-routing")
+    parser.add_argument("--tokens", type=int, default=65)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    model, tokenizer, info = load_model(args.model, "cuda")
+    calibration, _ = model_calibration(model, tokenizer, tokens=4096, beside=info.get("calibration_file"))
+    texts = default_texts(args.model)
+    ids = text_windows([t for _, t in texts], tokenizer, windows=1, tokens=args.tokens)[0]
+    tokens = [int(t) for t in ids[0].tolist()][: args.tokens]
+    E = model.config.get_text_config().num_experts
+    rows = {
+        "engine_resident": (psr_hf.RoutingConfig(policy="exact", capacity=E), None),
+        "psr_lam0.3_n1_res50_nocopy": (psr_hf.RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5), None),
+        "psr_lam0.3_n1_res50": (psr_hf.RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
+                                offload_config("cuda")),
+        "exact_lru_res50": (psr_hf.RoutingConfig(policy="exact", residency=0.5), offload_config("cuda")),
+    }
+    report = io.StringIO()
+    for name, (routing, offload) in rows.items():
+        patched = copy.deepcopy(model)
+        psr_hf.patch(patched, routing, calibration=calibration, offload=offload)
+        torch.cuda.empty_cache()
+        decoder = GraphDecoder(patched, len(tokens) + 8)
+        _steps(decoder, tokens)  # warm
+        ms, host = _steps(decoder, tokens)
+        link = getattr(psr_hf.controller(patched).offload, "link", None)
+        profile = cProfile.Profile()
+        profile.enable()
+        _steps(decoder, tokens)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
+        head = (f"== {name}: {ms:.3f} ms/token, host {host:.1f} us per MoE layer (unprofiled), merged graphs "
+                f"{decoder.merged}, link {type(link).__name__ if link is not None else None}, host wait "
+                f"{'cuda-python event' if decoder._runtime is not None else 'torch event'}")
+        print(head, flush=True)
+        report.write(head + "\n" + text.getvalue() + "\n")
+        del decoder
+        psr_hf.unpatch(patched)
+        del patched
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()
