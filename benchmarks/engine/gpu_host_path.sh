@@ -5,7 +5,7 @@
 #    one per body, timing never changes outputs);
 # 2. host_calls.py: the host cost of single calls and of the wait for a graph (event against a pinned flag);
 # 3. profile_host.py: cProfile of GraphDecoder steps on grown-olmoe-routing (PROFILE=0 skips it);
-# 4. psr-hf bench --engine on grown-olmoe-routing (CONFIGS, ROUNDS, RESIDENCIES), the rest of TOTAL_S.
+# 4. psr-hf bench --engine on grown-olmoe-routing (CONFIGS, ROUNDS, RESIDENCIES), the rest of TOTAL_S (BENCH=0 skips it).
 set -uo pipefail
 START=$SECONDS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -13,7 +13,7 @@ python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patc
 export PYTHONPATH=$PWD
 python3 -c "from psr_hf.offload import cuda_runtime; print(cuda_runtime.available())"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_offload_cuda.py tests/test_engine_graphs.py \
+  timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider ${TEST_FILES:-tests/test_offload_cuda.py tests/test_engine_graphs.py} \
       2>&1 | tail -25 > "$OUT/cuda_tests.txt"
   tail -4 "$OUT/cuda_tests.txt"
 fi
@@ -21,6 +21,7 @@ timeout 60 python3 benchmarks/engine/host_calls.py --json "$OUT/host_calls.json"
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout 200 python3 benchmarks/engine/profile_host.py --out "$OUT/profile_host.txt" 2>&1 | grep "^==\|Error\|error" | cut -c1-300
 fi
+[ "${BENCH:-1}" = 1 ] || exit 0
 LEFT=$((${TOTAL_S:-570} - (SECONDS - START)))
 echo "bench gets $LEFT s"
 timeout "$LEFT" python3 -m psr_hf.cli bench --model grown-olmoe-routing --engine --hf-configs '' \

@@ -97,6 +97,11 @@ def main() -> None:
     def replay_only() -> None:
         plain.replay()
 
+    plain_exec = runtime.graph_exec(plain.raw_cuda_graph_exec())
+
+    def launch_only() -> None:
+        runtime.launch(plain_exec, raw_current_stream(device))
+
     def wait_torch_event() -> None:
         plain.replay()
         torch_event.record()
@@ -120,7 +125,7 @@ def main() -> None:
                "torch Event.record": torch_record, "cudaEventRecord": raw_record,
                "torch.cuda.current_stream": current_stream_torch,
                "raw current stream handle": current_stream_raw}
-    waiting = {"graph replay (launch only)": replay_only,
+    waiting = {"graph replay (launch only)": replay_only, "cudaGraphLaunch (launch only)": launch_only,
                "replay + torch event record + synchronize": wait_torch_event,
                "replay + cudaEventRecord + cudaEventSynchronize": wait_raw_event,
                "replay + spin on a pinned flag": wait_flag}

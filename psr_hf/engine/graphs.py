@@ -150,7 +150,7 @@ class GraphDecoder(Sequences):
         # scores could not be captured
         self._merge = self.merged = bool(merge)
         self._d2h_outside: set[int] = set()  # MoE layers whose scores are copied to the host after the replay
-        self._units: list[Callable[[], None]] = self._eager_units()
+        self._units: list[Callable[[int], None]] = self._eager_units()
         self._graphs: dict[str, Any] = {}
         self.pool = None
         if self.graphs:
@@ -246,11 +246,12 @@ class GraphDecoder(Sequences):
         m = unit - 1
         return [f"B{m}", f"A{m + 1}" if m + 1 < len(self.moe_layers) else "C"]
 
-    def _eager_units(self) -> list[Callable[[], None]]:
-        def unit(names: list[str]) -> Callable[[], None]:
+    def _eager_units(self) -> list[Callable[[int], None]]:
+        """The replay units run eagerly: each takes the current stream's raw handle (unused here)."""
+        def unit(names: list[str]) -> Callable[[int], None]:
             bodies = [self._bodies[name] for name in names]
 
-            def run() -> None:
+            def run(stream: int = 0) -> None:
                 for body in bodies:
                     body()
 
@@ -278,7 +279,7 @@ class GraphDecoder(Sequences):
         with torch.cuda.stream(stream):
             for _ in range(warmup):
                 for unit in self._units:
-                    unit()
+                    unit(0)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -293,7 +294,7 @@ class GraphDecoder(Sequences):
         """One graph per replay unit (B_m with A_{m+1}); one per body if that fails."""
         try:
             graphs = [self._capture_graph(unit, stream) for unit in self._units]
-            self._units = [graph.replay for graph in graphs]
+            self._units = [self._launcher(graph) for graph in graphs]
             self._graphs = {"+".join(self._unit_bodies(u)): graph for u, graph in enumerate(graphs)}
         except RuntimeError as error:
             logger.warning("GraphDecoder: capturing B_m and A_{m+1} as one graph failed (%s); one graph per body",
@@ -301,6 +302,18 @@ class GraphDecoder(Sequences):
             torch.cuda.synchronize(self.device)
             self.pool = torch.cuda.graph_pool_handle()
             self._capture_split(stream)
+
+    def _launcher(self, graph: Any) -> Callable[[int], None]:
+        """A replay of ``graph`` on the given raw stream: ``cudaGraphLaunch`` through cuda-python where it imports
+        (the graphs hold no random numbers, so torch's per-replay RNG bookkeeping is not needed), else
+        ``graph.replay()`` on the current stream."""
+        runtime = self._runtime
+        if runtime is None or not hasattr(graph, "raw_cuda_graph_exec"):
+            replay = graph.replay
+            return lambda stream=0: replay()
+        graph_exec = runtime.graph_exec(graph.raw_cuda_graph_exec())
+        launch = runtime.launch
+        return lambda stream: launch(graph_exec, stream)
 
     def _capture_split(self, stream: Any) -> None:
         """One graph per body; graph A without its D2H copy where that cannot be captured (the host enqueues the
@@ -328,7 +341,7 @@ class GraphDecoder(Sequences):
             last = names[-1]
             outside = int(last[1:]) if last.startswith("A") and int(last[1:]) in self._d2h_outside else None
 
-            def run() -> None:
+            def run(stream: int = 0) -> None:
                 for replay in replays:
                     replay()
                 if outside is not None:
@@ -361,7 +374,7 @@ class GraphDecoder(Sequences):
                                    "changed dtype or device); build a new GraphDecoder")
             self.layers.check_prefetch_source(ctl)
             stream = raw_current_stream(self.device) if self._runtime is not None else 0
-            self._units[0]()
+            self._units[0](stream)
             self._record(stream)
             for m in range(len(self.moe_layers)):
                 self._moe_layer(m, stream)
@@ -419,7 +432,7 @@ class GraphDecoder(Sequences):
             self._host_slots_np[m][:] = offload.decode_slots(m, selection.experts)
         if marks is not None:  # layer m's experts start here (on CUDA: when the stream reaches graph B_m)
             marks.append(("exec", m, self._mark()))
-        self._units[m + 1]()  # B_m, then A_{m+1} (or C)
+        self._units[m + 1](stream)  # B_m, then A_{m+1} (or C)
         if m + 1 < len(self.moe_layers):
             self._record(stream)
         if pregate is not None:

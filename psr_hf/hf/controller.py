@@ -559,7 +559,7 @@ class Controller:
         z = np.ascontiguousarray(np.asarray(scores, dtype=np.float32).reshape(1, 1, E))
         mode = "select" if self._needs_pregate and (layer or layer + 1 < self.num_layers) else "both"
         plan = self._decode_select(layer, z[:, 0], mode)
-        count, tensor, _ = self._decide(layer, plan, z)
+        count, tensor, _, chosen = self._decide(layer, plan, z)
         if self._from_previous:
             if layer + 1 < self.num_layers:  # the previous token's scores of the next layer, then this token's
                 self._pregate[layer + 1] = self._previous[layer + 1][:, None].copy()
@@ -567,7 +567,7 @@ class Controller:
         elif pregate is not None and self._needs_pregate and layer + 1 < self.num_layers:
             # a copy: the caller's buffer is rewritten by the next layer before this pre-gate is read
             self._pregate[layer + 1] = np.array(pregate, dtype=np.float32, order="C").reshape(1, 1, E)
-        return Selection(experts=tensor.numpy()[0], tensor=tensor, own=count == 0)
+        return Selection(experts=chosen[0], tensor=tensor, own=count == 0)
 
     def prefetch(self, layer: int) -> bool:
         """Part 1 of MoE layer ``layer`` (>= 1) from the pre-gate the previous layer's :meth:`select` stored, and,
@@ -1100,7 +1100,7 @@ class Controller:
         scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
         pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
         logical cache's."""
-        count, chosen_dev_view, flags = self._decide(layer, plan, z_host)
+        count, chosen_dev_view, flags, _ = self._decide(layer, plan, z_host)
         device = self._devices[layer]
         N = self._fwd.rows * self._fwd.positions
         if count == 0:
@@ -1171,11 +1171,12 @@ class Controller:
         if self.offload is not None and self._mirrors():
             self.offload.prefetch(layer, plan, self._resident(layer))
 
-    def _decide(self, layer: int, plan: StepPlan, z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray]:
+    def _decide(self, layer: int, plan: StepPlan,
+                z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
         """What every caller does with a layer's plan: record it, count its statistics (:func:`_finish_layer`),
         write the selected experts into the host staging buffer and tell the offload. Returns the number of
         positions whose selection is not the router's own top-K, the staging tensor ``[N, K]`` (host; pinned
-        for a CUDA device) and the per-position flags (1: not the router's own)."""
+        for a CUDA device), the per-position flags (1: not the router's own) and the staging buffer as an array."""
         fwd = self._fwd
         N, K = fwd.rows * fwd.positions, self.top_k
         if self._recorder is not None:
@@ -1190,7 +1191,7 @@ class Controller:
         if self.offload is not None:
             mirror = self._mirrors()
             self.offload.route(layer, plan, chosen, mirror, self._resident(layer) if fwd.rows == 1 else None)
-        return count, chosen_dev_view, flags
+        return count, chosen_dev_view, flags, chosen
 
     def _mirrors(self) -> bool:
         """One row and one real position: the offload's slots follow this step's plan exactly."""

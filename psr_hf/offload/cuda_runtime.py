@@ -67,6 +67,7 @@ class Runtime:
         self._wait = rt.cudaStreamWaitEvent
         self._query = rt.cudaEventQuery
         self._event_sync = rt.cudaEventSynchronize
+        self._launch = rt.cudaGraphLaunch
         self._events: list[Any] = []
 
     def _fail(self, call: str, err: Any) -> None:
@@ -115,6 +116,18 @@ class Runtime:
         err, = self._event_sync(event)
         if err != self._success:
             self._fail("cudaEventSynchronize", err)
+
+    def graph_exec(self, handle: int) -> Any:
+        """A ``cudaGraphExec_t`` for the address torch's ``CUDAGraph.raw_cuda_graph_exec()`` returns."""
+        return self.rt.cudaGraphExec_t(int(handle))
+
+    def launch(self, graph_exec: Any, stream: int) -> None:
+        """``cudaGraphLaunch``: torch's ``CUDAGraph.replay()`` without its per-replay work in Python and C++ (the
+        memory pool's liveness check, the RNG generators' offsets, which graphs without random numbers never
+        read)."""
+        err, = self._launch(graph_exec, stream)
+        if err != self._success:
+            self._fail("cudaGraphLaunch", err)
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         err, ms = self.rt.cudaEventElapsedTime(start, end)
