@@ -238,3 +238,25 @@ def test_cuda_compiled_blocks_match_uncompiled_float32(name):
         assert decoder.blocked_s > 0  # the host waited on graph A's events
     assert float((fused[1] - plain[1]).abs().max() / plain[1].abs().max()) < 1e-4
     np.testing.assert_array_equal(fused[2][0].selected, plain[2][0].selected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("policy", ["psr", "spec"])
+def test_cuda_offloaded_graph_recordings_replay_to_their_selections(case, policy):
+    """The captured graphs, offloaded to the GPU (raw copy calls and graph launches where cuda-python imports):
+    replay() of the recording gives the selections the engine executed, and the copies the cache counted."""
+    from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
+
+    model, tokenizer, calibration = load_shipped(OLMOE_ROUTING_NAME)
+    ids = case("shipped")[1]
+    model = model.to("cuda")
+    config = RoutingConfig(policy=policy, residency=0.25, **({"lam": 0.2, "budget": 1} if policy == "psr" else {}))
+    with psr_hf.patched(model, config, calibration=calibration, offload=psr_hf.OffloadConfig(device="cuda")):
+        _, _, recordings, _ = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True))
+        counts = psr_hf.controller(model).cache.stats()
+    (recording,) = recordings
+    result = psr_hf.replay(config, recording, calibration=calibration)
+    np.testing.assert_array_equal(result.selected, recording.selected)
+    assert result.demand_copies.sum() == counts.demand[:, 0].sum() > 0
+    assert result.prefetch_copies.sum() == counts.prefetch[:, 0].sum()
