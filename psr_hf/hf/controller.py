@@ -1169,7 +1169,7 @@ class Controller:
         self.cache.io.pregate[:, 0] = g
         plan = self.cache.step_io(layer, "prefetch")
         if self.offload is not None and self._mirrors():
-            self.offload.prefetch(layer, plan, self._resident(layer))
+            self.offload.prefetch(layer, plan, self._resident_view(layer))
 
     def _decide(self, layer: int, plan: StepPlan,
                 z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
@@ -1190,13 +1190,19 @@ class Controller:
                               chosen, flags)
         if self.offload is not None:
             mirror = self._mirrors()
-            self.offload.route(layer, plan, chosen, mirror, self._resident(layer) if fwd.rows == 1 else None)
+            resident = None if fwd.rows != 1 else self._resident_view(layer) if mirror else self._resident(layer)
+            self.offload.route(layer, plan, chosen, mirror, resident)
         return count, chosen_dev_view, flags, chosen
 
     def _mirrors(self) -> bool:
         """One row and one real position: the offload's slots follow this step's plan exactly."""
         fwd = self._fwd
         return fwd.rows == 1 and fwd.positions == 1 and (fwd.valid is None or bool(fwd.valid[0, 0]))
+
+    def _resident_view(self, layer: int) -> np.ndarray:
+        """[E] row 0's logical cache at ``layer`` as a view of the state (nonzero: cached), for a scheduler call
+        that reads it at once (the mirror decode path, where it is rarely read at all)."""
+        return self.cache.state[layer, 0, RESIDENT]
 
     def _resident(self, layer: int) -> np.ndarray:
         """[E] bool: row 0's logical cache at ``layer``."""

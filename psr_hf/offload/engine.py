@@ -336,13 +336,13 @@ class OffloadEngine:
         sched = self.scheduler
         sched.wait(layer)
         slot_map = sched.layers[layer].expert_slot
-        slots = slot_map[experts]
-        if (slots < 0).any():
+        slots = slot_map[experts]  # a new [K] int64 array
+        if min(slots.tolist()) < 0:
             raise RuntimeError(f"psr_hf offload: layer {layer} executes experts {experts.tolist()} but the slots hold "
                                f"{slot_map.tolist()} (-1: none)")
         if self.config.check_slots:
             self._check(layer, torch.from_numpy(np.ascontiguousarray(experts)))
-        return np.ascontiguousarray(slots, dtype=np.int64)
+        return slots
 
     def decode_done(self, layer: int) -> None:
         """The computation reading ``layer``'s slots is issued: they may be overwritten after it; the queued

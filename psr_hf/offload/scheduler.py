@@ -320,7 +320,8 @@ class SlotScheduler:
 
     def _victim(self, layer: int, protect: np.ndarray | None, avoid: np.ndarray | None) -> int:
         """A slot to load into: an empty one; else the least recently executed slot whose expert is neither
-        ``protect``-ed ([E] bool: needed now) nor in ``avoid`` ([E] bool: the logical cache); else ignoring ``avoid``."""
+        ``protect``-ed ([E] bool: needed now) nor in ``avoid`` ([E]: the logical cache, nonzero for a cached expert;
+        a view of the cache's state is read only here, when a slot must be chosen); else ignoring ``avoid``."""
         st = self.layers[layer]
         empty = np.flatnonzero(st.slot_expert < 0)
         if empty.size:
@@ -328,7 +329,7 @@ class SlotScheduler:
         held = st.slot_expert
         free = np.ones(self.capacity, dtype=bool) if protect is None else ~protect[held]
         if avoid is not None:
-            preferred = free & ~avoid[held]
+            preferred = free & (avoid[held] == 0)
             if preferred.any():
                 free = preferred
         if not free.any():
@@ -473,7 +474,7 @@ class SlotScheduler:
     def decode_select(self, layer: int, plan: Any, chosen: np.ndarray, resident: np.ndarray) -> None:
         """One row, one position: follow the plan's demand insertions, then make ``chosen`` ([K] experts) present.
         ``resident``: [E] bool, the row's logical cache after the step."""
-        count = int(plan.demand_count[0, 0])
+        count = int(plan.plan[0, 0, plan.layout.columns.n_demand])
         if count:
             experts, evicted = plan.demand_experts[0, 0], plan.demand_evicted[0, 0]
             for i in range(count):
@@ -482,7 +483,7 @@ class SlotScheduler:
 
     def decode_prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
         """One row, one position: queue the copies of the plan's prefetch insertions into ``layer``."""
-        count = int(plan.prefetch_count[0, 0])
+        count = int(plan.plan[0, 0, plan.layout.columns.n_prefetch])
         if count:
             experts, evicted = plan.prefetch_experts[0, 0], plan.prefetch_evicted[0, 0]
             for i in range(count):
