@@ -340,6 +340,8 @@ def test_decoding_slots_mirror_the_logical_cache_on_random_traces(policy):
     (dict(max_in_flight=0), "max_in_flight=0 must be an int >= 1"),
     (dict(copy_delay_ms=-1.0), "copy_delay_ms=-1.0 must be a finite number >= 0"),
     (dict(pin_memory="yes"), "pin_memory='yes' must be True or False"),
+    (dict(copy_api="cupy"), "copy_api='cupy' must be one of 'auto', 'cuda-python', 'torch'"),
+    (dict(device="cpu", copy_api="cuda-python"), "device='cpu' copies with a thread: leave copy_api='auto'"),
 ])
 def test_bad_offload_configs_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -805,6 +805,16 @@ def bench_latency(
     return rows
 
 
+def _copy_calls(device: torch.device) -> str:
+    """How the offload's copies, the engine's graph launches and its waits are issued on ``device``."""
+    if device.type != "cuda":
+        return "a copy thread (CPU)"
+    from ..offload import cuda_runtime
+
+    ok, why = cuda_runtime.available()
+    return "raw CUDA runtime calls (cuda-python)" if ok else f"torch's calls ({why})"
+
+
 def add_host_per_copy(rows: Sequence[dict[str, Any]], moe_layers: int) -> None:
     """``host_us_per_copy`` of each offloaded engine row that has a copies-skipped twin (``*_nocopy``: the same
     routing, nothing copied): per round, (the row's host us per token - the twin's) / the row's issued copies per
@@ -1134,8 +1144,8 @@ def run_bench(
             "hf_configs": None if hf_configs is None else list(hf_configs),
             "prefetch_budgets": [int(m) for m in prefetch_budgets], "predictor": predictor_info,
             "prefetch_budget_from_window": window_profile,
-            "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "accelerate_tokens": accelerate_tokens,
-            "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
+            "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "copy_calls": _copy_calls(device_used),
+            "accelerate_tokens": accelerate_tokens, "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
             "engine_graphs": engine and device_used.type == "cuda",
             "engine_decoding": "psr_hf.engine.graphs.GraphDecoder (CUDA graphs on CUDA, the same step eagerly "

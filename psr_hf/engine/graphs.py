@@ -9,12 +9,13 @@ Per step (one token, batch 1), with ``d_0 < d_1 < ...`` the decoder indices of t
 * per MoE layer ``m``, **graph A_m**: (for ``m = 0`` the embedding) every dense layer between the previous MoE
   layer and ``d_m`` (attention block, dense MLP, residual), the attention block of ``d_m``, its router logits and
   scores, and the copy of the ``[1, W]`` scores (as float32) into layer ``m``'s pinned host buffer
-  (``copy_(non_blocking=True)`` captured: the pinned address is fixed). After the replay an event is recorded on
+  (``copy_(non_blocking=True)`` captured: the pinned address is fixed). After the launch an event is recorded on
   the current stream and the host waits on that event only (no device synchronisation). The host then does
-  exactly what ``Decoder`` does: ``controller.select(m, z, pregate)`` and ``controller.prefetch(m + 1)``, writes the
-  K selected expert ids into layer ``m``'s pinned int64 buffer and, offloaded, calls ``offload.decode_slots`` (on
-  CUDA it makes the current stream wait for the layer's copies) and writes the K slot ids into a second pinned
-  buffer;
+  exactly what ``Decoder`` does: ``controller.select(m, z, pregate)``, writes the K selected expert ids into layer
+  ``m``'s pinned int64 buffer and, offloaded, calls ``offload.decode_slots`` (on CUDA it makes the current stream
+  wait for the layer's copies) and writes the K slot ids into a second pinned buffer; it launches B_m, and only
+  then runs ``controller.prefetch(m + 1)`` and ``offload.decode_done(m)`` (the logical decisions in the same order,
+  select m, prefetch m + 1, select m + 1; the prefetch copies are issued while the GPU computes);
 * **graph B_m**: the H2D copies of the pinned expert ids (and slot ids) into static device buffers, the execution
   weights from the unmodified logits, the slot MoE (Triton on CUDA when available, the torch reference otherwise),
   the shared experts and the residual. Offloaded, ``offload.decode_done(m)`` follows once the replay is enqueued
@@ -23,9 +24,12 @@ Per step (one token, batch 1), with ``d_0 < d_1 < ...`` the decoder indices of t
 * **graph C**: the dense layers after the last MoE layer, the final norm and the lm_head into the static logits
   buffer.
 
-All graphs are replayed on the caller's current stream (``CudaLink.wait`` / ``read_done`` order the offload's copy
-stream against that stream), in the order they were captured (they share one memory pool, which is safe only in
-capture order).
+Nothing on the host sits between B_m and A_{m+1}, so each pair is captured as one graph (``merge=True``: one launch
+per MoE layer; A_0 alone first, B_{M-1} with C last). With cuda-python (:mod:`psr_hf.offload.cuda_runtime`) the
+graphs are launched with ``cudaGraphLaunch`` and the host's wait is a raw event (a few us each, against torch's
+``replay()`` and ``Event``); without it torch's calls do the same. All graphs are replayed on the caller's current
+stream (the copy link's ``wait`` / ``read_done`` order the offload's copy stream against that stream), in the order
+they were captured (they share one memory pool, which is safe only in capture order).
 
 Capture (``graphs=True``, at construction): the offload's copy stream and the device are synchronised, then every
 graph body runs ``warmup`` times on a side stream with dummy inputs (token 0, position 0, expert ids ``0..K-1``,

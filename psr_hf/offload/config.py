@@ -69,6 +69,9 @@ class OffloadConfig:
             raise ValueError(f"check_slots={self.check_slots!r} must be True or False")
         if self.copy_api not in COPY_APIS:
             raise ValueError(f"copy_api={self.copy_api!r} must be one of {', '.join(map(repr, COPY_APIS))}")
+        if self.copy_api != "auto" and self.device == "cpu":
+            raise ValueError(f"copy_api={self.copy_api!r} chooses how CUDA copies are issued; device='cpu' copies "
+                             "with a thread: leave copy_api='auto'")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

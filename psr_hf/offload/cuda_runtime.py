@@ -129,6 +129,20 @@ class Runtime:
         if err != self._success:
             self._fail("cudaGraphLaunch", err)
 
+    def new_stream(self) -> Any:
+        """A new torch CUDA stream on the device (its raw handle: ``int(stream.cuda_stream)``)."""
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> int:
+        """The raw handle of torch's current stream on the device."""
+        return raw_current_stream(self.device)
+
+    def synchronize_stream(self, stream: int) -> None:
+        """The host waits for everything enqueued on ``stream``."""
+        err, = self.rt.cudaStreamSynchronize(stream)
+        if err != self._success:
+            self._fail("cudaStreamSynchronize", err)
+
     def elapsed_ms(self, start: Any, end: Any) -> float:
         err, ms = self.rt.cudaEventElapsedTime(start, end)
         if err != self._success:

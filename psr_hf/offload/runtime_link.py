@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .cuda_runtime import Runtime, raw_current_stream
+from .cuda_runtime import Runtime
 
 RING = 1024  # copy events; a copy's event is reused RING copies later (waiting for it first, if it is not complete)
 WAIT_PAIRS_COLLECTED = 4096  # timing events of waits kept before the completed ones are read
@@ -28,12 +28,14 @@ class RuntimeLink:
     """Copies on one dedicated CUDA stream issued by raw runtime calls; ``job.event`` holds the copy's issue
     number."""
 
-    def __init__(self, device: torch.device, delay_ms: float):
+    def __init__(self, device: torch.device, delay_ms: float, runtime: Any = None):
+        """``runtime``: the :class:`~psr_hf.offload.cuda_runtime.Runtime` to call (default: a new one on
+        ``device``; the tests pass a stand-in that models one ordered stream)."""
         from .scheduler import _sleep_cycles
 
         self.device = device
-        self.runtime = Runtime(device)
-        self.stream = torch.cuda.Stream(device)
+        self.runtime = Runtime(device) if runtime is None else runtime
+        self.stream = self.runtime.new_stream()
         self._stream = int(self.stream.cuda_stream)
         self._ring = [self.runtime.event() for _ in range(RING)]
         self._ring_seq = [-1] * RING  # issue number each ring event was last recorded after
@@ -113,7 +115,7 @@ class RuntimeLink:
     def wait(self, job: Any) -> None:
         """Make the computation wait for ``job`` (and, the stream being ordered, every copy issued before it)."""
         rt = self.runtime
-        compute = raw_current_stream(self.device)
+        compute = rt.current_stream()
         start, end = pair = self._pair()
         rt.record(start, compute)
         rt.wait(compute, self._ring[job.event % RING])  # recorded again only after job: a later copy, never earlier
@@ -126,7 +128,7 @@ class RuntimeLink:
         event = self._read_events.get(layer)
         if event is None:
             event = self._read_events[layer] = self.runtime.event()
-        self.runtime.record(event, raw_current_stream(self.device))
+        self.runtime.record(event, self.runtime.current_stream())
         self._read[layer] = event
 
     def _collect(self, block: bool) -> None:
@@ -139,8 +141,8 @@ class RuntimeLink:
     def synchronize(self) -> None:
         if self._closed:
             return
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
+        self.runtime.synchronize_stream(self._stream)
+        self.runtime.synchronize_stream(self.runtime.current_stream())
         self._complete = self._issued - 1
         self._collect(block=True)
 
