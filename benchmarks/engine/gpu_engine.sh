@@ -6,9 +6,7 @@
 #    split); 3. psr-hf bench --engine on grown-olmoe-routing with the time left (records under $OUT).
 set -uo pipefail
 START=$SECONDS
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_S:-150}" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_*.py 2>&1 \
       | tail -40 > "$OUT/engine_cuda_tests.txt"

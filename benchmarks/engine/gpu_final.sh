@@ -6,9 +6,7 @@
 # 3. psr-hf bench --engine: every engine row, transformers references resident and psr_lam0.3_n1, 5 rounds.
 set -uo pipefail
 START=$SECONDS
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 timeout 75 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_graphs.py tests/test_engine_generate.py \
     -k "compiled or timing_never or equal_the_hf_path" 2>&1 | tail -15 > "$OUT/engine_cuda_tests.txt"
 tail -3 "$OUT/engine_cuda_tests.txt"

@@ -8,9 +8,7 @@
 # 4. psr-hf bench --engine on grown-olmoe-routing (CONFIGS, ROUNDS, RESIDENCIES), the rest of TOTAL_S (BENCH=0 skips it).
 set -uo pipefail
 START=$SECONDS
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 python3 -c "from psr_hf.offload import cuda_runtime; print(cuda_runtime.available())"
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider ${TEST_FILES:-tests/test_offload_cuda.py tests/test_engine_graphs.py} \

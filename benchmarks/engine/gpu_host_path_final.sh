@@ -9,9 +9,7 @@
 # 4. (if time is left) profile_host.py --gpu-floor: engine_resident's GPU time per token with no host work.
 set -uo pipefail
 START=$SECONDS
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 timeout 90 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_offload_cuda.py tests/test_engine_graphs.py \
     -k "offload_cuda or timing_never or replay or one_graph" 2>&1 | tail -25 > "$OUT/cuda_tests.txt"
 tail -2 "$OUT/cuda_tests.txt"

@@ -14,32 +14,20 @@ import copy
 import cProfile
 import io
 import pstats
-import time
 
+import numpy as np
 import torch
 
 import psr_hf
-from psr_hf.bench.offload import offload_config
+from psr_hf.bench.offload import decode_engine_window, offload_config
 from psr_hf.bench.workloads import default_texts, load_model, model_calibration, text_windows
 from psr_hf.engine.graphs import GraphDecoder
 
 
-def _steps(decoder: GraphDecoder, tokens: list[int]) -> tuple[float, float]:
-    decoder.reset()
-    decoder.step(tokens[0])
-    torch.cuda.synchronize()
-    blocked = decoder.blocked_s
-    begin = time.perf_counter()
-    host = 0.0
-    for token in tokens[1:]:
-        b0, t0 = decoder.blocked_s, time.perf_counter()
-        decoder.step(token)
-        host += (time.perf_counter() - t0) - (decoder.blocked_s - b0)
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - begin
-    del blocked
-    n = len(tokens) - 1
-    return wall * 1e3 / n, host * 1e6 / n / len(decoder.moe_layers)
+def _steps(decoder: GraphDecoder, ids: torch.Tensor) -> tuple[float, float]:
+    """ms/token and host us per MoE layer of one teacher-forced window, as ``psr-hf bench --engine`` times it."""
+    run = decode_engine_window(decoder, ids, device=decoder.device)
+    return float(np.mean(run.ms)), 1e3 * float(np.mean(run.host_ms)) / len(decoder.moe_layers)
 
 
 def _gpu_floor(decoder: GraphDecoder, steps: int) -> float:
@@ -72,8 +60,7 @@ def main() -> None:
     model, tokenizer, info = load_model(args.model, "cuda")
     calibration, _ = model_calibration(model, tokenizer, tokens=4096, beside=info.get("calibration_file"))
     texts = default_texts(args.model)
-    ids = text_windows([t for _, t in texts], tokenizer, windows=1, tokens=args.tokens)[0]
-    tokens = [int(t) for t in ids[0].tolist()][: args.tokens]
+    ids = text_windows([t for _, t in texts], tokenizer, windows=1, tokens=args.tokens - 1)[0]  # [1, tokens]
     E = model.config.get_text_config().num_experts
     rows = {
         "engine_resident": (psr_hf.RoutingConfig(policy="exact", capacity=E), None),
@@ -89,12 +76,12 @@ def main() -> None:
         patched = copy.deepcopy(model)
         psr_hf.patch(patched, routing, calibration=calibration, offload=offload)
         torch.cuda.empty_cache()
-        decoder = GraphDecoder(patched, len(tokens) + 8)
-        _steps(decoder, tokens)  # warm
-        ms, host = _steps(decoder, tokens)
+        decoder = GraphDecoder(patched, ids.shape[1] + 8)
+        _steps(decoder, ids)  # warm
+        ms, host = _steps(decoder, ids)
         link = getattr(psr_hf.controller(patched).offload, "link", None)
         if args.gpu_floor:
-            floor = _gpu_floor(decoder, len(tokens) - 1)
+            floor = _gpu_floor(decoder, ids.shape[1] - 1)
             head = (f"== {name}: step {ms:.3f} ms/token (host {host:.1f} us per MoE layer); the same graphs replayed "
                     f"back to back, no host work between them: {floor:.3f} ms/token (the GPU's time)")
             print(head, flush=True)
@@ -102,7 +89,7 @@ def main() -> None:
             continue
         profile = cProfile.Profile()
         profile.enable()
-        _steps(decoder, tokens)
+        _steps(decoder, ids)
         profile.disable()
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)

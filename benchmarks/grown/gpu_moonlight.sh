@@ -12,7 +12,7 @@
 # $OUT/bf16_check_moonlight.json. MINUTES (default 4.5) leaves room for the card and the check.
 set -euo pipefail
 START=$SECONDS
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
+source benchmarks/device_env.sh
 export PYTHONPATH=$PWD CUBLAS_WORKSPACE_CONFIG=:4096:8
 export PSR_HF_MODELS=${PSR_HF_MODELS:-$(mktemp -d)}
 if [ -z "${SHARDS:-}" ] && [ -d shards_xz ]; then

@@ -6,9 +6,8 @@ set -uo pipefail
 START=$SECONDS
 MINUTES=${MINUTES:-3.5}
 RUNS=${RUNS:-$(mktemp -d)}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # the source tree as psr_hf (patches/ is shipped as psr_hf.patches)
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
+source benchmarks/device_env.sh
 python3 -c "import psr_hf.patches, psr_hf.hf" || exit 1
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 ARCHS=${ARCHS:-olmoe-routing moonlight-routing}  # all at once on the one GPU (they share it: slower steps)

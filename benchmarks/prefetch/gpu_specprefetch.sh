@@ -15,8 +15,7 @@ START=$SECONDS
 TOTAL_S=${TOTAL_S:-585}
 MODEL=${MODEL:-grown-olmoe-routing}  # a CPU check of this script: MODEL=olmoe-routing DEVICE=cpu
 DEVICE=${DEVICE:-cuda:0}
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 P=benchmarks/prefetch/predictor_olmoe-routing.safetensors
 skipped() { case " ${SKIP:-} " in *" $1 "*) return 0;; esac; return 1; }
 skipped tests || timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_prefetch_runtime.py 2>&1 | tail -15 \

@@ -19,8 +19,7 @@
 #   psr-hf sweep ... --stage all --json RECORD --plot ... --markdown ...          # joins both (no device needed)
 set -uo pipefail
 MODEL=${1:-grown-olmoe-routing}
-python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
-export PYTHONPATH=$PWD
+source benchmarks/device_env.sh
 # the Moonlight shape (26 MoE layers, 3 residencies) times the paper's main rows only, so that it fits one
 # session's device time after its build: exact+LRU, exact+A+prefetch, spec, Cache-Prior (LRU) and PSR n=1 (A) at
 # every lam; CONFIGS= (empty) times the whole grid
@@ -32,7 +31,6 @@ case "$MODEL" in
 esac
 SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu${CONFIGS:+ --configs $CONFIGS}"
 [ -f "$OUT/$MODEL.json" ] || [ -n "${NEW:-}" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-7}" \
     --json "$OUT/$MODEL.json" --plot "$OUT/$MODEL.png" --markdown "$OUT/$MODEL.md" 2>"$OUT/$MODEL.err"
 status=$?

@@ -1145,7 +1145,8 @@ def run_bench(
             "prefetch_budgets": [int(m) for m in prefetch_budgets], "predictor": predictor_info,
             "prefetch_budget_from_window": window_profile,
             "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "copy_calls": _copy_calls(device_used),
-            "accelerate_tokens": accelerate_tokens, "accelerate": accelerate, "calibration": calibration, "texts": list(texts), "seed": seed,
+            "accelerate_tokens": accelerate_tokens, "accelerate": accelerate, "calibration": calibration,
+            "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
             "engine_graphs": engine and device_used.type == "cuda",
             "engine_decoding": "psr_hf.engine.graphs.GraphDecoder (CUDA graphs on CUDA, the same step eagerly "

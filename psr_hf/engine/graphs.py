@@ -340,7 +340,7 @@ class GraphDecoder(Sequences):
                 self._d2h_outside.add(m)
         self._graphs = graphs
 
-        def unit(names: list[str]) -> Callable[[], None]:
+        def unit(names: list[str]) -> Callable[[int], None]:
             replays = [graphs[name].replay for name in names]
             last = names[-1]
             outside = int(last[1:]) if last.startswith("A") and int(last[1:]) in self._d2h_outside else None
