@@ -73,7 +73,7 @@ def _assert_slots_consistent(ctl) -> None:
         for slot, expert in enumerate(st.slot_expert):
             if expert >= 0:
                 assert st.expert_slot[expert] == slot
-        assert not st.pending
+        assert st.pending == -1  # nothing left to wait for
 
 
 # ---------------------------------------------------------------------------------------------- interrupts
@@ -148,11 +148,11 @@ def test_a_copy_that_cannot_be_issued_fails_clearly_and_the_next_generate_is_cor
     ids = _ids(5, 1, 1)
     copy, calls = ThreadLink.copy, []
 
-    def fail_once(self, job, dst, src):
-        calls.append(job)
+    def fail_once(self, *args):
+        calls.append(args[0])
         if len(calls) == 20:  # a copy during decoding, after its slot was assigned
             raise OSError("injected copy failure")
-        copy(self, job, dst, src)
+        copy(self, *args)
 
     monkeypatch.setattr(ThreadLink, "copy", fail_once)
     with pytest.raises(RuntimeError, match=r"copy of expert \d+ into slot \d+ of MoE layer \d+ could not be issued "
@@ -190,18 +190,52 @@ def test_an_interrupt_between_the_slot_maps_and_the_copy_empties_the_slot(monkey
     model = tiny_model("olmoe")
     psr_hf.patch(model, POLICIES["psr"], offload=OFFLOAD["offloaded"])
     ids = _ids(7, 1, 1)
-    issue, calls = SlotScheduler._issue, []
+    copy, calls = ThreadLink.copy, []
 
-    def interrupt_once(self, job):
-        calls.append(job)
-        if len(calls) == 30:
+    def interrupt_once(self, *args):
+        calls.append(args[0])
+        if len(calls) == 30:  # the slot maps say the slot holds its expert; its copy was never issued
             raise KeyboardInterrupt
-        issue(self, job)
+        copy(self, *args)
 
-    monkeypatch.setattr(SlotScheduler, "_issue", interrupt_once)
+    monkeypatch.setattr(ThreadLink, "copy", interrupt_once)
     with pytest.raises(KeyboardInterrupt):
         _generate(model, ids)
     monkeypatch.undo()
+    tokens, logits = _generate(model, ids)
+    want_tokens, want_logits, _ = _fresh("olmoe", "psr", "offloaded", ids)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    psr_hf.unpatch(model)
+
+
+def test_an_interrupt_between_a_decision_and_its_copies_empties_the_slots(monkeypatch):
+    """The scheduler's kernel decided copies (the slot maps say the slots hold their experts) and the interrupt
+    comes before the first of them is issued."""
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, POLICIES["psr"], offload=OFFLOAD["offloaded"])
+    ids = _ids(8, 1, 1)
+    after, calls = SlotScheduler._after, []
+
+    def interrupt_once(self, result):
+        calls.append(int(self._misc[15]))  # N_ACTIONS: copies decided, none issued yet
+        if len(calls) > 12 and calls[-1] and not hasattr(self, "_interrupted"):  # decoding
+            self._interrupted = True
+            raise KeyboardInterrupt
+        after(self, result)
+
+    monkeypatch.setattr(SlotScheduler, "_after", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        _generate(model, ids)
+    monkeypatch.undo()
+    ctl = psr_hf.controller(model)
+    _assert_slots_consistent(ctl)
+    offload = ctl.offload
+    offload.link.synchronize()
+    for layer, st in enumerate(offload.scheduler.layers):  # a slot the maps keep holds its expert's weights
+        for slot, expert in enumerate(st.slot_expert.tolist()):
+            if expert >= 0:
+                for name, buf in offload.slots[layer].items():
+                    assert torch.equal(buf[slot], offload.placement.store[layer][name][expert]), (layer, slot, name)
     tokens, logits = _generate(model, ids)
     want_tokens, want_logits, _ = _fresh("olmoe", "psr", "offloaded", ids)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

@@ -18,7 +18,7 @@ from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.testing import FAMILIES, tiny_model
 from psr_hf.offload.engine import _set_implementation
 from psr_hf.offload.placement import OffloadMemoryError, _check_fit
-from psr_hf.offload.scheduler import DROPPED, ISSUED, PREFETCH, SlotScheduler, ThreadLink
+from psr_hf.offload.scheduler import ISSUED, PREFETCH, SlotScheduler, ThreadLink
 from psr_hf.policy import LogicalCache
 from psr_hf.policy.traces import synthetic_trace
 
@@ -209,12 +209,15 @@ class ManualLink:
         self.issued, self.completed = [], 0
         self.wait_s = 0.0
 
-    def copy(self, job, dst, src):
-        job.event = len(self.issued)
-        self.issued.append((job, dst, src))
+    def copy(self, seq, layer, slot, expert, dst, src):
+        assert seq == len(self.issued)
+        self.issued.append((seq, dst, src))
 
-    def done(self, job):
-        return job.event < self.completed
+    def done(self, seq):
+        return seq < self.completed
+
+    def complete(self):
+        return self.completed - 1
 
     def release(self, count=None):
         stop = len(self.issued) if count is None else min(self.completed + count, len(self.issued))
@@ -223,8 +226,8 @@ class ManualLink:
                 d.copy_(s)
         self.completed = stop
 
-    def wait(self, job):
-        self.release(job.event + 1 - self.completed)
+    def wait(self, seq):
+        self.release(seq + 1 - self.completed)
 
     def read_done(self, layer):
         pass
@@ -265,12 +268,13 @@ def _two_prefetches():
 
 def test_a_queued_prefetch_whose_slot_is_reassigned_is_dropped():
     link, sched, slots, resident = _two_prefetches()
-    first, second = sched.layers[0].jobs[0], sched.layers[0].jobs[1]
-    assert first.state == ISSUED and second.state != ISSUED
+    states = sched.layers[0].job_state  # slot 0: the prefetch of 3, slot 1: of 4
+    assert states[0] == ISSUED and states[1] != ISSUED
     sched.pump()  # the first is still in flight: nothing more is issued
-    assert second.state != ISSUED
+    assert states[1] != ISSUED
+    queued = len(link.issued)
     sched.insert(0, 5, 4, PREFETCH, resident)  # 4 evicted again before its copy was issued: 5 takes slot 1
-    assert second.state == DROPPED and sched.counters.dropped == 1
+    assert sched.counters.dropped == 1 and sched.layers[0].slot_expert[1] == 5 and len(link.issued) == queued
     link.release()
     sched.pump()
     sched.pump()
@@ -285,7 +289,7 @@ def test_a_prefetch_needed_before_it_was_issued_is_issued_at_once_and_counted_la
     link.release()
     sched.load(0, np.array([3, 4]), None)  # the layer executes both: 3 arrived, 4 is issued now
     assert sched.counters.prefetch_in_time == 1 and sched.counters.prefetch_late == 1
-    assert sched.layers[0].jobs[1].state == ISSUED
+    assert sched.layers[0].job_state[1] == ISSUED
     sched.wait(0)
     assert link.completed == len(link.issued)
 

@@ -11,7 +11,6 @@ import torch
 
 from psr_hf.offload import runtime_link
 from psr_hf.offload.runtime_link import RuntimeLink
-from psr_hf.offload.scheduler import PREFETCH, Copy
 
 COMPUTE, COPY = 7, 9
 
@@ -74,9 +73,10 @@ def _link():
 
 
 def _copy(link, layer=0, slot=0, expert=0):
-    job = Copy(layer, slot, expert, PREFETCH)
-    link.copy(job, (1000 + slot, 2000 + slot), ((3000 + expert, 64), (4000 + expert, 32)))
-    return job
+    """Issue the next copy (the scheduler's issue numbers: 0, 1, ...); returns its number."""
+    seq = link._issued
+    link.copy(seq, layer, slot, expert, (1000 + slot, 2000 + slot), ((3000 + expert, 64), (4000 + expert, 32)))
+    return seq
 
 
 def test_a_copy_is_done_when_its_stream_position_is_and_so_are_the_earlier_ones():
@@ -88,6 +88,11 @@ def test_a_copy_is_done_when_its_stream_position_is_and_so_are_the_earlier_ones(
     assert link.done(jobs[1]) and not link.done(jobs[2])
     streams.completed[COPY] = 0  # what is known complete stays complete, without asking the device again
     assert link.done(jobs[0]) and link.done(jobs[1])
+    assert link.complete() == 1
+    streams.completed[COPY] = 6  # three copies: the latest known complete is found from the oldest in flight
+    assert link.complete() == 2
+    streams.completed[COPY] = 8
+    assert link.complete() == 3
 
 
 def test_a_ring_event_is_waited_for_before_it_marks_a_later_copy(monkeypatch):

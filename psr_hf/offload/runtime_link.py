@@ -25,8 +25,7 @@ WAIT_PAIRS_COLLECTED = 4096  # timing events of waits kept before the completed 
 
 
 class RuntimeLink:
-    """Copies on one dedicated CUDA stream issued by raw runtime calls; ``job.event`` holds the copy's issue
-    number."""
+    """Copies on one dedicated CUDA stream issued by raw runtime calls, named by the scheduler's issue numbers."""
 
     def __init__(self, device: torch.device, delay_ms: float, runtime: Any = None):
         """``runtime``: the :class:`~psr_hf.offload.cuda_runtime.Runtime` to call (default: a new one on
@@ -62,9 +61,11 @@ class RuntimeLink:
                     for layer in src]
         return dst_addr, src_addr
 
-    def copy(self, job: Any, dst: Sequence[int], src: Sequence[tuple[int, int]]) -> None:
+    def copy(self, seq: int, layer: int, slot: int, expert: int, dst: Sequence[int],
+             src: Sequence[tuple[int, int]]) -> None:
+        """Issue copy ``seq`` (issue numbers increase; one may be missing where a copy failed to issue)."""
         rt, stream = self.runtime, self._stream
-        read = self._read.pop(job.layer, None)
+        read = self._read.pop(layer, None)
         if read is not None:  # the slot's previous contents may still be read by a queued computation
             rt.wait(stream, read)
         if self._sleep_cycles:  # diagnostic delay (copy_delay_ms): torch's sleep kernel on the copy stream
@@ -72,7 +73,6 @@ class RuntimeLink:
                 torch.cuda._sleep(self._sleep_cycles)
         for address, (source, nbytes) in zip(dst, src):
             rt.copy_h2d(address, source, nbytes, stream)
-        seq = self._issued
         index = seq % RING
         previous = self._ring_seq[index]
         if previous > self._complete:  # the event still marks an earlier copy in flight: wait for it first
@@ -81,19 +81,28 @@ class RuntimeLink:
         rt.record(self._ring[index], stream)
         self._ring_seq[index] = seq
         self._issued = seq + 1
-        job.event = seq
 
-    def done(self, job: Any) -> bool:
-        seq = job.event
+    def done(self, seq: int) -> bool:
         if seq <= self._complete:
             return True
         index = seq % RING
-        if self._ring_seq[index] != seq:  # recorded again: only after this copy completed
+        if self._ring_seq[index] != seq:  # recorded again (only after this copy completed), or never issued
             return True
         if self.runtime.query(self._ring[index]):
             self._complete = seq  # one ordered stream: every earlier copy is complete too
             return True
         return False
+
+    def complete(self) -> int:
+        """The highest issue number known complete: the latest copy if it is, else the copies from the oldest
+        not known complete until one is in flight (every copy is asked about once when it completes)."""
+        last = self._issued - 1
+        if self._complete >= last or self.done(last):
+            return self._complete
+        for seq in range(self._complete + 1, last):
+            if not self.done(seq):
+                break
+        return self._complete
 
     def _pair(self) -> tuple[Any, Any]:
         """Timing events for one wait: the oldest recorded pair if it is complete (read and reused; creating an
@@ -112,13 +121,14 @@ class RuntimeLink:
         self.wait_s += self.runtime.elapsed_ms(start, end) / 1e3
         self._free_pairs.append(pair)
 
-    def wait(self, job: Any) -> None:
-        """Make the computation wait for ``job`` (and, the stream being ordered, every copy issued before it)."""
+    def wait(self, seq: int) -> None:
+        """Make the computation wait for copy ``seq`` (and, the stream being ordered, every copy issued before
+        it)."""
         rt = self.runtime
         compute = rt.current_stream()
         start, end = pair = self._pair()
         rt.record(start, compute)
-        rt.wait(compute, self._ring[job.event % RING])  # recorded again only after job: a later copy, never earlier
+        rt.wait(compute, self._ring[seq % RING])  # recorded again only after seq: a later copy, never earlier
         rt.record(end, compute)
         self._waits.append(pair)
         if len(self._waits) > WAIT_PAIRS_COLLECTED:

@@ -22,27 +22,26 @@ logical cache by prefetches (:meth:`SlotScheduler.reconcile`).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from . import slot_book as B
+from .slot_book import DEMAND, DROPPED, ISSUED, PREFETCH, QUEUED, WARM  # noqa: F401  (the kinds and states)
 
-WARM, DEMAND, PREFETCH = 0, 1, 2
-QUEUED, ISSUED, DROPPED = 0, 1, 2
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class CopyCounters:
     """The scheduler's copy counts since its last :meth:`SlotScheduler.reset_counters` (``OffloadStats`` reports
-    them per token). Mutable: the scheduler counts into one as copies are assigned, issued and used."""
+    them per token). A snapshot: the scheduler counts in its arrays as copies are assigned, issued and used."""
 
     demand: int = 0  # demand copies (the layer waits for all of it)
     prefetch: int = 0  # prefetch insertions (queued copies)
@@ -55,34 +54,26 @@ class CopyCounters:
     wait_s: float = 0.0  # time the computation waited for copies (the link's, filled in by stats())
 
 
-class Copy:
-    """One expert copy into one slot; the slot's latest copy until the slot is reassigned."""
-
-    __slots__ = ("layer", "slot", "expert", "kind", "state", "event", "used", "seq")
-
-    def __init__(self, layer: int, slot: int, expert: int, kind: int):
-        self.layer, self.slot, self.expert, self.kind = layer, slot, expert, kind
-        self.state = QUEUED
-        self.seq = -1  # issue order (one ordered stream: a later copy completes after an earlier one)
-        self.event: Any = None
-        self.used = False
-
-
 # ---------------------------------------------------------------------------------------------------- links
 class CudaLink:
-    """Copies on one dedicated CUDA stream (ordered), one event per copy; the compute stream waits on events."""
+    """Copies on one dedicated CUDA stream (ordered), one torch event per copy; the compute stream waits on events.
+    Copies are named by their issue numbers (increasing)."""
 
     def __init__(self, device: torch.device, delay_ms: float):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self._events: dict[int, torch.cuda.Event] = {}  # issue number -> event, of copies not known complete
+        self._complete = -1  # every copy numbered <= this is complete
+        self._last = -1
         self._read: dict[int, torch.cuda.Event] = {}  # layer -> event after its latest computation on the slots
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.wait_s = 0.0
         self._sleep_cycles = _sleep_cycles(device, delay_ms) if delay_ms > 0 else 0
 
-    def copy(self, job: Copy, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    def copy(self, seq: int, layer: int, slot: int, expert: int, dst: Sequence[torch.Tensor],
+             src: Sequence[torch.Tensor]) -> None:
         with torch.cuda.stream(self.stream):
-            read = self._read.pop(job.layer, None)
+            read = self._read.pop(layer, None)
             if read is not None:  # the slot's previous contents may still be read by a queued computation
                 self.stream.wait_event(read)
             if self._sleep_cycles:
@@ -91,18 +82,43 @@ class CudaLink:
                 d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        job.event = event
+        self._events[seq] = event
+        self._last = seq
 
-    @staticmethod
-    def done(job: Copy) -> bool:
-        return job.event.query()
+    def done(self, seq: int) -> bool:
+        if seq <= self._complete:
+            return True
+        event = self._events.get(seq)
+        if event is None or event.query():  # one ordered stream: every earlier copy is complete too
+            self._forget(seq)
+            return True
+        return False
 
-    def wait(self, job: Copy) -> None:
-        """Make the computation wait for ``job`` (and, the stream being ordered, every copy issued before it)."""
+    def _forget(self, seq: int) -> None:
+        self._complete = max(self._complete, seq)
+        events = self._events
+        while events:
+            first = next(iter(events))
+            if first > seq:
+                break
+            del events[first]
+
+    def complete(self) -> int:
+        """The highest issue number known complete (asking the device about the oldest copies in flight)."""
+        for seq in list(self._events):
+            if not self.done(seq):
+                break
+        return self._complete
+
+    def wait(self, seq: int) -> None:
+        """Make the computation wait for copy ``seq`` (and, the stream being ordered, every copy issued before it)."""
+        event = self._events.get(seq)
+        if event is None:
+            return  # known complete
         compute = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(compute)
-        compute.wait_event(job.event)
+        compute.wait_event(event)
         end.record(compute)
         self._waits.append((start, end))
         if len(self._waits) > 4096:
@@ -126,6 +142,7 @@ class CudaLink:
     def synchronize(self) -> None:
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
+        self._forget(self._last)
         self._collect(block=True)
 
     def close(self) -> None:
@@ -153,14 +170,18 @@ def _sleep_cycles(device: torch.device, delay_ms: float) -> int:
 
 
 class ThreadLink:
-    """The CPU path: one copy thread working through a FIFO (an ordered copy stream), one ``threading.Event``
-    per copy; the computation (the calling thread) blocks on events."""
+    """The CPU path: one copy thread working through a FIFO (an ordered copy stream) that publishes the issue
+    number of its latest finished copy; the computation (the calling thread) blocks until a copy is finished."""
 
     def __init__(self, delay_ms: float):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._delay = delay_ms / 1e3
         self.wait_s = 0.0
-        self._failures: list[tuple[Copy, BaseException]] = []  # appended by the copy thread, read by the caller
+        self._finished = -1  # issue number of the latest copy the thread finished (copies finish in order)
+        self._last = -1  # the latest issued
+        self._changed = threading.Condition()
+        # ((layer, slot, expert, seq), error) appended by the copy thread, read by the caller
+        self._failures: list[tuple[tuple[int, int, int, int], BaseException]] = []
         self._thread = threading.Thread(target=self._run, name="psr_hf-copy", daemon=True)
         self._thread.start()
 
@@ -169,29 +190,37 @@ class ThreadLink:
             item = self._queue.get()
             if item is None:
                 return
-            job, event, dst, src = item
-            try:
-                if self._delay:
-                    time.sleep(self._delay)
-                for d, s in zip(dst, src):
-                    d.copy_(s)
-            except BaseException as error:  # surfaced by the next wait (check), the slot emptied by recover()
-                self._failures.append((job, error))
-            event.set()
+            name, dst, src = item
+            if dst is not None:
+                try:
+                    if self._delay:
+                        time.sleep(self._delay)
+                    for d, s in zip(dst, src):
+                        d.copy_(s)
+                except BaseException as error:  # surfaced by the next wait (check), the slot emptied by recover()
+                    self._failures.append((name, error))
+            with self._changed:
+                self._finished = max(self._finished, name[3])
+                self._changed.notify_all()
 
-    def copy(self, job: Copy, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    def copy(self, seq: int, layer: int, slot: int, expert: int, dst: Sequence[torch.Tensor],
+             src: Sequence[torch.Tensor]) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("psr_hf offload: the copy thread has stopped (the model was unpatched)")
-        job.event = threading.Event()
-        self._queue.put((job, job.event, dst, src))
+        self._last = seq
+        self._queue.put(((layer, slot, expert, seq), dst, src))
 
-    @staticmethod
-    def done(job: Copy) -> bool:
-        return job.event.is_set()
+    def done(self, seq: int) -> bool:
+        return seq <= self._finished
 
-    def wait(self, job: Copy) -> None:
+    def complete(self) -> int:
+        """The issue number of the latest copy finished (every earlier one is finished too)."""
+        return self._finished
+
+    def wait(self, seq: int) -> None:
         start = time.perf_counter()
-        job.event.wait()
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished >= seq)
         self.wait_s += time.perf_counter() - start
         self.check()
 
@@ -199,17 +228,17 @@ class ThreadLink:
         """Raise ``RuntimeError`` naming the copy if one failed in the copy thread (kept until :meth:`take_failures`:
         every wait raises until the scheduler recovers)."""
         if self._failures:
-            job, error = self._failures[0]
+            (layer, slot, expert, _), error = self._failures[0]
             raise RuntimeError(
-                f"psr_hf offload: the copy of expert {job.expert} into slot {job.slot} of MoE layer {job.layer} "
+                f"psr_hf offload: the copy of expert {expert} into slot {slot} of MoE layer {layer} "
                 f"failed ({type(error).__name__}: {error}); the forward pass stopped, its sequence is closed and the "
                 "slot is emptied: start a new sequence (generate() again), which copies the expert again"
             ) from error
 
     def take_failures(self) -> list:
-        """The ``(copy, error)`` pairs that failed since the last call; forgets them."""
+        """The issue numbers of the copies that failed since the last call; forgets them."""
         failures, self._failures = self._failures, []
-        return failures
+        return [name[3] for name, _ in failures]
 
     def read_done(self, layer: int) -> None:
         pass  # the computation ran synchronously in this thread
@@ -217,9 +246,10 @@ class ThreadLink:
     def synchronize(self) -> None:
         if not self._thread.is_alive():
             return  # closed: nothing is in flight
-        event = threading.Event()
-        self._queue.put((None, event, (), ()))
-        event.wait()
+        last = self._last
+        self._queue.put(((-1, -1, -1, last), None, None))  # a marker: finished once every earlier copy is
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished >= last)
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -228,18 +258,41 @@ class ThreadLink:
 
 
 # ---------------------------------------------------------------------------------------------------- scheduler
-@dataclass
-class _Layer:
-    slot_expert: np.ndarray  # [C] expert in each slot (-1: empty)
-    expert_slot: np.ndarray  # [E] slot of each expert (-1: none)
-    jobs: list  # [C] latest Copy of each slot (None: never copied)
-    last_use: np.ndarray  # [C] clock of the slot's latest execution
-    dirty: bool = True  # the engine's device copy of expert_slot is stale
-    pending: list = field(default_factory=list)  # Copies this layer must wait for before it computes
+class _LayerView:
+    """One layer's part of the scheduler's arrays (views: they change as the scheduler does)."""
+
+    __slots__ = ("_experts", "_layer", "_E", "slot_expert", "expert_slot", "last_use", "job_kind", "job_state",
+                 "job_used", "job_seq")
+
+    def __init__(self, book: dict, layer: int, num_experts: int):
+        slots, self._experts, self._layer, self._E = book["slots"], book["experts"], layer, num_experts
+        self.slot_expert = slots[layer, B.S_EXPERT]  # [C] expert in each slot (-1: empty)
+        self.expert_slot = self._experts[layer, :num_experts]  # [E] slot of each expert (-1: none)
+        self.last_use = slots[layer, B.S_LAST_USE]  # [C] clock of the slot's latest execution
+        self.job_kind = slots[layer, B.J_KIND]  # [C] kind of the slot's latest copy (-1: never copied)
+        self.job_state = slots[layer, B.J_STATE]  # [C] QUEUED, ISSUED or DROPPED
+        self.job_used = slots[layer, B.J_USED]  # [C] whether the slot's latest copy was executed
+        self.job_seq = slots[layer, B.J_SEQ]  # [C] its issue number (-1: not issued)
+
+    @property
+    def dirty(self) -> bool:
+        """The engine's device copy of ``expert_slot`` is stale."""
+        return bool(self._experts[self._layer, self._E])
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._experts[self._layer, self._E] = int(value)
+
+    @property
+    def pending(self) -> int:
+        """The issue number of the latest copy this layer's next computation waits for (-1: none)."""
+        return int(self._experts[self._layer, self._E + 1])
 
 
 class SlotScheduler:
-    """Slot maps and copies of every MoE layer; the engine calls it, the policy never reads it."""
+    """Slot maps and copies of every MoE layer; the engine calls it, the policy never reads it. The bookkeeping
+    is :mod:`psr_hf.offload.slot_book`'s kernels over this object's arrays; this class refreshes what the link
+    knows of completed copies before a kernel asks, and issues the copies a kernel decided, in its order."""
 
     def __init__(self, num_layers: int, num_experts: int, capacity: int, link: Any, max_in_flight: int,
                  bytes_per_expert: int, src: list, dst: list):
@@ -247,171 +300,162 @@ class SlotScheduler:
         self.link = link
         self.max_in_flight = max_in_flight
         self.bytes_per_expert = bytes_per_expert
-        self._src = src  # [L][E] -> list of host tensors of that expert
-        self._dst = dst  # [L][C] -> list of slot tensors
-        self.layers = [self._empty_layer() for _ in range(num_layers)]
-        self.queue: collections.deque[Copy] = collections.deque()
-        self.in_flight: collections.deque[Copy] = collections.deque()  # issued prefetch copies, oldest first
-        self.counters = CopyCounters()
-        self._clock = 0
-        self._issued = 0
+        self._src = src  # [L][E] -> the host tensors (or addresses) of that expert
+        self._dst = dst  # [L][C] -> the slot tensors (or addresses)
+        self._book = B.new_book(num_layers, num_experts, capacity, max_in_flight, bytes_per_expert)
+        self._bind()
+        self._layout = None  # the plan layout whose columns misc holds
+        self._no_avoid = np.zeros(0, dtype=np.float64)
+        self._none = np.zeros(0, dtype=np.int64)
 
-    def _empty_layer(self) -> _Layer:
-        C, E = self.capacity, self.num_experts
-        return _Layer(np.full(C, -1, dtype=np.int64), np.full(E, -1, dtype=np.int64), [None] * C,
-                      np.zeros(C, dtype=np.int64))
+    def _bind(self) -> None:
+        book = self._book
+        self._slots, self._experts, self._misc = book["slots"], book["experts"], book["misc"]
+        self._queue, self._flying, self._actions = book["queue"], book["flying"], book["actions"]
+        self._args = (self._slots, self._experts, self._misc, self._queue, self._flying, self._actions)
+        self.layers = [_LayerView(book, layer, self.num_experts) for layer in range(self.num_layers)]
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def counters(self) -> CopyCounters:
+        """The copy counts since :meth:`reset_counters` (a snapshot; wait time in :meth:`stats`)."""
+        m = self._misc
+        return CopyCounters(demand=int(m[B.C_DEMAND]), prefetch=int(m[B.C_PREFETCH]),
+                            prefetch_in_time=int(m[B.C_IN_TIME]), prefetch_late=int(m[B.C_LATE]),
+                            prefetch_unused=int(m[B.C_UNUSED]), dropped=int(m[B.C_DROPPED]), warm=int(m[B.C_WARM]),
+                            bytes=int(m[B.C_BYTES]))
+
+    @counters.setter
+    def counters(self, counters: CopyCounters) -> None:
+        m = self._misc
+        m[B.C_DEMAND], m[B.C_PREFETCH], m[B.C_IN_TIME], m[B.C_LATE] = (
+            counters.demand, counters.prefetch, counters.prefetch_in_time, counters.prefetch_late)
+        m[B.C_UNUSED], m[B.C_DROPPED], m[B.C_WARM], m[B.C_BYTES] = (
+            counters.prefetch_unused, counters.dropped, counters.warm, counters.bytes)
 
     # ------------------------------------------------------------------ copies
-    def _issue(self, job: Copy) -> None:
-        try:
-            self.link.copy(job, self._dst[job.layer][job.slot], self._src[job.layer][job.expert])
-        except Exception as error:  # the job stays QUEUED: recover() empties its slot
-            raise RuntimeError(
-                f"psr_hf offload: the copy of expert {job.expert} into slot {job.slot} of MoE layer {job.layer} could "
-                f"not be issued ({type(error).__name__}: {error}); the forward pass stopped, its sequence is closed "
-                "and the slot is emptied: start a new sequence (generate() again), which copies the expert again"
-            ) from error
-        job.state = ISSUED
-        job.seq = self._issued
-        self._issued += 1
-        self.counters.bytes += self.bytes_per_expert
-        if job.kind == PREFETCH:
-            self.in_flight.append(job)
+    def _poll(self) -> None:
+        """Refresh the highest issue number known complete, when a copy is in flight."""
+        m = self._misc
+        if m[B.COMPLETE] < m[B.ISSUED_COUNT] - 1:
+            m[B.COMPLETE] = self.link.complete()
 
-    def _assign(self, layer: int, expert: int, slot: int, kind: int) -> Copy:
-        """Put ``expert`` in ``slot`` (a logical insertion or a load): retire the slot's previous copy, update the
-        maps, issue the copy (demand, warm) or queue it (prefetch)."""
-        st = self.layers[layer]
-        previous = st.jobs[slot]
-        if previous is not None and previous.kind == PREFETCH and not previous.used:
-            if previous.state == QUEUED:
-                previous.state = DROPPED  # never issued: skipped when the queue reaches it
-                self.counters.dropped += 1
-            else:
-                self.counters.prefetch_unused += 1
-        old = st.slot_expert[slot]
-        if old >= 0:
-            st.expert_slot[old] = -1
-        st.slot_expert[slot] = expert
-        st.expert_slot[expert] = slot
-        st.dirty = True
-        job = st.jobs[slot] = Copy(layer, slot, expert, kind)
-        if kind == PREFETCH:
-            self.counters.prefetch += 1
-            self.queue.append(job)
-        else:
-            if kind == WARM:
-                self.counters.warm += 1
-            else:
-                self.counters.demand += 1
-            self._issue(job)
-            st.pending.append(job)
-        return job
+    def _room(self) -> None:
+        """A kernel said a ring has less room than one more call may need: the queue compacted (else grown), the
+        ring of copies in flight grown."""
+        m, C = self._misc, self.capacity
+        queue = self._queue
+        if m[B.Q_TAIL] - m[B.Q_HEAD] + C > queue.shape[0]:
+            B.compact_queue(self._slots, m, queue)
+            if m[B.Q_TAIL] - m[B.Q_HEAD] + C > queue.shape[0]:
+                self._book["queue"] = self._grown(queue, B.Q_HEAD, B.Q_TAIL)
+        flying = self._flying
+        need = self._actions.shape[0]
+        if m[B.F_TAIL] - m[B.F_HEAD] + need > flying.shape[0]:
+            self._book["flying"] = self._grown(flying, B.F_HEAD, B.F_TAIL, extra=need)
+        if self._book["queue"] is not queue or self._book["flying"] is not flying:
+            self._bind()
+
+    def _grown(self, ring: np.ndarray, head: int, tail: int, extra: int = 0) -> np.ndarray:
+        m = self._misc
+        live = B.ring_in_order(ring, int(m[head]), int(m[tail]))
+        grown = np.zeros((2 * ring.shape[0] + extra,) + ring.shape[1:], dtype=ring.dtype)
+        grown[: live.shape[0]] = live
+        m[head], m[tail] = 0, live.shape[0]
+        return grown
+
+    def _after(self, result: int) -> None:
+        """What a kernel's nonzero ``result`` asks for: room in the rings; the copies it decided issued, in
+        order; then a ``RuntimeError`` if it found no free slot. A copy that cannot be issued, or an interrupt
+        anywhere in here, leaves it and the later ones QUEUED, so that :meth:`recover` empties their slots (an
+        action still counted in ``misc`` was never issued)."""
+        if result & B.LOW_ROOM:
+            self._room()
+        m = self._misc
+        n = int(m[B.N_ACTIONS])
+        if n:
+            actions = self._actions[:n].tolist()
+            link, src, dst = self.link, self._src, self._dst
+            i = 0
+            try:
+                for i, (layer, slot, expert, seq) in enumerate(actions):
+                    link.copy(seq, layer, slot, expert, dst[layer][slot], src[layer][expert])
+                m[B.N_ACTIONS] = 0
+            except BaseException as error:
+                self._unissue(actions[i:])
+                m[B.N_ACTIONS] = 0
+                if not isinstance(error, Exception):
+                    raise
+                layer, slot, expert, _ = actions[i]
+                raise RuntimeError(
+                    f"psr_hf offload: the copy of expert {expert} into slot {slot} of MoE layer {layer} could "
+                    f"not be issued ({type(error).__name__}: {error}); the forward pass stopped, its sequence is "
+                    "closed and the slot is emptied: start a new sequence (generate() again), which copies the "
+                    "expert again"
+                ) from error
+        if result & B.NO_FREE_SLOT:
+            layer = int(m[B.ERROR_LAYER])
+            raise RuntimeError(f"psr_hf offload: no free slot in layer {layer} (every slot is needed now)")
+
+    def _unissue(self, actions: list) -> None:
+        slots = self._slots
+        for layer, slot, _, seq in actions:
+            if slots[layer, B.J_SEQ, slot] == seq:
+                slots[layer, B.J_STATE, slot] = B.QUEUED
+                slots[layer, B.J_SEQ, slot] = -1
+            self._misc[B.C_BYTES] -= self.bytes_per_expert
+
+    def _avoid(self, resident: np.ndarray | None) -> np.ndarray:
+        """The kernels' form of a logical cache: float64 [E] (nonzero: cached); empty for none."""
+        if resident is None:
+            return self._no_avoid
+        if resident.dtype == np.float64 and resident.flags.c_contiguous:
+            return resident
+        return np.ascontiguousarray(resident, dtype=np.float64)
+
+    def _columns(self, plan: Any) -> None:
+        """The plan layout's columns, where the decode kernels read them (once per layout)."""
+        layout = plan.layout
+        c, m = layout.columns, self._misc
+        m[B.P_N_DEMAND], m[B.P_DEMAND], m[B.P_DEMAND_EVICTED] = c.n_demand, c.demand, c.demand_evicted
+        m[B.P_N_PREFETCH], m[B.P_PREFETCH], m[B.P_PREFETCH_EVICTED] = c.n_prefetch, c.prefetch, c.prefetch_evicted
+        self._layout = layout
+
+    # ------------------------------------------------------------------ what the engine calls
+    def insert(self, layer: int, expert: int, evicted: int, kind: int, resident: np.ndarray | None) -> None:
+        """Follow a logical insertion of ``expert`` (evicting ``evicted``, -1 for a free slot): the evicted
+        expert's slot if it holds one, else a slot outside the logical cache ``resident`` ([E], nonzero: cached)."""
+        result = B.insert(*self._args, layer, expert, evicted, kind, self._avoid(resident))
+        if result:
+            self._after(result)
 
     def pump(self) -> None:
         """A layer boundary: issue queued prefetches while fewer than ``max_in_flight`` are in flight."""
-        flying = self.in_flight
-        while flying and self.link.done(flying[0]):  # one ordered stream: copies complete in issue order
-            flying.popleft()
-        while self.queue and len(flying) < self.max_in_flight:
-            job = self.queue.popleft()
-            if job.state == QUEUED:
-                self._issue(job)
-
-    def _victim(self, layer: int, protect: np.ndarray | None, avoid: np.ndarray | None) -> int:
-        """A slot to load into: an empty one; else the least recently executed slot whose expert is neither
-        ``protect``-ed ([E] bool: needed now) nor in ``avoid`` ([E]: the logical cache, nonzero for a cached expert;
-        a view of the cache's state is read only here, when a slot must be chosen); else ignoring ``avoid``."""
-        st = self.layers[layer]
-        empty = np.flatnonzero(st.slot_expert < 0)
-        if empty.size:
-            return int(empty[0])
-        held = st.slot_expert
-        free = np.ones(self.capacity, dtype=bool) if protect is None else ~protect[held]
-        if avoid is not None:
-            preferred = free & (avoid[held] == 0)
-            if preferred.any():
-                free = preferred
-        if not free.any():
-            raise RuntimeError(f"psr_hf offload: no free slot in layer {layer} (every slot is needed now)")
-        candidates = np.flatnonzero(free)
-        return int(candidates[np.argmin(st.last_use[candidates])])
-
-    def insert(self, layer: int, expert: int, evicted: int, kind: int, resident: np.ndarray | None) -> None:
-        """Follow a logical insertion of ``expert`` (evicting ``evicted``, -1 for a free slot): the evicted
-        expert's slot if it holds one, else a slot outside the logical cache ``resident`` ([E] bool)."""
-        st = self.layers[layer]
-        if st.expert_slot[expert] >= 0:
-            return  # already in a slot (the slots had not followed the logical cache exactly)
-        slot = st.expert_slot[evicted] if evicted >= 0 else -1
-        if slot < 0:
-            slot = self._victim(layer, None, resident)
-        self._assign(layer, expert, int(slot), kind)
-
-    def _use(self, layer: int, experts: np.ndarray, protect: np.ndarray | None, resident: np.ndarray | None) -> None:
-        """Make ``experts`` present for an execution (demand loads for missing ones) and record first uses.
-        ``protect``: [E] bool, the experts no load may evict (None: ``experts``, built only when a load is needed)."""
-        st = self.layers[layer]
-        self._clock += 1
-        clock, expert_slot, jobs = self._clock, st.expert_slot, st.jobs
-        for e in experts.tolist():
-            slot = expert_slot[e]
-            if slot < 0:
-                if protect is None:
-                    protect = np.zeros(self.num_experts, dtype=bool)
-                    protect[experts] = True
-                self._assign(layer, e, self._victim(layer, protect, resident), DEMAND)
-                slot = expert_slot[e]
-            st.last_use[slot] = clock
-            job = jobs[slot]
-            if job is None or job.used:
-                continue
-            job.used = True
-            if job.kind != PREFETCH:
-                continue
-            if job.state == QUEUED:  # needed before the queue reached it: issue now, the layer waits for all of it
-                self._issue(job)
-                self.counters.prefetch_late += 1
-                st.pending.append(job)
-            elif self.link.done(job):
-                self.counters.prefetch_in_time += 1
-            else:
-                self.counters.prefetch_late += 1
-                st.pending.append(job)
+        m = self._misc
+        if m[B.Q_HEAD] == m[B.Q_TAIL]:
+            return
+        self._poll()
+        result = B.pump(*self._args)
+        if result:
+            self._after(result)
 
     def wait(self, layer: int) -> None:
         """Make ``layer``'s computation wait for the copies it uses that are not complete (only those)."""
-        st = self.layers[layer]
-        if st.pending:
-            latest = max(st.pending, key=lambda job: job.seq)  # one ordered stream: the latest completes last
-            st.pending = []
-            if not self.link.done(latest):
+        experts, E = self._experts, self.num_experts
+        latest = int(experts[layer, E + 1])  # one ordered stream: the latest completes last
+        if latest >= 0:
+            experts[layer, E + 1] = -1
+            if latest > self._misc[B.COMPLETE] and not self.link.done(latest):
                 self.link.wait(latest)
         self.link.check()  # a copy that failed must not be computed with, even one that is done
-
-    @staticmethod
-    def _empty(st: _Layer, slot: int) -> None:
-        expert = st.slot_expert[slot]
-        if expert >= 0 and st.expert_slot[expert] == slot:
-            st.expert_slot[expert] = -1
-        st.slot_expert[slot] = -1
-        st.jobs[slot] = None
-        st.dirty = True
 
     def refresh(self, layer: int) -> None:
         """The host store of ``layer`` changed (new values for the same experts): copy every slot whose copy was
         issued again, in place; the layer's next computation waits for them. Queued copies read the new values
         when they are issued. Counted as ``warm`` copies (slot fills without a logical insertion)."""
-        st = self.layers[layer]
-        for slot, job in enumerate(st.jobs):
-            if job is None or job.state != ISSUED:
-                continue
-            again = Copy(layer, slot, job.expert, job.kind)
-            again.used = job.used
-            st.jobs[slot] = again
-            self.counters.warm += 1
-            self._issue(again)
-            st.pending.append(again)
+        result = B.refresh(*self._args, layer)
+        if result:
+            self._after(result)
 
     def recover(self) -> None:
         """Make the slots consistent after a forward pass that stopped anywhere (an exception, ``KeyboardInterrupt``,
@@ -419,75 +463,41 @@ class SlotScheduler:
         certainly hold its expert (its latest copy never issued, failed, or the maps were left half-updated).
         The next sequence's warm set fills the slots again. Idempotent."""
         self.link.synchronize()
-        failed = {id(job) for job, _ in self.link.take_failures() if job is not None}
-        while self.queue:
-            job = self.queue.popleft()
-            if job.state == QUEUED:
-                job.state = DROPPED
-                self.counters.dropped += 1
-        self.in_flight.clear()  # every issued copy is complete
-        for st in self.layers:
-            st.pending = []
-            for slot in range(self.capacity):
-                job, expert = st.jobs[slot], int(st.slot_expert[slot])
-                if job is None or job.state != ISSUED or job.expert != expert or id(job) in failed:
-                    st.slot_expert[slot] = -1
-                    st.jobs[slot] = None
-            st.expert_slot[:] = -1
-            for slot in range(self.capacity):
-                expert = int(st.slot_expert[slot])
-                if expert < 0:
-                    continue
-                if st.expert_slot[expert] >= 0:  # two slots name one expert (maps left half-updated)
-                    st.slot_expert[slot] = -1
-                    st.jobs[slot] = None
-                else:
-                    st.expert_slot[expert] = slot
-            st.dirty = True
+        failed = np.asarray(self.link.take_failures(), dtype=np.int64)
+        m = self._misc
+        if m[B.N_ACTIONS]:  # decided, not (all) issued: an interrupt came between the kernel and its copies
+            self._unissue(self._actions[: int(m[B.N_ACTIONS])].tolist())
+            m[B.N_ACTIONS] = 0
+        B.recover(self._slots, self._experts, self._misc, self._queue, failed)
 
-    # ------------------------------------------------------------------ what the engine calls
     def new_sequence(self, warm: Sequence[np.ndarray]) -> None:
         """A new sequence: queued prefetches are dropped and each layer's warm set ``warm[layer]`` (experts) is
         copied into slots that do not hold it yet."""
-        while self.queue:
-            job = self.queue.popleft()
-            if job.state == QUEUED and not job.used:
-                job.state = DROPPED
-                self.counters.dropped += 1
-            st = self.layers[job.layer]
-            if job.state != ISSUED and st.jobs[job.slot] is job:  # never copied: the slot does not hold the expert
-                self._empty(st, job.slot)
-        for st in self.layers:  # prefetches of the sequence that ended and were never used
-            for job in st.jobs:
-                if job is not None and job.kind == PREFETCH and not job.used:
-                    job.used = True
-                    self.counters.prefetch_unused += 1
-        E = self.num_experts
+        B.end_sequence(self._slots, self._experts, self._misc, self._queue)
         for layer, experts in enumerate(warm):
-            st = self.layers[layer]
-            wanted = np.zeros(E, dtype=bool)
-            wanted[experts] = True
-            for e in experts:
-                if st.expert_slot[e] < 0:
-                    self._assign(layer, int(e), self._victim(layer, wanted, None), WARM)
+            result = B.warm(*self._args, layer, np.ascontiguousarray(experts, dtype=np.int64))
+            if result:
+                self._after(result)
 
     def decode_select(self, layer: int, plan: Any, chosen: np.ndarray, resident: np.ndarray) -> None:
         """One row, one position: follow the plan's demand insertions, then make ``chosen`` ([K] experts) present.
-        ``resident``: [E] bool, the row's logical cache after the step."""
-        count = int(plan.plan[0, 0, plan.layout.columns.n_demand])
-        if count:
-            experts, evicted = plan.demand_experts[0, 0], plan.demand_evicted[0, 0]
-            for i in range(count):
-                self.insert(layer, int(experts[i]), int(evicted[i]), DEMAND, resident)
-        self._use(layer, chosen, None, resident)
+        ``resident``: [E] the row's logical cache after the step (nonzero: cached)."""
+        if plan.layout is not self._layout:
+            self._columns(plan)
+        m = self._misc
+        if m[B.COMPLETE] < m[B.ISSUED_COUNT] - 1:  # a copy in flight: refresh what is known complete
+            m[B.COMPLETE] = self.link.complete()
+        result = B.decode_select(*self._args, layer, plan.plan[0, 0], chosen, self._avoid(resident))
+        if result:
+            self._after(result)
 
     def decode_prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
         """One row, one position: queue the copies of the plan's prefetch insertions into ``layer``."""
-        count = int(plan.plan[0, 0, plan.layout.columns.n_prefetch])
-        if count:
-            experts, evicted = plan.prefetch_experts[0, 0], plan.prefetch_evicted[0, 0]
-            for i in range(count):
-                self.insert(layer, int(experts[i]), int(evicted[i]), PREFETCH, resident)
+        if plan.layout is not self._layout:
+            self._columns(plan)
+        result = B.decode_prefetch(*self._args, layer, plan.plan[0, 0], self._avoid(resident))
+        if result:
+            self._after(result)
 
     def groups(self, layer: int, experts: np.ndarray) -> list[np.ndarray]:
         """``experts`` (distinct) in groups of at most C for one block: the ones already in a slot first (they cost
@@ -501,31 +511,31 @@ class SlotScheduler:
     def load(self, layer: int, experts: np.ndarray, target: np.ndarray | None) -> None:
         """Make ``experts`` (distinct, at most C) present for one group of a block; loads avoid the experts of
         ``target`` ([E] bool, the logical cache the slots should end up mirroring; None: plain LRU)."""
-        protect = np.zeros(self.num_experts, dtype=bool)
-        protect[experts] = True
-        self._use(layer, experts, protect, target)
+        self._poll()
+        result = B.use(*self._args, layer, np.ascontiguousarray(experts, dtype=np.int64), self._avoid(target))
+        if result:
+            self._after(result)
 
     def reconcile(self, layer: int, target: np.ndarray) -> None:
         """After a block of one row: queue prefetches so the slots hold the row's logical cache ``target``."""
-        st = self.layers[layer]
-        for e in np.flatnonzero(target & (st.expert_slot < 0)):
-            self._assign(layer, int(e), self._victim(layer, None, target), PREFETCH)
+        result = B.reconcile(*self._args, layer, self._avoid(target))
+        if result:
+            self._after(result)
 
     def stats(self) -> CopyCounters:
         """A copy of the counts since :meth:`reset_counters` with the link's wait time (waits on the copies in
         flight to read it)."""
-        self.link.synchronize()
+        self._synchronize()
         return replace(self.counters, wait_s=float(self.link.wait_s))
+
+    def _synchronize(self) -> None:
+        self.link.synchronize()
+        self._misc[B.COMPLETE] = self._misc[B.ISSUED_COUNT] - 1
 
     def reset_counters(self) -> None:
         """Start a new statistics interval. A prefetch belongs to the interval in which it was issued: copies
         issued before and not used yet are closed (their later use is not counted), queued ones count in the
         new interval, where they are issued or dropped."""
-        self.link.synchronize()
-        self.counters = CopyCounters()
+        self._synchronize()
         self.link.wait_s = 0.0
-        for st in self.layers:
-            for job in st.jobs:
-                if job is not None and job.kind == PREFETCH and not job.used and job.state == ISSUED:
-                    job.used = True
-        self.counters.prefetch = sum(1 for job in self.queue if job.state == QUEUED)
+        B.close_interval(self._slots, self._misc, self._queue)
