@@ -296,6 +296,26 @@ def test_a_goal_is_met_only_when_its_whole_interval_is_on_its_side(ratios, statu
     assert goal["point"] == ("met" if goal["ratio"] <= 1.15 else "not met")
 
 
+@pytest.mark.parametrize("factors, status", [
+    ([1.00, 1.01, 1.00, 1.01, 1.00], "met"),       # PRED0 costs under 3% with the whole interval
+    ([1.14, 1.15, 1.13, 1.14, 1.16], "not met"),   # the 14-16% measured before the host-path work
+])
+def test_pred0_is_judged_against_off_with_copies_skipped_on_both_sides(factors, status):
+    from psr_hf.bench import offload
+
+    def row(name, factors):
+        return {"configuration": name, "residency": 0.5, "rounds": [{"ms": [[2.0 * f] * 3]} for f in factors]}
+
+    rows = [row("engine_exact_lru_res50", [2.0] * 5), row("engine_specprefetch_m1_res50", [1.8] * 5),
+            row("engine_exact_lru_res50_nocopy", [1.0] * 5), row("engine_specprefetch_m1_res50_nocopy", factors)]
+    goal = next(g for g in offload.evaluate_goals(rows, cuda=True) if g["goal"].startswith("PRED0"))
+    assert (goal["numerator"], goal["denominator"]) == ("engine_specprefetch_m1_res50_nocopy",
+                                                        "engine_exact_lru_res50_nocopy")
+    assert goal["status"] == status and goal["bound"] == offload.ENGINE_PRED0_GOAL
+    # the comparisons find the budget from the specprefetch rows alone (no naive row in this run)
+    assert any(c["numerator"] == "engine_specprefetch_m1_res50_nocopy" for c in offload.comparisons(rows))
+
+
 # ---------------------------------------------------------------------------------------------------- engine rows
 def test_default_configs_engine_rows_mirror_the_routed_rows():
     rows = default_configs((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)

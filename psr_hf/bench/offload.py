@@ -101,6 +101,7 @@ ENGINE_LRU_GOALS = {0.5: 2.3, 0.25: 3.0}  # engine exact_lru / engine psr_lam0.3
 ENGINE_CP_GOAL = 1.25  # engine cp_lam0.2 / engine psr_lam0.3_n1 >= this, at every goal residency
 ENGINE_HOST_US_GOAL = 15.0  # host us per MoE layer (policy, scheduler, graph launches) on the copies-skipped rows
 ENGINE_HOST_US_PER_COPY_GOAL = 5.0  # host us per issued copy: an offloaded row against its copies-skipped twin
+ENGINE_PRED0_GOAL = 1.03  # SpecPrefetch's PRED0 (copies skipped) / OFF (exact_lru, copies skipped) at most this
 NEEDS_GPU = "needs a GPU"
 
 WARMUP_TOKENS = 16  # positions of the first window each warm-up round decodes per configuration
@@ -889,9 +890,9 @@ def _prefetch_comparisons(rows: Sequence[Mapping[str, Any]], suffix: str) -> lis
     out = []
     names = {str(row["configuration"]) for row in rows}
     for prefix in ("", ENGINE_PREFIX):
-        budgets = sorted({int(name[len(prefix) + len("naive_m"):-len(suffix)]) for name in names
-                          if name.startswith(prefix + "naive_m") and name.endswith(suffix)
-                          and name[len(prefix) + len("naive_m"):-len(suffix)].isdigit()})
+        budgets = sorted({int(name[len(prefix) + len(kind):-len(suffix)]) for kind in ("naive_m", "specprefetch_m")
+                          for name in names if name.startswith(prefix + kind) and name.endswith(suffix)
+                          and name[len(prefix) + len(kind):-len(suffix)].isdigit()})
         for m in budgets:
             off, spec, naive = (prefix + name + suffix for name in ("exact_lru", f"specprefetch_m{m}", f"naive_m{m}"))
             pairs = [(off, spec), (naive, spec), (off, naive)]
@@ -991,6 +992,11 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
         suffix = capacity_suffix(residency)
         goal(f"engine_cp_lam0.2{suffix} >= {ENGINE_CP_GOAL:g}x engine_{PSR_GOAL}{suffix}",
              ENGINE_PREFIX + "cp_lam0.2" + suffix, ENGINE_PREFIX + PSR_GOAL + suffix, ENGINE_CP_GOAL, ">=")
+    for name in by_name:
+        pred0 = name.startswith(ENGINE_PREFIX + "specprefetch_m") and name.endswith(NOCOPY_SUFFIX)
+        off = ENGINE_PREFIX + "exact_lru_" + name[len(ENGINE_PREFIX + "specprefetch_m"):].partition("_")[2]
+        if pred0 and off in by_name:  # PRED0: prediction and control with no transfer, against OFF's
+            goal(f"PRED0 {name} <= {ENGINE_PRED0_GOAL:g}x {off}", name, off, ENGINE_PRED0_GOAL, "<=")
     for name in by_name:
         if name.startswith(ENGINE_PREFIX) and name.endswith(NOCOPY_SUFFIX):
             host_goal(name, ENGINE_HOST_US_GOAL)
