@@ -172,6 +172,9 @@ class Decoder(Sequences):
         position = self.position
         L.check_position(position)
         L.check_prefetch_source(ctl)
+        L.sync_routers(ctl)
+        if position == 0:
+            L.check_references(ctl)
         token = int(token)
         b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
         b.position.fill_(position)

@@ -377,6 +377,9 @@ class GraphDecoder(Sequences):
                 raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
                                    "changed dtype or device); build a new GraphDecoder")
             self.layers.check_prefetch_source(ctl)
+            self.layers.sync_routers(ctl)
+            if position == 0:
+                self.layers.check_references(ctl)
             stream = raw_current_stream(self.device) if self._runtime is not None else 0
             self._units[0](stream)
             self._record(stream)

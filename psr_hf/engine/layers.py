@@ -241,6 +241,17 @@ class _Router:
     act: nn.Module
     shared: nn.Module | None
     predicted: bool = False  # the pre-gate half of ``stacked`` is a learned predictor's (softmax priorities)
+    source: tuple = ()  # the router weights' versions and addresses when ``stacked`` was built (see sync_routers)
+
+
+def _router_source(router: nn.Module, following: nn.Module | None) -> tuple:
+    """What an in-place change (``_version``) or a replacement or conversion (``data_ptr``) of the router weights
+    that ``stacked`` is built from changes (read before every step: two attributes per weight)."""
+    a = router.weight
+    if following is None:
+        return a._version, a.data_ptr()
+    b = following.weight
+    return a._version, a.data_ptr(), b._version, b.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------------- base class
@@ -260,6 +271,7 @@ class DecodeLayers(abc.ABC):
         self.decoder = self.family.decoder()
         self.max_len = max_len
         self._refs: dict[str, torch.Tensor] = {}
+        self._ref_places: dict[str, tuple] = {}  # (data_ptr, dtype, device) of each when the engine read it
         self._owned: dict[str, torch.Tensor] = {}
 
         embed = model.get_input_embeddings()
@@ -303,6 +315,7 @@ class DecodeLayers(abc.ABC):
         """Record ``tensor`` (a model parameter or buffer, or a view of one) as used in place."""
         if tensor is not None:
             self._refs[name] = tensor
+            self._ref_places[name] = (tensor.data_ptr(), tensor.dtype, tensor.device)
         return tensor
 
     def _own(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -312,6 +325,24 @@ class DecodeLayers(abc.ABC):
     def referenced_tensors(self) -> dict[str, torch.Tensor]:
         """The model's tensors (parameters, buffers, views of them) the functions use in place."""
         return dict(self._refs)
+
+    def check_references(self, ctl: Any) -> None:
+        """At a sequence start: ``RuntimeError`` if a model tensor the engine reads in place now has other memory
+        or another dtype than when the engine was built (``model.to(dtype)``, a move), where the engine would
+        read stale memory (edits in place are read as they are). The experts of an offloaded model are left out:
+        the offload copies them into its own slots."""
+        offloaded = getattr(ctl, "offload", None) is not None
+        for name, tensor in self._refs.items():
+            if offloaded and ".experts." in name:
+                continue
+            was = self._ref_places[name]
+            now = (tensor.data_ptr(), tensor.dtype, tensor.device)
+            if now != was:
+                raise RuntimeError(
+                    f"the model's {name} changed after psr_hf's engine was built on it ({was[1]} on {was[2]} -> "
+                    f"{now[1]} on {now[2]}, or new memory: model.to(), a moved or converted model); the engine reads "
+                    "the tensors it was built on: compile the model again (psr_hf.engine.compile) or build a new "
+                    "decoder")
 
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the engine allocated: the KV cache, the stacked router weights, the static buffers and
@@ -383,8 +414,38 @@ class DecodeLayers(abc.ABC):
             if shared is not None:
                 self._ref_mlp(f"layers.{m.decoder_index}.shared", shared)
             routers[m.decoder_index] = _Router(n, m.block, m.router, following, stacked, gate_up, down, transposed,
-                                               experts.act_fn, shared, predicted=predictor is not None)
+                                               experts.act_fn, shared, predicted=predictor is not None,
+                                               source=_router_source(m.router, following))
         return routers
+
+    def sync_routers(self, ctl: Any) -> None:
+        """Before a step: a router weight changed in place or replaced since the engine read it
+        (``load_state_dict``, ``param.copy_``, a new ``Parameter``) is stacked again into the same memory, so the
+        captured graphs route with the new weights; the last MoE layer's router, which the graphs read where it
+        lives, must keep its memory (``RuntimeError`` otherwise)."""
+        for r in self._routers.values():
+            source = _router_source(r.router, r.following)
+            if source == r.source:
+                continue
+            if r.following is None:
+                if r.router.weight.data_ptr() != r.stacked.data_ptr() or r.router.weight.dtype != r.stacked.dtype:
+                    raise RuntimeError(
+                        f"the router weight of MoE layer {r.moe_index} was replaced (new memory or dtype) after the "
+                        "engine was built; the engine reads it where it was: compile the model again "
+                        "(psr_hf.engine.compile) or build a new decoder")
+            else:
+                if r.predicted:
+                    fresh = ctl.stacked_weight(r.moe_index).detach()
+                else:
+                    fresh = self.family.stacked_router_weight(r.router.weight.detach(), r.following.weight.detach())
+                if fresh.shape != r.stacked.shape:
+                    raise RuntimeError(
+                        f"the router weights of MoE layer {r.moe_index} changed shape after the engine was built "
+                        f"({tuple(r.stacked.shape)} -> {tuple(fresh.shape)}): build a new decoder")
+                r.stacked.copy_(fresh.to(device=r.stacked.device, dtype=r.stacked.dtype))
+            logger.info("psr_hf engine: the router weights of MoE layer %d changed; the engine routes with the new "
+                        "ones", r.moe_index)
+            r.source = source
 
     def _ref_mlp(self, name: str, mlp: nn.Module) -> None:
         for proj in ("gate_proj", "up_proj", "down_proj"):

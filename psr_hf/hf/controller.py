@@ -365,6 +365,7 @@ class Controller:
         self.cache = cache
         self.capacity = cache.capacity
         self.calibration = cache.calibration
+        self._calibration_given = None if calibration is None else cache.calibration  # what reconfigure() keeps
         self._needs_pregate = config.needs_pregate
         self._spec = config.executes_pregate
         self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
@@ -405,11 +406,18 @@ class Controller:
     def reconfigure(self, config: Any, calibration: Any = None, predictor: Any = None) -> None:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
-        slots if the capacity changed. Starts a new sequence and zeroes every statistic. ``predictor``: for
-        ``prefetch="predictor"`` (default: the one the model has)."""
+        slots if the capacity changed. Starts a new sequence and zeroes every statistic.
+
+        ``calibration``: default (None) the one the model routes with now (given to :func:`~psr_hf.patch` or to
+        an earlier ``reconfigure``); ``False`` routes uncalibrated (running bonus scale, the first experts as the
+        warm set, no token prior). ``predictor``: for ``prefetch="predictor"`` (default: the one the model has)."""
         config = RoutingConfig.coerce(config)
         if predictor is None and config.prefetch == "predictor":
             predictor = self.predictor
+        if calibration is None:
+            calibration = self._calibration_given
+        elif calibration is False:
+            calibration = None
         with self._lock:
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")

@@ -1,0 +1,91 @@
+"""Faults and hostile input, round 3: each test failed on the code before its fix (silent wrong results in the
+controller, the engine and the offload; loaders and the CLI with hostile input; outputs checked before the work)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+import psr_hf.engine
+from psr_hf import OffloadConfig, RoutingConfig
+from psr_hf.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
+
+
+def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, new=6):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+# ---------------------------------------------------------------------------------------------- reconfigure
+def test_reconfigure_without_a_calibration_keeps_the_models_and_false_drops_it():
+    model = tiny_model("olmoe")
+    calibration = psr_hf.calibrate(model, _ids(0, 4, 24), progress=False)
+    psr = RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5)
+    exact = RoutingConfig(policy="exact", eviction="score", budget=1, residency=0.25)
+    ids = _ids(1, 1, 5)
+    with psr_hf.patched(model, exact, calibration=calibration):
+        want = _generate(model, ids), psr_hf.controller(model).stats().total
+    with psr_hf.patched(model, psr, calibration=calibration):
+        ctl = psr_hf.controller(model)
+        ctl.reconfigure(exact)  # no calibration=: the model's own
+        assert ctl.calibration is not None and np.array_equal(ctl.calibration.expert_counts,
+                                                              calibration.expert_counts)
+        got = _generate(model, ids), ctl.stats().total
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+        assert got[1] == want[1]
+        ctl.reconfigure(exact, calibration=False)  # explicitly uncalibrated
+        assert not np.array_equal(ctl.calibration.expert_counts, calibration.expert_counts)
+        ctl.reconfigure(exact)  # uncalibrated stays uncalibrated
+        assert not np.array_equal(ctl.calibration.expert_counts, calibration.expert_counts)
+
+
+# ---------------------------------------------------------------------------------------------- the engine's weights
+def _engine_case(offload=None):
+    import psr_hf.engine as engine
+
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5), offload=offload)
+    engine.compile(model, max_len=32)
+    return model
+
+
+@pytest.mark.parametrize("layer", [0, -1])  # a stacked router (with the next layer's) and the last one
+@pytest.mark.parametrize("how", ["copy_", "load_state_dict", "replace"])
+def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(layer, how):
+    model = _engine_case()
+    ids = _ids(2, 1, 5)
+    router = psr_hf.controller(model).layers[layer].router
+    new = router.weight.detach() * -1.5 + 0.01
+    if how == "copy_":
+        with torch.no_grad():
+            router.weight.copy_(new)
+    elif how == "load_state_dict":
+        router.load_state_dict({"weight": new}, strict=False)
+    else:
+        router.weight = torch.nn.Parameter(new.clone())
+    if how == "replace" and layer == -1:  # the last router is read where it lives: refused, with what to do
+        with pytest.raises(RuntimeError, match="compile the model again"):
+            _generate(model, ids)
+        return
+    got = _generate(model, ids)
+    psr_hf.engine.uncompile(model)
+    want = _generate(model, ids)  # the transformers path, on the same weights
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_model_converted_to_another_dtype_fails_naming_the_engine():
+    model = _engine_case()
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match=r"engine was built on it .*compile the model again"):
+        _generate(model, _ids(3, 1, 4))
