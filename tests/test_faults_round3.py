@@ -89,3 +89,36 @@ def test_a_compiled_model_converted_to_another_dtype_fails_naming_the_engine():
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match=r"engine was built on it .*compile the model again"):
         _generate(model, _ids(3, 1, 4))
+
+
+# ---------------------------------------------------------------------------------------------- continuation
+def _step(model, token, cache):
+    with torch.no_grad():
+        return model(input_ids=token, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("longer", [False, True])  # the prompt in between shorter or longer than the first
+def test_continuing_a_kv_cache_after_another_prompts_forward_raises(longer):
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5))
+    first = _step(model, _ids(4, 1, 6), None)
+    _step(model, _ids(5, 1, 9 if longer else 3), None)  # another prompt: a new routing sequence
+    token = first.logits[:, -1:].argmax(-1)
+    with pytest.raises(RuntimeError, match=r"KV cache of 6 positions.*belongs to .*reset\(\)"):
+        _step(model, token, first.past_key_values)
+    psr_hf.controller(model).reset()  # what the message says: continue this cache with fresh routing state
+    assert _step(model, token, first.past_key_values).logits.shape[1] == 1
+
+
+def test_continuing_the_same_cache_and_generate_with_it_still_work():
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5))
+    out = _step(model, _ids(6, 1, 5), None)
+    for _ in range(3):
+        out = _step(model, out.logits[:, -1:].argmax(-1), out.past_key_values)
+    ids = _ids(7, 1, 4)
+    with torch.no_grad():
+        first = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
+                              do_sample=False, pad_token_id=0)
+    assert more.shape[1] == first.sequences.shape[1] + 3

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
@@ -187,11 +188,13 @@ class Installation:
 class _Forward:
     """What the opening of the current forward pass learned about it (:meth:`Controller._open`)."""
 
-    __slots__ = ("rows", "positions", "tokens", "valid", "owner", "thread")
+    __slots__ = ("rows", "positions", "tokens", "valid", "owner", "thread", "past")
 
-    def __init__(self, rows: int, positions: int, tokens: np.ndarray, valid: np.ndarray | None, owner: Any):
+    def __init__(self, rows: int, positions: int, tokens: np.ndarray, valid: np.ndarray | None, owner: Any,
+                 past: int = 0):
         self.rows = rows  # B
         self.positions = positions  # S
+        self.past = past  # cached positions before this forward
         self.tokens = tokens  # [B, S] int64
         self.valid = valid  # [B, S] uint8, or None when every position is real
         self.owner = owner  # the module whose forward opened this forward pass
@@ -307,6 +310,8 @@ class Controller:
         self._fwd: _Forward | None = None
         self._lock = threading.RLock()  # one forward pass or generate() at a time (see the class docstring)
         self._interrupted: str | None = None  # why the last forward pass stopped part-way; None once a new one starts
+        self._sequence_positions: int | None = None  # positions the current sequence's routing state has seen
+        self._sequence_cache: Any = None  # weak reference to the KV cache its forward passes filled
         self._recover_offload = False  # the offload's slots still need recover() (an abort that was itself cut short)
         self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         self._bypass = 0
@@ -384,6 +389,7 @@ class Controller:
         after a forward pass that stopped part-way, to continue its KV cache anyway."""
         with self._lock:
             self._new_sequence(self.rows)
+            self._sequence_positions = None  # any KV cache may continue from here
 
     def refresh_experts(self) -> None:
         """Offloaded model: copy every expert slot again from the host store. Changes of the expert weights are
@@ -423,6 +429,7 @@ class Controller:
                 raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
             self._configure(config, calibration, predictor)
             self._interrupted = None  # the cache is new: no sequence to continue
+            self._sequence_positions = None  # any KV cache may continue with the new state
             if self.offload is not None:
                 if self.offload.capacity != self.capacity:
                     self.offload.resize(self.capacity)
@@ -686,6 +693,7 @@ class Controller:
 
     def _new_sequence(self, rows: int) -> None:
         self._interrupted = None
+        self._sequence_positions, self._sequence_cache = 0, None  # set by the sequence's forward passes
         self._recover()  # slots left inconsistent by a stopped forward whose recovery was itself cut short
         self._totals = self._totals + self._current_totals()
         if self._recorder is not None:
@@ -733,6 +741,8 @@ class Controller:
                     self._abort(error)
                     raise
                 self._close()
+                if self._sequence_cache is None:  # a cache the forward created itself
+                    self._remember_cache(getattr(output, "past_key_values", None))
                 return output
 
         return forward
@@ -762,9 +772,19 @@ class Controller:
             self._recorder._layers.clear()  # the stopped forward's layers are not recorded
         self._recover()
 
+    def _remember_cache(self, cache: Any) -> None:
+        """The KV cache object the current sequence's forward passes fill (a weak reference)."""
+        if cache is None or not hasattr(cache, "get_seq_length"):
+            return
+        try:
+            self._sequence_cache = weakref.ref(cache)
+        except TypeError:  # not weakly referenceable: not checked
+            self._sequence_cache = None
+
     def _close(self) -> None:
         """The open forward pass ended normally: close it (its layers go to the recording)."""
         fwd, self._fwd = self._fwd, None
+        self._sequence_positions = fwd.past + fwd.positions
         if self._recorder is not None:
             self._recorder._end_forward(fwd)
 
@@ -817,14 +837,32 @@ class Controller:
             B, S = int(embeds.shape[0]), int(embeds.shape[1])
             tokens = np.zeros((B, S), dtype=np.int64)
         past = self._past_length(kwargs)
-        self._check_continuation(past, B)
+        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        self._check_continuation(past, B, cache)
         valid = self._valid_positions(mask, B, S, mask_host)
         if mask is None and self._right_padded is not None:
             valid = self._valid_from_lengths(self._right_padded, B, S, past)
         self._start(module, tokens, valid, past, B, S)
+        if cache is not None and (past == 0 or self._sequence_cache is None):
+            self._remember_cache(cache)
 
-    def _check_continuation(self, past: int, B: int) -> None:
-        """A forward of ``B`` rows after ``past`` cached positions may continue the current sequence."""
+    def _check_continuation(self, past: int, B: int, cache: Any = None) -> None:
+        """A forward of ``B`` rows after ``past`` cached positions (in the KV cache ``cache``, if given) may
+        continue the current sequence: the one whose routing state this is, so the same cache object as the
+        sequence's forward passes used (when both are known) and no more cached positions than the routing state
+        has seen (fewer: a cache cropped in place, as assisted decoding does)."""
+        if past > 0 and self._interrupted is None:
+            # a dead reference: the sequence's cache is gone, so this one (alive all along) is another
+            other = cache is not None and self._sequence_cache is not None and cache is not self._sequence_cache()
+            if other or (self._sequence_positions is not None and past > self._sequence_positions):
+                owner = ("another KV cache (another forward pass started a new sequence in between)" if other
+                         else f"a sequence of {self._sequence_positions} positions")
+                raise RuntimeError(
+                    f"psr_hf: this forward continues a KV cache of {past} positions, but the routing state belongs to "
+                    f"{owner}: continuing would route this cache with another sequence's state. Start a new sequence "
+                    "(generate() or a forward without past_key_values), or call psr_hf.controller(model).reset() to "
+                    "continue this KV cache with fresh routing state"
+                )
         if past > 0 and self._interrupted is not None:
             raise RuntimeError(
                 f"psr_hf: the previous forward pass of this model stopped part-way ({self._interrupted}), so the "
@@ -856,7 +894,7 @@ class Controller:
                 io.tokens[:, 0] = tokens[:, 0]
                 io.valid[:, 0] = 1 if valid is None else valid[:, 0]
             self._pregate = [None] * self.num_layers
-            self._fwd = _Forward(B, S, tokens, valid, module)
+            self._fwd = _Forward(B, S, tokens, valid, module, past=past)
         except BaseException as error:
             self._abort(error)
             raise
