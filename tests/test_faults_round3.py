@@ -122,3 +122,24 @@ def test_continuing_the_same_cache_and_generate_with_it_still_work():
         more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
                               do_sample=False, pad_token_id=0)
     assert more.shape[1] == first.sequences.shape[1] + 3
+
+
+def test_a_compiled_generate_past_max_len_counts_and_records_the_sequence_once():
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5))
+    ids = _ids(8, 1, 5)
+    ctl = psr_hf.controller(model)
+    with ctl.record() as want_rec:
+        want = _generate(model, ids, new=20)
+    want_stats = ctl.stats().total
+    ctl.reset_stats()
+    psr_hf.engine.compile(model, max_len=16)  # 5 + 20 positions: the engine hands over to transformers midway
+    with ctl.record() as got_rec:
+        got = _generate(model, ids, new=20)
+    got_stats = ctl.stats().total
+    assert psr_hf.engine.compiled(model).fallbacks > 0
+    assert torch.equal(got[0], want[0])
+    assert got_stats["tokens"] == want_stats["tokens"] == 24  # each routed position once
+    assert got_stats["demand_per_token"] == pytest.approx(want_stats["demand_per_token"])
+    assert len(got_rec.recordings) == len(want_rec.recordings) == 1
+    np.testing.assert_array_equal(got_rec.recordings[0].selected, want_rec.recordings[0].selected)

@@ -275,6 +275,7 @@ class _Compiled:
             call.pop("attention_mask")
         call["use_cache"] = True
         self._drop_sequence()
+        self.controller._discard_sequence()  # counted and recorded again by the run from the start
         return self.original(**call)
 
 

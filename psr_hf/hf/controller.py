@@ -691,6 +691,19 @@ class Controller:
             sequences=float((tokens > 0).sum()),  # rows that saw tokens
         )
 
+    def _discard_sequence(self) -> None:
+        """Forget the current sequence: its statistics and recording are dropped, not added to the totals (the
+        engine calls this before it re-runs the same sequence from its start on the transformers path, which
+        routes and counts it again)."""
+        with self._lock:
+            if self._fwd is not None:
+                raise RuntimeError("psr_hf: a sequence cannot be discarded inside its forward pass")
+            self.cache.reset()
+            self._displaced[:] = 0.0
+            if self._recorder is not None:
+                self._recorder._chunks = []
+            self._sequence_positions, self._sequence_cache = 0, None
+
     def _new_sequence(self, rows: int) -> None:
         self._interrupted = None
         self._sequence_positions, self._sequence_cache = 0, None  # set by the sequence's forward passes
