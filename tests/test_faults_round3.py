@@ -143,3 +143,29 @@ def test_a_compiled_generate_past_max_len_counts_and_records_the_sequence_once()
     assert got_stats["demand_per_token"] == pytest.approx(want_stats["demand_per_token"])
     assert len(got_rec.recordings) == len(want_rec.recordings) == 1
     np.testing.assert_array_equal(got_rec.recordings[0].selected, want_rec.recordings[0].selected)
+
+
+# ---------------------------------------------------------------------------------------------- CPU determinism
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_cpu_offload_is_bitwise_deterministic_across_calls_and_slot_layouts(family, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = tiny_model(family)
+        psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
+                     offload=OffloadConfig(device="cpu"))
+        block = _ids(9, 2, 12)
+        logits, generated, layouts = [], [], set()
+        for i in range(3):
+            with torch.no_grad():
+                logits.append(model(block).logits)
+            generated.append(_generate(model, block[:1], new=5)[1])
+            with torch.no_grad():  # another sequence in between leaves another slot layout
+                model(_ids(30 + i, 3, 9))
+            layouts.add(tuple(tuple(st.slot_expert.tolist()) for st in psr_hf.controller(model).offload.scheduler.layers))
+        assert len(layouts) > 1  # the slots held the experts in other places between the calls
+        assert all(torch.equal(x, logits[0]) for x in logits)
+        assert all(torch.equal(x, generated[0]) for x in generated)
+    finally:
+        torch.set_num_threads(before)

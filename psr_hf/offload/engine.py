@@ -124,6 +124,23 @@ def _inner_function(module: nn.Module) -> Any:
     return getattr(forward, "__wrapped__", forward)  # the class's own (eager) forward under transformers' wrapper
 
 
+def _slot_by_slot(inner: Any, proxy: nn.Module, hidden: torch.Tensor, slots: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """The experts of several positions on the CPU with more than one thread, where torch's grouped kernels
+    give results that depend on where each group starts (so on which slot holds which expert): each slot's
+    pairs in a call of their own (one group, at the start), the weighted outputs of each position's K pairs
+    summed in their order, as the experts implementations do. Deterministic across calls and slot layouts."""
+    T, K = slots.shape
+    pairs = None
+    for slot in torch.unique(slots).tolist():
+        t, k = (slots == slot).nonzero(as_tuple=True)
+        out = inner(proxy, hidden[t], slots[t, k].reshape(-1, 1), weights[t, k].reshape(-1, 1))  # [n, H]
+        if pairs is None:
+            pairs = out.new_zeros((T, K, out.shape[-1]))
+        pairs[t, k] = out
+    return pairs.sum(dim=1)
+
+
 def _set_implementation(config: Any, value: str | None) -> None:
     # transformers 5.23+ keeps it behind a property whose setter recurses into sub-configs; set this config only
     if isinstance(getattr(type(config), "_experts_implementation", None), property):
@@ -410,7 +427,10 @@ class OffloadEngine:
             inside = slots < self.capacity
             weights = weights * inside.to(weights.dtype)
             slots = torch.where(inside, slots, slots - self.capacity)
-        out = self._inner[layer](self._proxies[layer], hidden, slots, weights)
+        if self.device.type == "cpu" and hidden.shape[0] > 1 and torch.get_num_threads() > 1:
+            out = _slot_by_slot(self._inner[layer], self._proxies[layer], hidden, slots, weights)
+        else:
+            out = self._inner[layer](self._proxies[layer], hidden, slots, weights)
         self.link.read_done(layer)
         return out
 
