@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .._metadata import user_metadata
+
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "psr_hf.calibration"
@@ -388,12 +390,7 @@ class Calibration:
                     raise ValueError(f"{path}: tensor {name} has shape {shape}; the header ({L} layers, {E} experts, "
                                      f"vocabulary {V}) implies {want}")
             tensors = {name: handle.get_tensor(name) for name in names}
-        try:
-            user = json.loads(meta.get("user", "{}"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: the header's user metadata is not JSON: {exc}") from exc
-        if not isinstance(user, dict):
-            raise ValueError(f"{path}: the header's user metadata must be a JSON object")
+        user = user_metadata(meta.get("user"), path)
         converted = {}
         for name, array in tensors.items():
             target = _TENSORS[name][1]

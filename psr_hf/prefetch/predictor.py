@@ -21,8 +21,11 @@ from typing import Any
 
 import torch
 
+from .._metadata import user_metadata
+
 FORMAT_NAME = "psr_hf.predictor"
 FORMAT_VERSION = 1
+MAX_WEIGHT = 1e4  # beyond any trained low-rank factor; larger values overflow the ranking's products
 
 
 class Predictor:
@@ -183,17 +186,32 @@ class Predictor:
                 if meta.get("format") != FORMAT_NAME:
                     raise ValueError(f"{path} is not a psr_hf predictor (format {meta.get('format')!r}); a "
                                      "calibration or model file? Train a predictor with psr-hf train-predictor")
-                pairs = int(meta["num_layers"]) - 1
+                try:
+                    pairs = int(meta.get("num_layers", "")) - 1
+                except ValueError:
+                    raise ValueError(f"{path}: the header's num_layers {meta.get('num_layers')!r} is not an "
+                                     "integer") from None
+                present = sum(1 for k in keys if k.startswith(("A.", "B.")))
+                if pairs < 1 or 2 * pairs != present:
+                    raise ValueError(f"{path}: the header says {pairs + 1} layers ({2 * pairs} predictor tensors) "
+                                     f"but the file holds {present}; a truncated or altered file?")
                 missing = [k for i in range(pairs) for k in (f"A.{i}", f"B.{i}") if k not in keys]
                 if missing:
-                    raise ValueError(f"{path}: predictor tensors {missing} are missing (a truncated file?)")
+                    raise ValueError(f"{path}: predictor tensors {missing[:4]} are missing (a truncated file?)")
+                user = user_metadata(meta.get("user"), path)
                 A = [f.get_tensor(f"A.{i}") for i in range(pairs)]
                 B = [f.get_tensor(f"B.{i}") for i in range(pairs)]
         except ValueError:
             raise
         except Exception as exc:  # safetensors' own errors for a corrupt file
             raise ValueError(f"{path} could not be read as a predictor ({type(exc).__name__}: {exc})") from exc
-        return cls(A, B, json.loads(meta.get("user", "{}")))
+        for name, parts in (("A", A), ("B", B)):
+            for i, t in enumerate(parts):
+                if not torch.isfinite(t).all() or (t.numel() and float(t.abs().max()) > MAX_WEIGHT):
+                    raise ValueError(f"{path}: predictor tensor {name}.{i} holds values that are not finite or "
+                                     f"beyond {MAX_WEIGHT:g}; no trained predictor has such weights (an altered "
+                                     "file?)")
+        return cls(A, B, user)
 
     @classmethod
     def coerce(cls, value: Any) -> "Predictor":
