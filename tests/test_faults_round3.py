@@ -229,3 +229,15 @@ def test_calibration_load_refuses_hostile_user_metadata(tmp_path, user, message)
     save_file(tensors, str(path), metadata={**meta, "user": user})
     with pytest.raises(ValueError, match=message):
         psr_hf.Calibration.load(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("policy: [psr]\nresidency: 0.5\n", r"policy=\['psr'\] is not supported \(a policy name, a string\)"),
+    ("policy: !!python/object/apply:os.system ['true']\n", r"YAML tags that build objects are refused"),
+    ("policy: psr\n  residency: [0.5\n", r"not valid YAML"),
+])
+def test_a_hostile_routing_yaml_is_a_value_error_naming_the_problem(tmp_path, text, message):
+    path = tmp_path / "routing.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig.load_yaml(path)

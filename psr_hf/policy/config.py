@@ -78,8 +78,9 @@ class RoutingConfig:
     prefetch: str = "pregate"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_TABLE:
-            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)}")
+        if not isinstance(self.policy, str) or self.policy not in POLICY_TABLE:
+            raise ValueError(f"policy={self.policy!r} is not supported (a policy name, a string); allowed: "
+                             f"{', '.join(POLICIES)}")
         for name, default in self.definition.defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
@@ -306,6 +307,11 @@ class RoutingConfig:
             data = yaml.load(Path(path).read_text(), Loader=_unique_key_loader())  # a SafeLoader subclass
         except _DuplicateKey as error:
             raise ValueError(f"{path}: {error}") from None
+        except yaml.constructor.ConstructorError as error:  # a !!python/... tag: SafeLoader builds no objects
+            raise ValueError(f"{path}: YAML tags that build objects are refused ({error.problem}); a routing config "
+                             "is a plain mapping of field names to numbers and strings") from None
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not valid YAML ({type(error).__name__}: {error})") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: expected a YAML mapping of RoutingConfig fields, got {type(data).__name__}")
         return cls.from_dict(data)

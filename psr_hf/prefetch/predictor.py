@@ -37,6 +37,12 @@ class Predictor:
     def __init__(self, A: Sequence[torch.Tensor], B: Sequence[torch.Tensor],
                  metadata: Mapping[str, Any] | None = None):
         A, B = [torch.as_tensor(a).detach().float() for a in A], [torch.as_tensor(b).detach().float() for b in B]
+        for name, parts in (("A", A), ("B", B)):
+            for i, t in enumerate(parts):
+                if not torch.isfinite(t).all() or (t.numel() and float(t.abs().max()) > MAX_WEIGHT):
+                    raise ValueError(f"predictor tensor {name}.{i} holds values that are not finite or beyond "
+                                     f"{MAX_WEIGHT:g}; no trained predictor has such weights, and its rankings "
+                                     "would overflow")
         if not A or len(A) != len(B):
             raise ValueError(f"a predictor needs one (A, B) pair per adjacent MoE-layer pair; got {len(A)} A and "
                              f"{len(B)} B")
@@ -205,13 +211,10 @@ class Predictor:
             raise
         except Exception as exc:  # safetensors' own errors for a corrupt file
             raise ValueError(f"{path} could not be read as a predictor ({type(exc).__name__}: {exc})") from exc
-        for name, parts in (("A", A), ("B", B)):
-            for i, t in enumerate(parts):
-                if not torch.isfinite(t).all() or (t.numel() and float(t.abs().max()) > MAX_WEIGHT):
-                    raise ValueError(f"{path}: predictor tensor {name}.{i} holds values that are not finite or "
-                                     f"beyond {MAX_WEIGHT:g}; no trained predictor has such weights (an altered "
-                                     "file?)")
-        return cls(A, B, user)
+        try:
+            return cls(A, B, user)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
 
     @classmethod
     def coerce(cls, value: Any) -> "Predictor":
