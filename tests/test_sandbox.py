@@ -322,3 +322,43 @@ def test_namespaces_that_fail_after_unshare_fall_back_and_say_why(tmp_path, monk
         assert box.define("def f(x):\n    return x * 2\n", "f")(21) == 42
     assert any(item.startswith("network: namespaces failed") and "mount refused by this test" in item
                for item in box.not_contained), box.not_contained
+
+
+# ---------------------------------------------------------------------------------------------- the scorer's side
+@pytest.mark.parametrize("body", ["return [0] * 2_000_000", "return [[0] * 60 for _ in range(2_000)]",
+                                  "return 'x' * (4 << 20)"])
+def test_a_huge_reply_is_refused_before_it_costs_the_scorer(body):
+    import tracemalloc
+
+    with sb.Sandbox() as box:
+        big = box.define(f"def big():\n    {body}\n", "big")
+        tracemalloc.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(sb.SandboxBroken, match=r"bytes|elements"):
+                big()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert time.monotonic() - started < 3.0
+        assert peak < 64 << 20  # the scorer never parsed it
+
+
+def test_the_scorer_works_with_descriptors_above_1023_open():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300) if hard == resource.RLIM_INFINITY
+                                                else min(max(soft, 1300), hard), hard))
+    opened = []
+    try:
+        while not opened or opened[-1] < 1100:
+            opened.append(os.open(os.devnull, os.O_RDONLY))
+        outcome = task_utils.check_completion(_problem("assert candidate() == 1"), "    return 1\n")
+        assert outcome["passed"], outcome
+    finally:
+        for fd in opened:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -44,7 +44,10 @@ from typing import Any, Callable
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 OPT_IN_VARIABLE = "HF_ALLOW_CODE_EVAL"  # the variable lm-eval's (and Hugging Face evaluate's) code_eval reads
-MAX_REPLY_BYTES = 16 << 20
+MAX_REPLY_BYTES = 1 << 20  # a test's return value; more is refused before it is parsed
+# separators and brackets in a reply (an upper bound on its literal's elements): parsing costs about 1 kB of the
+# scorer's memory per element, so a reply of 1 MiB of "0," would cost the scorer 500 MB and seconds
+MAX_REPLY_ITEMS = 100_000
 
 
 def _load_encode():
@@ -160,6 +163,8 @@ class Sandbox:
         self._workdir = tempfile.mkdtemp(prefix="psr_sandbox_")
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
+        self._poller = select.poll()
+        self._poller.register(self._from_child, select.POLLIN | select.POLLHUP | select.POLLERR)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": self._workdir,
                "TMPDIR": self._workdir, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         config = {"fds": [to_child_r, from_child_w], "workdir": self._workdir, "namespaces": self._namespaces,
@@ -263,8 +268,7 @@ class Sandbox:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(SandboxTimeout("timed out"))
-            ready, _, _ = select.select([self._from_child], [], [], min(left, 3600.0))
-            if not ready:
+            if not self._poller.poll(int(min(left, 3600.0) * 1000) + 1):  # poll: any descriptor number
                 continue
             chunk = os.read(self._from_child, 1 << 16)
             if not chunk:
@@ -273,6 +277,10 @@ class Sandbox:
             if len(self._buffer) > MAX_REPLY_BYTES:
                 self._fail(SandboxBroken(f"the sandboxed process sent a reply over {MAX_REPLY_BYTES} bytes"))
         line, self._buffer = self._buffer.split(b"\n", 1)
+        items = sum(line.count(c) for c in (b",", b"[", b"(", b"{", b":"))
+        if items > MAX_REPLY_ITEMS:
+            self._fail(SandboxBroken(f"the sandboxed process sent a reply of about {items} elements (at most "
+                                     f"{MAX_REPLY_ITEMS} are parsed)"))
         try:
             return ast.literal_eval(line.decode("utf-8"))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError):
