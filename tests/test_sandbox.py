@@ -362,3 +362,52 @@ def test_the_scorer_works_with_descriptors_above_1023_open():
         for fd in opened:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@needs_namespaces
+def test_with_the_interpreter_under_tmp_the_rest_of_tmp_stays_hidden(tmp_path_factory, monkeypatch):
+    """A venv under /tmp (the interpreter must stay visible to start): the worker sees only its folders there,
+    not the other files of /tmp, and cannot connect to a Unix socket in /tmp."""
+    import subprocess
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="psr_venv_", dir="/tmp"))
+    secret = base.parent / f"psr_secret_{secrets.token_hex(4)}"
+    path = str(base.parent / f"psr_sock_{secrets.token_hex(4)}")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True)
+        secret.write_text("not for the sandbox")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(3)
+        accepted = []
+        thread = threading.Thread(target=lambda: accepted.append(_accept(listener)))
+        thread.start()
+        monkeypatch.setattr(sys, "executable", str(base / "venv" / "bin" / "python"))
+        program = (f"import os, socket, sys\ndef probe():\n    s = socket.socket(socket.AF_UNIX)\n    try:\n"
+                   f"        s.connect({path!r}); s.sendall(b'x'); connected = True\n"
+                   f"    except OSError:\n        connected = False\n"
+                   f"    return connected, sorted(os.listdir('/tmp')), sys.prefix\n")
+        with sb.Sandbox() as box:
+            connected, listing, prefix = box.define(program, "probe")()
+            assert not box.not_contained, box.not_contained
+        thread.join()
+        listener.close()
+        assert prefix == str(base / "venv")  # the worker ran the interpreter under /tmp
+        assert not connected and accepted == [None]
+        assert secret.name not in listing and os.path.basename(path) not in listing
+        assert base.name in listing  # the interpreter's folder, bound back
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+        for leftover in (secret, Path(path)):
+            leftover.unlink(missing_ok=True)
+
+
+def _accept(listener):
+    try:
+        return listener.accept()
+    except OSError:
+        return None

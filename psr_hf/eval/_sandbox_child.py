@@ -198,14 +198,22 @@ def enter_namespaces(workdir: str) -> list[str]:
             _mount(libc, ctypes, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
         except OSError:
             writable.append(point)
-    # a folder holding the interpreter or this script (a checkout or venv under /tmp) stays visible, read-only:
-    # hiding it would leave the worker nothing to exec
-    needed = [os.path.realpath(p) for p in (sys.executable, sys.prefix, os.path.abspath(__file__))]
+    # the folders holding the interpreter and this script (a checkout or venv under /tmp) are bound back, read-only,
+    # into the empty tmpfs: the worker can exec them, and sees nothing else of the folder they were in
+    needed = _needed_folders()
     for point in _HIDDEN:
-        if any(n == point or n.startswith(point.rstrip("/") + "/") for n in needed):
+        if not os.path.isdir(point) or os.path.islink(point):
             continue
-        if os.path.isdir(point) and not os.path.islink(point):
-            _mount(libc, ctypes, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
+        inside = [n for n in needed if n.startswith(point.rstrip("/") + "/")]
+        if point in needed:  # the interpreter is the hidden folder itself: it stays as it is (read-only)
+            continue
+        kept = [(n, os.open(n, os.O_RDONLY | os.O_DIRECTORY)) for n in inside]
+        _mount(libc, ctypes, "tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
+        for folder, fd in kept:
+            os.makedirs(folder, exist_ok=True)
+            _mount(libc, ctypes, f"/proc/self/fd/{fd}", folder, None, MS_BIND)
+            _mount(libc, ctypes, None, folder, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.close(fd)
     os.makedirs(workdir, exist_ok=True)  # inside a fresh tmpfs when workdir is under /tmp
     _mount(libc, ctypes, f"/proc/self/fd/{work}", workdir, None, MS_BIND)
     _mount(libc, ctypes, None, workdir, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
@@ -213,6 +221,16 @@ def enter_namespaces(workdir: str) -> list[str]:
     hidden = tuple(p.rstrip("/") + "/" for p in _HIDDEN)
     return [p for p in writable if p not in _HIDDEN and not p.startswith(hidden) and p not in ("/proc", "/sys")
             and not p.startswith(("/proc/", "/sys/"))]
+
+
+def _needed_folders() -> list[str]:
+    """The outermost of the folders the worker must read to start: the interpreter's prefixes and folder, and
+    this script's folder (real paths)."""
+    folders = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                     os.path.dirname(os.path.realpath(sys.executable)),
+                                                     os.path.dirname(sys.executable),
+                                                     os.path.dirname(os.path.abspath(__file__)))})
+    return [f for i, f in enumerate(folders) if not any(f.startswith(g.rstrip("/") + "/") for g in folders[:i])]
 
 
 def _process_count(uid: int) -> int:
@@ -287,7 +305,8 @@ def monitor(config: dict) -> None:
             writable = enter_namespaces(config["workdir"])
             namespaced = True
             contained += ["network (new network namespace: no interfaces up)",
-                          "filesystem (read-only; own tmpfs over /tmp, /var/tmp, /run, /dev/shm; work dir writable)",
+                          "filesystem (read-only; own tmpfs over /tmp, /var/tmp, /run, /dev/shm, the interpreter's "
+                          "folders under them bound back read-only; work dir writable)",
                           "process tree (new PID namespace: all killed with its first process)",
                           "other processes (not visible or reachable)"]
             if writable:
