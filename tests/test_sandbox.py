@@ -411,3 +411,37 @@ def _accept(listener):
         return listener.accept()
     except OSError:
         return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root is exempt from RLIMIT_NPROC; as a user the rlimit holds")
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "fallback"])
+def test_as_root_the_process_limit_holds_or_is_reported(namespaces):
+    if namespaces and REFUSED:
+        pytest.skip(f"this machine refuses user namespaces: {REFUSED}")
+    program = textwrap.dedent(
+        """
+        import os, time
+        def bomb():
+            started = 0
+            for _ in range(128):
+                try:
+                    pid = os.fork()
+                except OSError:
+                    break
+                if pid == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                started += 1
+            return started
+        """
+    )
+    with sb.Sandbox(sb.Limits(processes=16), namespaces=namespaces) as box:
+        box.deadline = time.monotonic() + 30
+        started = box.define(program, "bomb")()
+        held = any(item.startswith("process count as root") for item in box.contained)
+        reported = any(item.startswith("process count") for item in box.not_contained)
+    assert held != reported
+    if held:
+        assert started <= 16
+    else:
+        assert started > 16  # what the report says: not limited

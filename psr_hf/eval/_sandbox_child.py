@@ -299,6 +299,13 @@ def _reap_all(first: int) -> None:
 def monitor(config: dict) -> None:
     requests, replies = config["fds"]
     contained, not_contained = ["resource limits (soft = hard)", "own session"], []
+    if config.get("cgroup"):  # first, while the file systems are writable: the worker and its tasks inherit it
+        try:
+            with open(config["cgroup"], "w", encoding="ascii") as procs:
+                procs.write(str(os.getpid()))
+        except OSError as exc:
+            not_contained.append(f"process count: runs as root, which RLIMIT_NPROC does not limit, and joining the "
+                                 f"pids cgroup failed ({exc})")
     namespaced = False
     if config["namespaces"]:
         try:

@@ -15,9 +15,12 @@ The child (``_sandbox_child.py``, standard library only) is contained as far as 
 - where unprivileged user namespaces are allowed (``unshare(CLONE_NEWUSER)``; most Linux desktops and servers,
   not all CI runners or containers): a new network namespace (no interface up: no loopback, no network), a
   read-only view of every file system with empty tmpfs over /tmp, /var/tmp, /run and /dev/shm (hiding the Unix
-  sockets there) and only the work directory writable, a new PID namespace (other processes invisible; the whole
+  sockets there; an interpreter or checkout under them is bound back read-only, nothing else of them) and only
+  the work directory writable, a new PID namespace (other processes invisible; the whole
   tree, detached descendants included, dies with its first process), and no capabilities (it runs as a
   non-root user of the namespace, uid 65534 there).
+- as root, where the kernel does not enforce RLIMIT_NPROC: a pids cgroup with the same process limit
+  (:mod:`psr_hf.eval._pids_cgroup`), or, where none can be made, an entry in :attr:`Sandbox.not_contained`.
 - without them: :attr:`Sandbox.not_contained` lists what is then open (network; writes wherever the user may
   write; the user's other processes; a descendant that kills the monitor may outlive the scorer), and callers log
   it. Descendants are still killed at the end through the monitor, which is their child subreaper.
@@ -168,7 +171,20 @@ class Sandbox:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": self._workdir,
                "TMPDIR": self._workdir, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         config = {"fds": [to_child_r, from_child_w], "workdir": self._workdir, "namespaces": self._namespaces,
-                  "limits": self.limits.__dict__, "env": env}
+                  "limits": self.limits.__dict__, "env": env, "cgroup": None}
+        cgroup_note = None
+        if os.geteuid() == 0:  # the kernel does not enforce RLIMIT_NPROC for root: a pids cgroup does
+            from . import _pids_cgroup
+
+            # the monitor and the worker, then the tasks the worker may add
+            self._cgroup, why = _pids_cgroup.create(self.limits.processes + 2)
+            if self._cgroup is not None:
+                config["cgroup"] = str(self._cgroup / "cgroup.procs")
+                cgroup_note = (True, f"process count as root (pids cgroup: at most {self.limits.processes} tasks "
+                                     "besides the monitor and the worker)")
+            else:
+                cgroup_note = (False, "process count: runs as root, which RLIMIT_NPROC does not limit, and no pids "
+                                      f"cgroup could be made ({why})")
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-s", "-P", str(CHILD), json.dumps(config)], cwd=self._workdir, env=env,
@@ -187,6 +203,8 @@ class Sandbox:
             self.close()
             raise SandboxError(f"the sandbox's monitor said {hello!r} instead of hello")
         self.contained, self.not_contained = list(hello[1]), list(hello[2])
+        if cgroup_note is not None and not any(item.startswith("process count") for item in self.not_contained):
+            (self.contained if cgroup_note[0] else self.not_contained).append(cgroup_note[1])
 
     def close(self) -> None:
         """Kill the child and everything it started; remove the work directory."""
@@ -213,6 +231,11 @@ class Sandbox:
         if self._workdir is not None:
             _remove_tree(self._workdir)
             self._workdir = None
+        if getattr(self, "_cgroup", None) is not None:
+            from . import _pids_cgroup
+
+            _pids_cgroup.remove(self._cgroup)
+            self._cgroup = None
         self._broken = self._broken or SandboxBroken("the sandbox is closed")
 
     # ------------------------------------------------------------------------------------------ protocol
