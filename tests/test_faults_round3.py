@@ -241,3 +241,21 @@ def test_a_hostile_routing_yaml_is_a_value_error_naming_the_problem(tmp_path, te
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         RoutingConfig.load_yaml(path)
+
+
+# ---------------------------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("offload", [None, OffloadConfig(device="cpu")], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copying_a_patched_model_fails_naming_psr_hf_and_what_to_do(tmp_path, offload, how):
+    import copy
+    import pickle
+
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5), offload=offload)
+    copies = {"deepcopy": lambda: copy.deepcopy(model), "pickle": lambda: pickle.dumps(model),
+              "torch.save": lambda: torch.save(model, tmp_path / "m.pt")}
+    with pytest.raises(TypeError, match=r"psr_hf: a patched model cannot be deep-copied or pickled.*unpatch"):
+        copies[how]()
+    torch.save(model.state_dict(), tmp_path / "state.pt")  # what the message offers works
+    psr_hf.unpatch(model)
+    copies[how]()  # and the unpatched model copies as before

@@ -185,6 +185,19 @@ class Installation:
             raise error
 
 
+_COPY_REFUSED = (
+    "psr_hf: a patched model cannot be deep-copied or pickled (torch.save(model), multiprocessing): its routing state "
+    "holds a lock, the offload's copy thread and the replaced router forwards. Copy or pickle the unpatched model "
+    "(psr_hf.unpatch(model), or psr_hf.patched(...) as a block) and patch the copy; to store weights use "
+    "model.save_pretrained() or torch.save(model.state_dict()), which work on a patched model"
+)
+
+
+def _refuse_copy(*_: Any) -> Any:
+    """``__deepcopy__`` / ``__reduce_ex__`` of a patched model and of its controller."""
+    raise TypeError(_COPY_REFUSED)
+
+
 class _Forward:
     """What the opening of the current forward pass learned about it (:meth:`Controller._open`)."""
 
@@ -293,6 +306,8 @@ class Controller:
     Attributes: ``config`` (the :class:`RoutingConfig`), ``cache`` (the :class:`~psr_hf.policy.LogicalCache`),
     ``layers`` (the patched MoE layers), ``num_layers``, ``num_experts``, ``top_k``, ``capacity``.
     """
+
+    __deepcopy__ = __reduce_ex__ = _refuse_copy  # reached through a submodule that holds it, too
 
     def __init__(self, model: torch.nn.Module, family: Any, layers: list, config: RoutingConfig,
                  calibration: Any, predictor: Any = None):
@@ -625,6 +640,9 @@ class Controller:
             if offload is not None:
                 self._install_offload(offload)
             self._installation.set_attr(self.model, _ATTR, self)
+            # copy.deepcopy and pickle (torch.save(model) too) look these up on the instance first
+            self._installation.set_attr(self.model, "__deepcopy__", _refuse_copy)
+            self._installation.set_attr(self.model, "__reduce_ex__", _refuse_copy)
         except BaseException:
             try:
                 self.uninstall()
