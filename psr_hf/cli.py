@@ -379,17 +379,17 @@ def cmd_kl(args: argparse.Namespace) -> int:
     from .bench.workloads import WINDOW_MODULES, default_texts, model_calibration, module_sources, text_windows
     from .eval.divergence import divergence, format_rows, predictor_pairs, sweep_configs
 
-    model, tokenizer, info = _load_model(args, "kl")
-    beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
     held_out = default_texts(args.model)  # a shipped trained model never saw it; the standard library is in its training
     if held_out and not args.text:
         texts, text_names = [t for _, t in held_out], [n for n, _ in held_out]
     else:
-        texts = [Path(f).read_text(encoding="utf-8") for f in args.text] or [
-            t for _, t in module_sources(WINDOW_MODULES)]
+        texts = _read_texts("--text", args.text) or [t for _, t in module_sources(WINDOW_MODULES)]
         text_names = args.text or [f"stdlib:{m}" for m in WINDOW_MODULES]
-    windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
     residencies, lams = _floats("--residencies", args.residencies), _floats("--lams", args.lams)
+    sweep_configs(residencies, lams, args.budget, predictor=bool(args.predictor))  # bad values fail before loading
+    model, tokenizer, info = _load_model(args, "kl")
+    beside = info.pop("calibration_file", None)  # the record names it by info["calibration"]
+    windows = text_windows(texts, tokenizer, windows=args.windows, tokens=args.tokens)
     # the file given, else the one saved beside the model, else other standard-library modules than the windows'
     calibration, how = model_calibration(model, tokenizer, tokens=args.calibration_tokens,
                                          calibration=args.calibration or None, beside=beside,
@@ -953,6 +953,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: commands whose --out is a folder; every other command's --out, --json, --plot and --markdown is a file
+_FOLDER_OUTPUTS = {"grow"}
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path of the command checked before its work (a failed write after an hour of work loses it)."""
+    from ._paths import check_output
+
+    for name in ("out", "json", "plot", "markdown"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            check_output(f"--{name}", value, directory=name == "out" and args.command in _FOLDER_OUTPUTS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -963,6 +977,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        _check_outputs(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"psr-hf {args.command}: error: {exc}", file=sys.stderr)

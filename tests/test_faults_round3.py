@@ -259,3 +259,47 @@ def test_copying_a_patched_model_fails_naming_psr_hf_and_what_to_do(tmp_path, of
     torch.save(model.state_dict(), tmp_path / "state.pt")  # what the message offers works
     psr_hf.unpatch(model)
     copies[how]()  # and the unpatched model copies as before
+
+
+# ---------------------------------------------------------------------------------------------- outputs first
+def _cli(argv):
+    import time as _time
+
+    from psr_hf.cli import main
+
+    started = _time.perf_counter()
+    code = main(argv)
+    return code, _time.perf_counter() - started
+
+
+@pytest.mark.parametrize("case", ["calibrate-missing-folder", "calibrate-folder", "train-predictor-under-a-file",
+                                  "grow-dangling-link", "kl-json-missing-folder", "kl-plot-missing-folder",
+                                  "kl-text-folder", "kl-residency"])
+def test_outputs_and_inputs_are_checked_before_the_work(tmp_path, capsys, case):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    text = tmp_path / "text.txt"
+    text.write_text("def f():\n    return 1\n" * 50)
+    argv, expected = {
+        "calibrate-missing-folder": (["calibrate", "--model", "tiny-moe", "--text", str(text), "--out",
+                                      str(tmp_path / "no" / "c.safetensors")], "does not exist; create it first"),
+        "calibrate-folder": (["calibrate", "--model", "tiny-moe", "--text", str(text), "--out", str(tmp_path)],
+                             "is a folder; give the file to write"),
+        "train-predictor-under-a-file": (["train-predictor", "--model", "tiny-moe", "--out",
+                                          str(tmp_path / "a_file" / "p.safetensors")], "does not exist"),
+        "grow-dangling-link": (["grow", "--model", "tiny-moe", "--out", str(tmp_path / "dangling")],
+                               "a symbolic link to nothing"),
+        "kl-json-missing-folder": (["kl", "--model", "tiny-moe", "--json", str(tmp_path / "no" / "kl.json")],
+                                   "does not exist; create it first"),
+        "kl-plot-missing-folder": (["kl", "--model", "tiny-moe", "--plot", str(tmp_path / "no" / "kl.png")],
+                                   "does not exist; create it first"),
+        "kl-text-folder": (["kl", "--model", "tiny-moe", "--text", str(tmp_path)], "--text .*: no such file"),
+        "kl-residency": (["kl", "--model", "tiny-moe", "--residencies", "1.5"], "residency=1.5"),
+    }[case]
+    code, seconds = _cli(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    import re
+
+    assert re.search(expected, err), err
+    assert seconds < 5.0  # before loading a model or running anything
