@@ -20,7 +20,7 @@ The child (``_sandbox_child.py``, standard library only) is contained as far as 
   tree, detached descendants included, dies with its first process), and no capabilities (it runs as a
   non-root user of the namespace, uid 65534 there).
 - as root, where the kernel does not enforce RLIMIT_NPROC: a pids cgroup with the same process limit
-  (:mod:`psr_hf.eval._pids_cgroup`), or, where none can be made, an entry in :attr:`Sandbox.not_contained`.
+  (:mod:`psr_hf.eval.pids_cgroup`), or, where none can be made, an entry in :attr:`Sandbox.not_contained`.
 - without them: :attr:`Sandbox.not_contained` lists what is then open (network; writes wherever the user may
   write; the user's other processes; a descendant that kills the monitor may outlive the scorer), and callers log
   it. Descendants are still killed at the end through the monitor, which is their child subreaper.
@@ -174,10 +174,10 @@ class Sandbox:
                   "limits": self.limits.__dict__, "env": env, "cgroup": None}
         cgroup_note = None
         if os.geteuid() == 0:  # the kernel does not enforce RLIMIT_NPROC for root: a pids cgroup does
-            from . import _pids_cgroup
+            from . import pids_cgroup
 
             # the monitor and the worker, then the tasks the worker may add
-            self._cgroup, why = _pids_cgroup.create(self.limits.processes + 2)
+            self._cgroup, why = pids_cgroup.create(self.limits.processes + 2)
             if self._cgroup is not None:
                 config["cgroup"] = str(self._cgroup / "cgroup.procs")
                 cgroup_note = (True, f"process count as root (pids cgroup: at most {self.limits.processes} tasks "
@@ -232,9 +232,9 @@ class Sandbox:
             _remove_tree(self._workdir)
             self._workdir = None
         if getattr(self, "_cgroup", None) is not None:
-            from . import _pids_cgroup
+            from . import pids_cgroup
 
-            _pids_cgroup.remove(self._cgroup)
+            pids_cgroup.remove(self._cgroup)
             self._cgroup = None
         self._broken = self._broken or SandboxBroken("the sandbox is closed")
 
