@@ -232,7 +232,7 @@ def test_calibration_load_refuses_hostile_user_metadata(tmp_path, user, message)
 
 
 @pytest.mark.parametrize("text, message", [
-    ("policy: [psr]\nresidency: 0.5\n", r"policy=\['psr'\] is not supported \(a policy name, a string\)"),
+    ("policy: [psr]\nresidency: 0.5\n", r"policy=\['psr'\] is not supported; allowed: .*\(a policy name, as a string\)"),
     ("policy: !!python/object/apply:os.system ['true']\n", r"YAML tags that build objects are refused"),
     ("policy: psr\n  residency: [0.5\n", r"not valid YAML"),
 ])

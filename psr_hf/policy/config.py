@@ -79,8 +79,8 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or self.policy not in POLICY_TABLE:
-            raise ValueError(f"policy={self.policy!r} is not supported (a policy name, a string); allowed: "
-                             f"{', '.join(POLICIES)}")
+            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)} (a policy "
+                             "name, as a string)")
         for name, default in self.definition.defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
