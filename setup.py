@@ -6,12 +6,14 @@ start, which registers the
 psr_hf/eval/lm_eval_hook.py explains why and how). A regular wheel gets the .pth from build_lib; an editable
 install (PEP 660, ``pip install -e .``) gets it in the editable wheel, which setuptools assembles from the folder
 that ``install_lib`` points at, beside its own ``__editable__`` finder (whose .pth sorts first, so
-``_psr_hf_lm_eval`` is importable when ours runs). Everything else is in pyproject.toml.
+``_psr_hf_lm_eval`` is importable when ours runs). Also the package list, found rather than written out
+(pyproject.toml cannot combine finding packages with one mapped from another folder). Everything else is in
+pyproject.toml.
 """
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "psr_hf_lm_eval.pth"
@@ -44,4 +46,8 @@ class build_py_with_pth(build_py):
 
 
 # egg_base: the metadata folder stays at the top (setuptools would put it in startup/, the "" package dir)
-setup(cmdclass={"build_py": build_py_with_pth}, options={"egg_info": {"egg_base": "."}})
+# every package under psr_hf/ is found, none listed by hand (a listed one can be forgotten: a wheel without
+# psr_hf.prefetch once shipped); patches/ is the one mapped from elsewhere (package-dir in pyproject.toml)
+PACKAGES = sorted({*find_packages(include=["psr_hf", "psr_hf.*"]), "psr_hf.patches"})
+
+setup(cmdclass={"build_py": build_py_with_pth}, options={"egg_info": {"egg_base": "."}}, packages=PACKAGES)

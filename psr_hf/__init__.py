@@ -34,7 +34,13 @@ _LAZY = {
 __all__ = ["RoutingConfig", "__version__", *_LAZY]
 
 
+#: subpackages reachable as attributes (``psr_hf.engine.compile(model)`` after ``import psr_hf``), imported on use
+_SUBPACKAGES = ("assets", "bench", "engine", "eval", "hf", "offload", "patches", "policy", "prefetch", "testing")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"psr_hf.{name}")  # the import sets the attribute on the package
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'psr_hf' has no attribute {name!r}")
@@ -44,4 +50,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_SUBPACKAGES})

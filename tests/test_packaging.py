@@ -177,6 +177,40 @@ def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry
     for required in ("psr_hf/eval/sandbox.py", "psr_hf/eval/_sandbox_child.py"):  # the HumanEval code runner
         assert required in names, sorted(names)
     assert not [name for name in names if name.endswith((".nbi", ".nbc"))]  # numba caches stay out of the wheel
+    # every package of the tree ships (found, not listed: a listed one can be forgotten)
+    packages = sorted(str(p.parent.relative_to(REPO)) for p in (REPO / "psr_hf").rglob("__init__.py")
+                      if "__pycache__" not in p.parts and not p.parent.is_symlink())
+    assert "psr_hf/prefetch" in packages
+    for package in packages:
+        assert f"{package}/__init__.py" in names, package
+    assert not any("moonlight_routing" in name for name in names)  # built on the user's machine, never shipped
+    _import_every_module_from_the_installed_wheel(wheels[0], tmp_path / "site")
+
+
+def _import_every_module_from_the_installed_wheel(wheel: Path, site: Path) -> None:
+    """Install the wheel alone into ``site`` and import every module of psr_hf from there, not from this tree."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                           "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    code = textwrap.dedent(
+        f"""
+        import importlib, pkgutil, sys
+        sys.path.insert(0, {str(site)!r})
+        import psr_hf
+        assert psr_hf.__file__.startswith({str(site)!r}), psr_hf.__file__
+        names = sorted(m.name for m in pkgutil.walk_packages(psr_hf.__path__, "psr_hf.")
+                       if not m.name.endswith("_sandbox_child"))
+        for name in names:
+            module = importlib.import_module(name)
+            assert module.__file__.startswith({str(site)!r}), (name, module.__file__)
+        for name in ("engine", "prefetch", "eval"):  # reachable as attributes of the package
+            assert getattr(psr_hf, name).__name__ == "psr_hf." + name
+        print(len(names))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=site, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) > 40
 
 
 def test_policy_replay_is_the_function_even_after_every_submodule_is_imported():
