@@ -135,20 +135,18 @@ def test_unknown_psr_hf_attribute_raises_attribute_error():
 
 @pytest.mark.slow
 def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry_point(tmp_path):
-    created = [REPO / "build", REPO / "psr_hf.egg-info"]
-    existed = {path: path.exists() for path in created}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        for path, was_there in existed.items():
-            if not was_there and path.exists():
-                shutil.rmtree(path)
+    # built from a copy of the sources, so that no build/ or egg-info left in the tree by an earlier build feeds it
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".models", "out", "shards_*", "run_*", "build", "dist", "*.egg-info", "__pycache__",
+        "benchmarks", "tests", "*.nbi", "*.nbc"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path)],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     wheels = list(tmp_path.glob("psr_hf-*.whl"))
     assert len(wheels) == 1, wheels
