@@ -264,8 +264,8 @@ def test_result_objects_have_short_one_line_reprs():
 _COUNT_COMPILES = """
 import sys, torch
 from numba.core import event
+from psr_hf.testing import tiny_model  # first, as a notebook would: every kernel module must still cache
 import psr_hf
-from psr_hf.testing import tiny_model
 compiled = []
 class L(event.Listener):
     def on_start(self, ev): compiled.append(str(ev.data.get("dispatcher", "")))
@@ -273,9 +273,13 @@ class L(event.Listener):
 event.register("numba:compile", L())
 model = tiny_model(sys.argv[1])
 ids = torch.arange(12).reshape(1, 12)
-psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, capacity=8),
-             calibration=psr_hf.calibrate(model, ids, max_length=12, progress=False))
-model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+calibration = psr_hf.calibrate(model, ids, max_length=12, progress=False)
+for offload in (None, psr_hf.OffloadConfig(device="cpu")):  # the policy's kernels, then the slot scheduler's too
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, capacity=8), calibration=calibration,
+                 offload=offload)
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model(ids.repeat(2, 1))  # a block of rows
+    psr_hf.unpatch(model)
 print("COMPILED", len(compiled))
 """
 
@@ -297,12 +301,18 @@ def test_warm_up_fills_the_numba_cache_so_a_first_generate_compiles_nothing(tmp_
     import subprocess
     import sys
 
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), OMP_NUM_THREADS="1")
+    from pathlib import Path
+
+    # the user's default cache folder (no NUMBA_CACHE_DIR): where psr_hf puts it, whichever module loads first
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     assert _compiles("olmoe", env) > 0  # an empty cache compiles
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba2")
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache2")
     warm = subprocess.run([sys.executable, "-m", "psr_hf.cli", "warm-up"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert "policy kernels compiled and cached" in warm.stdout
     assert _compiles("olmoe", env) == 0
     assert _compiles("deepseek_v3", env) == 0  # the sigmoid-with-bias router's argument types too
+    package = Path(__file__).resolve().parents[1] / "psr_hf"
+    assert not list(package.rglob("*.nbi")) and not list(package.rglob("*.nbc"))  # nothing beside the sources

@@ -56,7 +56,7 @@ def user_cache_dir() -> str:
 
 # numba picks a function's cache folder when @njit(cache=True) runs (numba.config.CACHE_DIR, read from
 # NUMBA_CACHE_DIR at numba's import), so it is set here, before the decorators below and before those of
-# ._mass, which psr_hf imports after this module. It stays set for the process (numba.config only; the
+# ._mass and offload.slot_book, which import this module first. It stays set for the process (numba.config only; the
 # environment is left alone): numba functions defined later elsewhere cache there too, in a subfolder named after
 # their source path, instead of beside their sources. A NUMBA_CACHE_DIR of the user's always wins.
 if not numba.config.CACHE_DIR:
