@@ -714,8 +714,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("grow", help="grow a small trained MoE model to real-size dimensions (OLMoE-1B-7B, "
                                     "Moonlight-16B-A3B) that compute exactly its function: same routing, real-size "
                                     "experts for latency benchmarks")
-    p.add_argument("--model", required=True, help="tiny-moe, a model directory (transformers format, with its "
-                                                   "tokenizer) or a hub id owner/name in the local hub cache")
+    p.add_argument("--model", required=True, help="tiny-moe, olmoe-routing, a model directory (transformers format, "
+                                                   "with its tokenizer) or a hub id owner/name in the local hub "
+                                                   "cache")
     p.add_argument("--target", help="olmoe-1b-7b or moonlight-16b-a3b (default: the preset of the model's family)")
     p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="replace one dimension of the target (repeatable), e.g. a reduced target of the same code "
@@ -767,7 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "grown-moonlight-routing (the same for Moonlight-16B-A3B), random-olmoe-1b-7b (random "
                         "weights, bf16), tiny (random, CPU-sized, float32), a shipped model (tiny-moe, "
                         "olmoe-routing, moonlight-routing: float32), a model directory or a hub id owner/name")
-    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu with --model tiny)")
+    p.add_argument("--device", default=None, help="torch device (default: cpu for the small models tiny, tiny-moe, "
+                                                  "olmoe-routing and moonlight-routing, cuda:0 for the others)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, at least 3 (default 3)")
     p.add_argument("--windows", type=int, default=2, help="text windows per round (default 2)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode positions per window (default 128)")
@@ -815,7 +817,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="grown-olmoe-routing",
                    help="as in psr-hf bench (default grown-olmoe-routing); a grown model's divergence is measured "
                         "on the small trained model it was grown from (same function, float32)")
-    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu for the small models)")
+    p.add_argument("--device", default=None, help="torch device (default: cpu for the small models tiny, tiny-moe, "
+                                                  "olmoe-routing and moonlight-routing, cuda:0 for the others)")
     p.add_argument("--residencies", default="0.5,0.25", help="residencies (default 0.5,0.25; the paper adds 0.375 "
                                                              "for Moonlight)")
     p.add_argument("--lams", default="0.1,0.15,0.2,0.25,0.3", help="bonus scales (default 0.1,0.15,0.2,0.25,0.3)")
@@ -904,7 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="grown-olmoe-routing",
                    help="grown-olmoe-routing (default; for a GPU), tiny-moe, olmoe-routing, tiny, a model directory "
                         "or a hub id owner/name")
-    p.add_argument("--device", default="cuda:0", help="torch device (default cuda:0; cpu for the small models)")
+    p.add_argument("--device", default=None, help="torch device (default: cpu for the small models tiny, tiny-moe, "
+                                                  "olmoe-routing and moonlight-routing, cuda:0 for the others)")
     p.add_argument("--tokens", type=int, default=64, help="decode positions measured (default 64)")
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (default 8)")
     p.add_argument("--copies", type=int, default=20, help="timed copies of one expert (default 20)")
@@ -957,6 +961,25 @@ def build_parser() -> argparse.ArgumentParser:
 _FOLDER_OUTPUTS = {"grow"}
 
 
+#: the models small enough for a CPU: where --device is not given, they run there
+SMALL_MODELS = ("tiny", "tiny-moe", "olmoe-routing", "moonlight-routing")
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """Resolve a --device left out (small models: cpu, others: cuda:0) and refuse a CUDA device that this torch
+    cannot use, before anything loads."""
+    if not hasattr(args, "device"):
+        return
+    if args.device is None:
+        args.device = "cpu" if getattr(args, "model", None) in SMALL_MODELS else "cuda:0"
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device visible"
+            raise ValueError(f"--device {args.device}: torch sees no CUDA device ({build}); use --device cpu")
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every output path of the command checked before its work (a failed write after an hour of work loses it)."""
     from ._paths import check_output
@@ -977,6 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        _check_device(args)
         _check_outputs(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:

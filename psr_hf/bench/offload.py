@@ -913,7 +913,8 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
     With engine rows (``engine_*``) also the engine's goals: ms/token bounds (the 95% t-interval of the per-round
     means against the bound, the same met / not met / not shown rule; ``ms`` holds the mean) and ratios within the
     engine rows. They are evaluated only when ``cuda`` is True (the device of the run); otherwise their status is
-    ``needs a GPU``."""
+    ``needs a GPU``. Every goal was set for the H200: with ``cuda`` False (a CPU run) none is judged, each is ``needs
+    a GPU``; ``cuda`` None (unknown) judges the transformers-path goals only."""
     goals = []
 
     def side(value: float, bound: float, op: str) -> bool:
@@ -949,6 +950,9 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
             goal(f"{policy}{suffix} faster than exact_lru{suffix} (exact_lru / psr > 1)", "exact_lru" + suffix,
                  policy + suffix, 1.0, ">")
 
+    if cuda is False:
+        for entry in goals:
+            entry.update(status=NEEDS_GPU, ratio=None, ci95=None, p=None, significant=None, point=None)
     if not any(str(row["configuration"]).startswith(ENGINE_PREFIX) for row in rows):
         return goals
     by_name = {row["configuration"]: row for row in rows}
@@ -1277,8 +1281,8 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
     lines.append("")
     for g in record["goals"]:
         if g["status"] == NEEDS_GPU:
-            lines.append(f"goal {g['goal']}: {NEEDS_GPU} (this run: {machine['device']}; engine goals are evaluated "
-                         "on CUDA only)")
+            lines.append(f"goal {g['goal']}: {NEEDS_GPU} (this run: {machine['device']}; the goals were set for "
+                         "the H200 and are judged on CUDA only)")
             continue
         if g.get("ms") is not None or g.get("us") is not None:
             lo, hi = g["ci95"]

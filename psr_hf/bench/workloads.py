@@ -137,7 +137,8 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
     :func:`byte_tokenizer` on real text. Every experts implementation is ``grouped_mm``."""
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (with --model tiny)")
+        raise ValueError(f"--device {device} but torch sees no CUDA device; use --device cpu (a small model: "
+                         "tiny, tiny-moe, olmoe-routing)")
     if model in GROWN:
         return _load_grown(model, target)
     if model in (RANDOM_OLMOE, TINY):

@@ -1,0 +1,59 @@
+"""First use, round 2: what a new user hits first (the wheel, the package's attributes, devices, goals on a CPU,
+the numba cache). Each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+@pytest.mark.parametrize("argv", [["grow", "--model", "tiny-moe", "--device", "cuda"],
+                                  ["sweep", "--model", "grown-olmoe-routing"],
+                                  ["bench", "--model", "tiny", "--device", "cuda:0"]])
+def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_loads(tmp_path, capsys, argv):
+    import time
+
+    from psr_hf.cli import main
+
+    if argv[0] == "grow":
+        argv = argv + ["--out", str(tmp_path / "grown")]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "torch sees no CUDA device" in err and "use --device cpu" in err and "Traceback" not in err
+    assert time.perf_counter() - started < 5.0
+
+
+@pytest.mark.parametrize("model, device", [("tiny-moe", "cpu"), ("olmoe-routing", "cpu"), ("tiny", "cpu"),
+                                           ("grown-olmoe-routing", "cuda:0")])
+@pytest.mark.parametrize("command", ["sweep", "bench", "profile-window"])
+def test_small_models_run_on_the_cpu_unless_told_otherwise(command, model, device):
+    from psr_hf.cli import _check_device, build_parser
+
+    args = build_parser().parse_args([command, "--model", model])
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            _check_device(args)
+    else:
+        _check_device(args)
+        assert args.device == device
+
+
+def test_grow_help_names_the_shipped_models(capsys):
+    from psr_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["grow", "--help"])
+    out = capsys.readouterr().out
+    assert "tiny-moe" in out and "olmoe-routing" in out
+
+
+def test_import_psr_hf_makes_every_subpackage_an_attribute():
+    import psr_hf
+
+    assert psr_hf.engine.__name__ == "psr_hf.engine" and hasattr(psr_hf.engine, "compile")
+    assert psr_hf.prefetch.__name__ == "psr_hf.prefetch" and psr_hf.eval.__name__ == "psr_hf.eval"
+    assert {"engine", "prefetch", "eval"} <= set(dir(psr_hf))
+    with pytest.raises(AttributeError):
+        psr_hf.no_such_thing
