@@ -57,3 +57,22 @@ def test_import_psr_hf_makes_every_subpackage_an_attribute():
     assert {"engine", "prefetch", "eval"} <= set(dir(psr_hf))
     with pytest.raises(AttributeError):
         psr_hf.no_such_thing
+
+
+def test_patch_uses_the_calibration_beside_a_model_loaded_from_its_folder(caplog):
+    import logging
+
+    import psr_hf
+    from psr_hf.assets import TINY_MOE, load_shipped
+
+    model, _, shipped = load_shipped("tiny-moe")
+    assert model.config._name_or_path and psr_hf.Calibration.load(TINY_MOE / "calibration.safetensors")
+    with caplog.at_level(logging.INFO, logger="psr_hf"):
+        psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5))
+    ctl = psr_hf.controller(model)
+    assert (ctl.calibration.expert_counts == shipped.expert_counts).all()
+    assert "using the calibration beside the model" in caplog.text and "no calibration" not in caplog.text
+    psr_hf.unpatch(model)
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5), calibration=False)
+    assert not (psr_hf.controller(model).calibration.expert_counts == shipped.expert_counts).all()
+    psr_hf.unpatch(model)

@@ -54,8 +54,10 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
         model: a transformers MoE model of a supported family (OLMoE, DeepSeek-V3/Moonlight, Qwen3.5/3.6-MoE,
             Qwen3-Next), loaded with its native class.
         config: a :class:`RoutingConfig` (or a dict of its fields, or a path to its YAML file).
-        calibration: a :class:`Calibration`, a path to one, or None: then the running bonus scale, warm set = the
-            first C experts and a zero token prior are used, with a warning that recommends calibrating.
+        calibration: a :class:`Calibration`, a path to one, or None: the ``calibration.safetensors`` beside the
+            model when it was loaded from a folder that has one (``psr-hf calibrate --out`` writes it there; the
+            shipped models have one), logged; else, and with ``False``, the running bonus scale, warm set = the
+            first C experts and a zero token prior, with a warning that recommends calibrating.
         offload: None (the experts stay where the model put them), or a :class:`~psr_hf.OffloadConfig` (or a
             device string such as ``"cuda:0"``): every non-expert weight moves to its device, the routed experts to
             a host store, and each MoE layer gets ``capacity`` expert slots on the device that follow the logical
@@ -77,6 +79,13 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             "configuration (psr_hf.controller(model) gives the current one)"
         )
     routing = RoutingConfig.coerce(config)
+    if calibration is None:
+        calibration = _calibration_beside(model)
+        if calibration is not None:
+            logger.info("psr_hf.patch: using the calibration beside the model, %s (calibration=False: none)",
+                        calibration)
+    elif calibration is False:
+        calibration = None
     family = _family(model)
     layers = family.moe_layers()
     if not layers:
@@ -91,6 +100,18 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
     logger.info("psr_hf: patched %d MoE layers of %s (%s), capacity %d of %d experts", ctl.num_layers,
                 type(model).__name__, routing.policy, ctl.capacity, ctl.num_experts)
     return model
+
+
+def _calibration_beside(model: torch.nn.Module) -> Any:
+    """The ``calibration.safetensors`` in the folder ``model`` was loaded from, if it has one (else None)."""
+    import os
+
+    from ..assets import calibration_beside
+
+    source = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not isinstance(source, str) or not source or not os.path.isdir(source):
+        return None
+    return calibration_beside(source)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
