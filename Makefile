@@ -39,9 +39,12 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "make: using the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else \
+		echo "make: installing $(TORCH_SPEC) (the CPU build) into $(VENV)"; \
 		$(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
 	fi
+	@echo "make: installing psr_hf and its dependencies ($(EXTRAS)) into $(VENV): about 2 minutes, quietly"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@echo "make: compiling the policy kernels into the numba cache (psr-hf warm-up, about 20 s)"
 	$(VENV)/bin/psr-hf warm-up
 	@touch $(STAMP)
 

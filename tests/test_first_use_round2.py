@@ -76,3 +76,19 @@ def test_patch_uses_the_calibration_beside_a_model_loaded_from_its_folder(caplog
     psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5), calibration=False)
     assert not (psr_hf.controller(model).calibration.expert_counts == shipped.expert_counts).all()
     psr_hf.unpatch(model)
+
+
+def test_a_misspelled_policy_gets_a_suggestion():
+    import psr_hf
+
+    with pytest.raises(ValueError, match=r"policy='pssr' is not supported; allowed: .*did you mean 'psr'\?"):
+        psr_hf.RoutingConfig(policy="pssr", residency=0.5)
+
+
+@pytest.mark.parametrize("name, hint", [("calibration", "make one with psr-hf calibrate"),
+                                        ("predictor", "train one with psr-hf train-predictor")])
+def test_a_missing_lm_eval_file_says_how_to_make_one(name, hint):
+    from psr_hf.eval.lm_model import _existing_file
+
+    with pytest.raises(ValueError, match=rf"{name}='nowhere.safetensors': no such file; {hint}"):
+        _existing_file(name, "nowhere.safetensors")

@@ -246,6 +246,11 @@ def test_grow_pretrained_saves_a_deepseek_model_that_reloads_exactly(tmp_path):
     small = AutoModelForCausalLM.from_pretrained(tmp_path / "small", dtype=torch.float32).eval()
     big = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert big.config.kv_lora_rank == 64 and (out / "tokenizer.json").is_file()
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as the user's files are
     assert torch.equal(big.model.layers[1].mlp.gate.e_score_correction_bias,
                        small.model.layers[1].mlp.gate.e_score_correction_bias)
     ids = _ids(small.config.vocab_size, seed=7)

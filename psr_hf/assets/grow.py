@@ -61,6 +61,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -631,6 +632,16 @@ def _check_rotary(big: Any, small: Any, b: _Dims, s: _Dims, family: str) -> None
 
 
 # ---------------------------------------------------------------------------------------------------- on disk
+def _usual_modes(folder: Path) -> None:
+    """Give the files in ``folder`` the mode a new file gets under the user's umask (safetensors writes its file
+    through a private temporary file, mode 0600, which other users of a shared model folder could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def grow_pretrained(src_dir: str | Path, out_dir: str | Path, target: GrowTarget | str | None = None, *,
                     dtype: torch.dtype = torch.bfloat16, device: Any = "cpu") -> Path:
     """Load the model directory ``src_dir``, grow it to ``target`` (default: its family's preset) and save it to
@@ -673,5 +684,6 @@ def grow_pretrained(src_dir: str | Path, out_dir: str | Path, target: GrowTarget
         "rms_norm_eps": {"source": model.config.rms_norm_eps, "grown": big.config.rms_norm_eps},
     }
     (out / "grown_from.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    _usual_modes(out)
     logger.info("saved the grown model to %s (copied %s)", out, ", ".join(copied) or "no tokenizer files")
     return out

@@ -729,7 +729,8 @@ class Comparison:
                   f"after Holm's correction over the table's {tests} tests (alpha = {self.alpha:g}); †: p < "
                   f"{self.alpha:g} before correction only."]
         if in_mean:
-            legend.append(f"Mean: average over the {len(in_mean)} tasks ({', '.join(c.name for c in in_mean)}) "
+            legend.append(f"Mean: average over the {len(in_mean)} task{'s' if len(in_mean) != 1 else ''} "
+                          f"({', '.join(c.name for c in in_mean)}) "
                           f"± {self.level:.0%} interval treating tasks as independent.")
         for column in self.columns:
             if column.unit != "points":

@@ -97,7 +97,9 @@ def _existing_file(name: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, Path)) or not Path(value).is_file():
-        raise ValueError(f"psr_hf model arg {name}={value!r}: no such file")
+        hint = {"calibration": "; make one with psr-hf calibrate --model MODEL --text FILE --out FILE",
+                "predictor": "; train one with psr-hf train-predictor --model MODEL --out FILE"}.get(name, "")
+        raise ValueError(f"psr_hf model arg {name}={value!r}: no such file{hint}")
     return str(value)
 
 

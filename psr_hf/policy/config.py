@@ -79,8 +79,11 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or self.policy not in POLICY_TABLE:
-            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)} (a policy "
-                             "name, as a string)")
+            import difflib
+
+            close = difflib.get_close_matches(str(self.policy), POLICIES, n=1) if isinstance(self.policy, str) else []
+            hint = f"; did you mean {close[0]!r}?" if close else " (a policy name, as a string)"
+            raise ValueError(f"policy={self.policy!r} is not supported; allowed: {', '.join(POLICIES)}{hint}")
         for name, default in self.definition.defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
