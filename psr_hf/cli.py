@@ -30,7 +30,7 @@ DESCRIPTION = (
     "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
 )
 # hidden size up to which a model counts as small: one torch thread on a CPU (see the module docstring)
-SMALL_HIDDEN = 512
+from ._threads import SMALL_HIDDEN  # noqa: E402  (torch-free)
 THREADS_HELP = ("torch intra-op threads (and numba's); default: 1 for a small model on a CPU (hidden size <= "
                 f"{SMALL_HIDDEN}), torch's default otherwise, or OMP_NUM_THREADS where it is set")
 
@@ -54,9 +54,10 @@ def _set_threads(args: argparse.Namespace, *, device: str = "cpu", hidden_size: 
 
         torch.set_num_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    elif not os.environ.get("OMP_NUM_THREADS") and torch.device(device).type == "cpu" and \
-            hidden_size is not None and hidden_size <= SMALL_HIDDEN:
-        torch.set_num_threads(1)
+    else:
+        from ._threads import decide
+
+        decide(hidden_size, device)
     logging.getLogger("psr_hf.cli").info("torch intra-op threads: %d", torch.get_num_threads())
     return torch.get_num_threads()
 

@@ -148,13 +148,14 @@ def test_a_compiled_generate_past_max_len_counts_and_records_the_sequence_once()
 # ---------------------------------------------------------------------------------------------- CPU determinism
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
-def test_cpu_offload_is_bitwise_deterministic_across_calls_and_slot_layouts(family, threads):
+def test_cpu_offload_is_bitwise_deterministic_across_calls_and_slot_layouts(family, threads, monkeypatch):
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    monkeypatch.setenv("PSR_HF_THREADS", str(threads))  # patch() would give a small CPU model one thread
     try:
         model = tiny_model(family)
         psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
                      offload=OffloadConfig(device="cpu"))
+        assert torch.get_num_threads() == threads
         block = _ids(9, 2, 12)
         logits, generated, layouts = [], [], set()
         for i in range(3):

@@ -92,3 +92,33 @@ def test_a_missing_lm_eval_file_says_how_to_make_one(name, hint):
 
     with pytest.raises(ValueError, match=rf"{name}='nowhere.safetensors': no such file; {hint}"):
         _existing_file(name, "nowhere.safetensors")
+
+
+@pytest.mark.parametrize("env, expected", [({}, 1), ({"PSR_HF_THREADS": "2"}, 2), ({"OMP_NUM_THREADS": "2"}, 2)])
+def test_patch_gives_a_small_cpu_model_one_thread_unless_the_user_chose(monkeypatch, env, expected):
+    import psr_hf
+    from psr_hf.testing import tiny_model
+
+    for name in ("PSR_HF_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = tiny_model("olmoe")
+        psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5))
+        assert torch.get_num_threads() == expected
+        torch.set_num_threads(2)  # after patch(): the user's call wins
+        assert torch.get_num_threads() == 2
+        psr_hf.unpatch(model)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_bad_thread_count_is_a_clear_error(monkeypatch):
+    from psr_hf._threads import decide
+
+    monkeypatch.setenv("PSR_HF_THREADS", "many")
+    with pytest.raises(ValueError, match=r"PSR_HF_THREADS='many': give a number of threads >= 1"):
+        decide(64, "cpu")
