@@ -37,7 +37,7 @@ THREADS_HELP = ("torch intra-op threads (and numba's); default: 1 for a small mo
 
 def _err(message: str) -> None:
     """A line on stderr that does not break a progress bar."""
-    from tqdm.auto import tqdm
+    from ._progress import tqdm
 
     tqdm.write(message, file=sys.stderr)
 

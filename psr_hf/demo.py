@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from ._progress import tqdm
 
 from .policy.config import RoutingConfig
 from .hf.calibrate import calibrate

@@ -62,7 +62,7 @@ def warm_up(families: tuple[str, ...] = ("olmoe", "deepseek_v3"), progress: bool
     the kernels are compiled for exactly the argument types the controller passes. ``progress``: a tqdm bar on
     stderr. Returns the number of runs.
     """
-    from tqdm.auto import tqdm
+    from ._progress import tqdm
 
     from .hf.calibrate import calibrate
     from .hf.patching import patch, unpatch

@@ -17,6 +17,7 @@ ROOMS: dict[str, tuple[int, str]] = {
     "psr_hf._paths": (0, "library: helpers"),
     "psr_hf._metadata": (0, "library: helpers"),
     "psr_hf._threads": (0, "library: helpers"),
+    "psr_hf._progress": (0, "library: helpers"),
     "psr_hf.policy": (0, "library: policy"),
     "psr_hf.assets": (1, "library: assets"),
     "psr_hf.patches": (1, "library: patches"),

@@ -103,6 +103,8 @@ def load_shipped(name: str, dtype: Any = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, calibration)`` of the shipped model ``name`` (:data:`SHIPPED`), in eval mode
     (``dtype``: default float32; the weights are stored in bfloat16), with psr_hf's thread decision for a small
     model on the CPU applied (:mod:`psr_hf._threads`: one torch thread unless you chose)."""
+    from .. import _progress  # noqa: F401  (before transformers: a notebook without ipywidgets shows no warning)
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..hf.controller import cache_keyword
 from ..hf.patching import controller, patch, unpatch

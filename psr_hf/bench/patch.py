@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..policy.cache import LogicalCache
 from ..policy.config import RoutingConfig

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..policy.config import RoutingConfig
 from .offload import (CALIBRATION_TOKENS, ENGINE_PREFIX, ENGINE_RESIDENT, MIN_ROUNDS, RESIDENT, BenchConfig,

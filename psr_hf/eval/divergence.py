@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from .._progress import tqdm
 
 from ..policy.calibration import Calibration, CalibrationBuilder
 

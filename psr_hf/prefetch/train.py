@@ -186,7 +186,7 @@ def record_router_inputs_with_positions(model: nn.Module, windows: Any, *, batch
     handles = [layer.router.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, layer in enumerate(layers)]
     per_layer: list[list[torch.Tensor]] = [[] for _ in layers]
     positions = []
-    from tqdm.auto import tqdm
+    from .._progress import tqdm
 
     bar = tqdm(total=sum(w.numel() for w in windows), unit="tok", desc="router inputs", disable=not progress)
     try:
@@ -404,7 +404,7 @@ def fit(module: nn.Module, weights: Sequence[torch.Tensor], router_inputs: Seque
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     gen = torch.Generator().manual_seed(seed)
     autocast = dtype == torch.bfloat16
-    from tqdm.auto import tqdm
+    from .._progress import tqdm
 
     module.train()
     last = float("nan")
