@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import psr_hf
+from psr_hf.hf.controller import cache_keyword
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.offload.scheduler import SlotScheduler, ThreadLink
 from psr_hf.testing import FAMILIES, tiny_model
@@ -131,10 +132,10 @@ def test_continuing_the_interrupted_sequence_raises_and_a_new_one_works():
         past = model(input_ids=ids, use_cache=True).past_key_values
         stop = _Stop(ctl.layers[1].block, KeyboardInterrupt, at_forward=0, before=False)
         with pytest.raises(KeyboardInterrupt):
-            model(input_ids=torch.tensor([[7]]), past_key_values=past)
+            model(input_ids=torch.tensor([[7]]), **{cache_keyword(model): past})
         stop.handle.remove()
         with pytest.raises(RuntimeError, match=r"stopped part-way \(KeyboardInterrupt\).*Start a new sequence"):
-            model(input_ids=torch.tensor([[7]]), past_key_values=past)
+            model(input_ids=torch.tensor([[7]]), **{cache_keyword(model): past})
     tokens, _ = _generate(model, ids)
     assert torch.equal(tokens, _fresh("olmoe", "psr", "resident", ids)[0])
     psr_hf.unpatch(model)
@@ -304,7 +305,7 @@ def test_weights_changed_in_the_middle_of_a_sequence_are_used_from_the_next_step
             for step in range(6):
                 if step == 2:
                     _scale_first_layer(model)
-                out = model(input_ids=token, past_key_values=past, use_cache=True)
+                out = model(input_ids=token, use_cache=True, **{cache_keyword(model): past})
                 past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 steps.append(out.logits)
         outputs.append(torch.cat(steps))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import psr_hf
+from psr_hf.hf.controller import cache_keyword
 import psr_hf.engine
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.testing import tiny_model
@@ -94,7 +95,7 @@ def test_a_compiled_model_converted_to_another_dtype_fails_naming_the_engine():
 # ---------------------------------------------------------------------------------------------- continuation
 def _step(model, token, cache):
     with torch.no_grad():
-        return model(input_ids=token, past_key_values=cache, use_cache=True)
+        return model(input_ids=token, use_cache=True, **{cache_keyword(model): cache})
 
 
 @pytest.mark.parametrize("longer", [False, True])  # the prompt in between shorter or longer than the first
@@ -119,7 +120,7 @@ def test_continuing_the_same_cache_and_generate_with_it_still_work():
     ids = _ids(7, 1, 4)
     with torch.no_grad():
         first = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3,
+        more = model.generate(first.sequences, **{cache_keyword(model): first.past_key_values}, max_new_tokens=3,
                               do_sample=False, pad_token_id=0)
     assert more.shape[1] == first.sequences.shape[1] + 3
 

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, OlmoeForCausalLM
 
 import psr_hf
+from psr_hf.hf.controller import cache_keyword
 from psr_hf import RoutingConfig
 from psr_hf.hf.controller import Installation
 from psr_hf.testing import FAMILIES, tiny_config, tiny_model
@@ -167,7 +168,7 @@ def test_a_batch_size_change_while_continuing_a_sequence_raises(model):
     with torch.no_grad():
         past = model(input_ids=IDS, use_cache=True).past_key_values
         with pytest.raises(RuntimeError, match="a batch of 2 rows continues a cached sequence of 1 rows"):
-            model(input_ids=torch.tensor([[5], [6]]), past_key_values=past)
+            model(input_ids=torch.tensor([[5], [6]]), **{cache_keyword(model): past})
 
 
 def test_inputs_embeds_without_ids_raise_when_the_token_prior_is_needed(model):
