@@ -165,6 +165,25 @@ def _victim(slots, layer, protect, avoid):
 
 
 @njit(cache=True, nogil=True)
+def _load(slots, experts, misc, queue, flying, actions, layer, expert, protect, avoid, kind):
+    """Put ``expert`` in the slot :func:`_victim` picks; NO_FREE_SLOT (the layer noted) when every slot is
+    protected."""
+    slot = _victim(slots, layer, protect, avoid)
+    if slot < 0:
+        misc[ERROR_LAYER] = layer
+        return NO_FREE_SLOT
+    _assign(slots, experts, misc, queue, flying, actions, layer, expert, slot, kind)
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def _queued(slots, queue, row):
+    """Whether queue entry ``row`` is still its slot's job and not issued yet (else it was dropped or issued)."""
+    layer, slot = queue[row, 0], queue[row, 1]
+    return slots[layer, J_ID, slot] == queue[row, 2] and slots[layer, J_STATE, slot] == QUEUED
+
+
+@njit(cache=True, nogil=True)
 def _insert(slots, experts, misc, queue, flying, actions, layer, expert, evicted, kind, avoid):
     """Follow a logical insertion of ``expert`` (evicting ``evicted``, -1: a free slot): the evicted expert's slot
     if it holds one, else a slot outside the logical cache ``avoid``. Nothing if ``expert`` is in a slot."""
@@ -172,10 +191,7 @@ def _insert(slots, experts, misc, queue, flying, actions, layer, expert, evicted
         return OK
     slot = experts[layer, evicted] if evicted >= 0 else -1
     if slot < 0:
-        slot = _victim(slots, layer, experts[layer, :0], avoid)
-        if slot < 0:
-            misc[ERROR_LAYER] = layer
-            return NO_FREE_SLOT
+        return _load(slots, experts, misc, queue, flying, actions, layer, expert, experts[layer, :0], avoid, kind)
     _assign(slots, experts, misc, queue, flying, actions, layer, expert, slot, kind)
     return OK
 
@@ -189,13 +205,10 @@ def _use(slots, experts, misc, queue, flying, actions, layer, chosen, avoid):
     clock = misc[CLOCK]
     for i in range(chosen.shape[0]):
         e = chosen[i]
+        if experts[layer, e] < 0 and _load(slots, experts, misc, queue, flying, actions, layer, e, chosen, avoid,
+                                           DEMAND) != OK:
+            return NO_FREE_SLOT
         slot = experts[layer, e]
-        if slot < 0:
-            slot = _victim(slots, layer, chosen, avoid)
-            if slot < 0:
-                misc[ERROR_LAYER] = layer
-                return NO_FREE_SLOT
-            _assign(slots, experts, misc, queue, flying, actions, layer, e, slot, DEMAND)
         slots[layer, S_LAST_USE, slot] = clock
         if slots[layer, J_KIND, slot] == NO_JOB or slots[layer, J_USED, slot]:
             continue
@@ -273,9 +286,8 @@ def pump(slots, experts, misc, queue, flying, actions):
     while misc[Q_HEAD] < misc[Q_TAIL] and misc[F_TAIL] - misc[F_HEAD] < misc[MAX_IN_FLIGHT]:
         row = misc[Q_HEAD] % Q
         misc[Q_HEAD] += 1
-        layer, slot = queue[row, 0], queue[row, 1]
-        if slots[layer, J_ID, slot] == queue[row, 2] and slots[layer, J_STATE, slot] == QUEUED:
-            _issue(slots, experts, misc, flying, actions, layer, slot)
+        if _queued(slots, queue, row):
+            _issue(slots, experts, misc, flying, actions, queue[row, 0], queue[row, 1])
     return _outcome(slots, misc, flying, actions, queue, OK)
 
 
@@ -284,12 +296,9 @@ def warm(slots, experts, misc, queue, flying, actions, layer, wanted):
     """A sequence starts: copy the experts of ``wanted`` not in a slot yet, never evicting one of ``wanted``."""
     for i in range(wanted.shape[0]):
         e = wanted[i]
-        if experts[layer, e] < 0:
-            slot = _victim(slots, layer, wanted, wanted[:0].astype(np.float64))
-            if slot < 0:
-                misc[ERROR_LAYER] = layer
-                return _outcome(slots, misc, flying, actions, queue, NO_FREE_SLOT)
-            _assign(slots, experts, misc, queue, flying, actions, layer, e, slot, WARM)
+        if experts[layer, e] < 0 and _load(slots, experts, misc, queue, flying, actions, layer, e, wanted,
+                                           wanted[:0].astype(np.float64), WARM) != OK:
+            return _outcome(slots, misc, flying, actions, queue, NO_FREE_SLOT)
     return _outcome(slots, misc, flying, actions, queue, OK)
 
 
@@ -344,11 +353,8 @@ def reconcile(slots, experts, misc, queue, flying, actions, layer, target):
     for each expert of ``target`` in no slot when the call starts, in ascending order."""
     missing = np.flatnonzero((target != 0) & (experts[layer, : target.shape[0]] < 0))
     for e in missing:
-        slot = _victim(slots, layer, experts[layer, :0], target)
-        if slot < 0:
-            misc[ERROR_LAYER] = layer
+        if _load(slots, experts, misc, queue, flying, actions, layer, e, experts[layer, :0], target, PREFETCH) != OK:
             return _outcome(slots, misc, flying, actions, queue, NO_FREE_SLOT)
-        _assign(slots, experts, misc, queue, flying, actions, layer, e, slot, PREFETCH)
     return _outcome(slots, misc, flying, actions, queue, OK)
 
 
@@ -362,9 +368,8 @@ def recover(slots, experts, misc, queue, failed):
     while misc[Q_HEAD] < misc[Q_TAIL]:
         row = misc[Q_HEAD] % Q
         misc[Q_HEAD] += 1
-        layer, slot = queue[row, 0], queue[row, 1]
-        if slots[layer, J_ID, slot] == queue[row, 2] and slots[layer, J_STATE, slot] == QUEUED:
-            slots[layer, J_STATE, slot] = DROPPED
+        if _queued(slots, queue, row):
+            slots[queue[row, 0], J_STATE, queue[row, 1]] = DROPPED
             misc[C_DROPPED] += 1
     misc[F_HEAD] = misc[F_TAIL]
     misc[COMPLETE] = misc[ISSUED_COUNT] - 1
@@ -407,9 +412,7 @@ def close_interval(slots, misc, queue):
                 slots[layer, J_USED, slot] = 1
     queued = 0
     for position in range(misc[Q_HEAD], misc[Q_TAIL]):
-        row = position % Q
-        layer, slot = queue[row, 0], queue[row, 1]
-        if slots[layer, J_ID, slot] == queue[row, 2] and slots[layer, J_STATE, slot] == QUEUED:
+        if _queued(slots, queue, position % Q):
             queued += 1
     misc[C_PREFETCH] = queued
 
@@ -421,13 +424,10 @@ def compact_queue(slots, misc, queue):
     kept = 0
     for position in range(misc[Q_HEAD], misc[Q_TAIL]):
         row = position % Q
-        layer, slot, job = queue[row, 0], queue[row, 1], queue[row, 2]
-        if slots[layer, J_ID, slot] == job and slots[layer, J_STATE, slot] == QUEUED:
+        if _queued(slots, queue, row):
             # kept <= position - head: the write never overtakes an entry still to be read
             target = (misc[Q_HEAD] + kept) % Q
-            queue[target, 0] = layer
-            queue[target, 1] = slot
-            queue[target, 2] = job
+            queue[target, 0], queue[target, 1], queue[target, 2] = queue[row, 0], queue[row, 1], queue[row, 2]
             kept += 1
     misc[Q_TAIL] = misc[Q_HEAD] + kept
 
