@@ -434,10 +434,7 @@ class DecodeLayers(abc.ABC):
                         "engine was built; the engine reads it where it was: compile the model again "
                         "(psr_hf.engine.compile) or build a new decoder")
             else:
-                if r.predicted:
-                    fresh = ctl.stacked_weight(r.moe_index).detach()
-                else:
-                    fresh = self.family.stacked_router_weight(r.router.weight.detach(), r.following.weight.detach())
+                fresh = ctl.stacked_weight(r.moe_index).detach()  # the controller's stack, kept by the same versions
                 if fresh.shape != r.stacked.shape:
                     raise RuntimeError(
                         f"the router weights of MoE layer {r.moe_index} changed shape after the engine was built "

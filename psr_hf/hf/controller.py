@@ -772,8 +772,9 @@ class Controller:
                     self._abort(error)
                     raise
                 self._close()
-                if self._sequence_cache is None:  # a cache the forward created itself
-                    self._remember_cache(getattr(output, "past_key_values", None))
+                if self._sequence_cache is None:  # a cache the forward created itself (either field name)
+                    cache = getattr(output, "past_key_values", None)
+                    self._remember_cache(getattr(output, "cache", None) if cache is None else cache)
                 return output
 
         return forward
