@@ -2,7 +2,8 @@
 
 Its matrix products take microseconds, so more threads gain nothing on an idle machine, and on a busy one every
 parallel region waits for an OpenMP worker the OS has descheduled (the shipped tiny-moe generating 32 tokens on
-a loaded 2-core machine: 0.17-0.35 s with one thread, 0.86-1.19 s with torch's default two). ``patch()``,
+a loaded 2-core machine: 0.17-0.35 s with one thread, 0.86-1.19 s with torch's default two;
+benchmarks/threads/record.txt). ``patch()``,
 ``load_shipped()`` and the command line apply it. To choose yourself: set ``PSR_HF_THREADS=N`` (or
 ``OMP_NUM_THREADS``), or call ``torch.set_num_threads`` after ``patch()``.
 """
