@@ -14,7 +14,7 @@ EXTRAS ?= dev,eval
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench-policy moonlight-routing clean
+.PHONY: demo test docs install bench-policy moonlight-routing clean
 
 demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+# the documentation pages and the API reference generated from the docstrings, into site/ (warnings are errors)
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 bench-policy: $(STAMP)
 	$(VENV)/bin/psr-hf bench-policy
@@ -54,4 +58,4 @@ moonlight-routing: $(STAMP)
 	PYTHON=$(PY) bash examples/train_tiny_moe/build_routing_model.sh moonlight-routing
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache

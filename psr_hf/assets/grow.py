@@ -528,9 +528,11 @@ def grow(model: torch.nn.Module, target: GrowTarget | str | None = None, *, devi
         model: the small model: ``OlmoeForCausalLM`` or ``DeepseekV3ForCausalLM`` (native classes).
         target: a :class:`GrowTarget`, a preset's name, or None: the preset of the model's family
             (:func:`default_target`).
-        device, dtype: where and in which dtype to build the grown model (default: the small model's, read from
-            its embedding). Values are computed in float32 per tensor and cast; the grown model is built directly
-            there with no random initialisation, so a real-size bfloat16 model can be built on a GPU.
+        device: where to build the grown model (default: the small model's, read from its embedding). It is
+            built directly there with no random initialisation, so a real-size bfloat16 model can be built on a
+            GPU.
+        dtype: the grown model's dtype (default: the small model's). Values are computed in float32 per tensor
+            and cast.
 
     Returns the grown model in eval mode. ``ValueError`` naming the problem for a model or target that cannot be
     grown exactly (not a Mixture of Experts, another family, a target smaller in some dimension, a head

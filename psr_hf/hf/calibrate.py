@@ -64,7 +64,8 @@ def calibrate(
         data: texts (with ``tokenizer``), token id sequences, or a ``[N, S]`` tensor of ids. Each document is cut
             into windows of ``max_length`` tokens; every window is a new sequence.
         tokenizer: turns texts into ids (no special tokens are added).
-        max_length, batch_size: window length and windows per forward pass (right-padded with a mask).
+        max_length: tokens per window.
+        batch_size: windows per forward pass (right-padded with a mask).
         max_tokens: stop after this many tokens (None: use everything).
         progress: show a tqdm progress bar.
 

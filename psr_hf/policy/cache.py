@@ -174,7 +174,9 @@ class LogicalCache:
 
     Args:
         config: the routing policy.
-        num_layers, num_experts, top_k: the model's MoE shape (MoE layers only, in model order).
+        num_layers: the model's MoE layers (MoE layers only, in model order).
+        num_experts: routed experts per MoE layer.
+        top_k: experts each token runs per MoE layer.
         calibration: a :class:`Calibration` (or anything :meth:`Calibration.coerce` accepts). ``None``: warm set
             = the first C experts, zero token prior, and (for biased policies with ``delta_mode='fixed'``) the
             running bonus scale instead, with a warning that recommends calibrating.
