@@ -21,8 +21,8 @@ FAMILIES: tuple[str, ...] = tuple(supported_model_types())
 
 def tiny_config(family: str, **overrides: Any) -> Any:
     """The transformers config of a tiny ``family`` model (see :data:`FAMILIES`), from the family's patch module
-    (``tiny_config`` in ``psr_hf/patches/<family>.py``); ``overrides`` replace fields. ``ValueError`` listing the
-    supported families for an unknown one."""
+    (``tiny_config`` in ``patches/<family>.py``, shipped as ``psr_hf.patches``); ``overrides`` replace fields.
+    ``ValueError`` listing the supported families for an unknown one."""
     # the registry, not FAMILIES: a family module found on psr_hf.patches.__path__ later (a plugin) counts too
     return get_patch(family).tiny_config(family, **overrides)
 

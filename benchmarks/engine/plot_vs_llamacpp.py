@@ -1,5 +1,5 @@
 """ms/token against the share of expert memory on the GPU: the engine rows of a ``psr-hf bench --engine`` record
-beside llama.cpp's figures on the same lent H200 (issue 12 / DESIGN.md: random OLMoE-1B-7B shape, bf16, batch-1
+beside llama.cpp's figures on the same lent H200 (measured by the project before the engine existed, no log in this repository: random OLMoE-1B-7B shape, bf16, batch-1
 decode of 64 tokens, ``--n-cpu-moe`` 0 / 4 / 8 / 12 / 16 of 16 MoE layers' experts on the CPU).
 
     python benchmarks/engine/plot_vs_llamacpp.py benchmarks/engine/h200/bench_engine.json --out FIG.png

@@ -1,7 +1,7 @@
 """What one device-to-host round trip per MoE layer costs in transformers decoding, with no policy at all.
 
-The patched HF path moves each MoE layer's scores to the host once per forward pass (DESIGN.md); this measures
-that floor on the same random OLMoE-1B-7B-shaped model as ``psr-hf bench-patch``: unpatched decoding against
+The patched HF path moves each MoE layer's scores to the host once per forward pass (docs/transformers.md); this
+measures that floor on the same random OLMoE-1B-7B-shaped model as ``psr-hf bench-patch``: unpatched decoding against
 decoding with a forward hook on every router that copies its logits to the host (``.cpu()``, which waits for
 the device). Interleaved rounds; decode-only ms/token as in bench-patch. Run on a GPU:
 

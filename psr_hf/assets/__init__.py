@@ -45,7 +45,7 @@ CALIBRATION = "calibration.safetensors"
 
 def built_dir(name: str) -> Path:
     """Where the model ``name`` of :data:`BUILT` lives once built: ``$PSR_HF_MODELS/<name>``, default the per-user
-    cache folder's ``psr_hf/models/<name>`` (``~/.cache/psr_hf/models`` on Linux)."""
+    cache folder's ``models/<name>`` (``~/.cache/psr_hf/models`` on Linux)."""
     from .._paths import user_cache_dir
 
     return Path(os.environ.get("PSR_HF_MODELS") or user_cache_dir("models")) / name

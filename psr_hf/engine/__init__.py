@@ -1,7 +1,7 @@
 """The engine room: the fast batch-1 decoder of ARCHITECTURE.md (rank 4), built from a loaded transformers model
 whose weights it uses in place. ``compile(model)`` makes a patched model's batch-1 ``generate()`` run it
 (:mod:`psr_hf.engine.generate`); on CUDA it replays CUDA graphs (:mod:`psr_hf.engine.graphs`, measured on an
-H200 in the README), on the CPU it runs the same step eagerly.
+H200 in docs/engine.md), on the CPU it runs the same step eagerly.
 
 A decode step is meant to be replayed as CUDA graphs, two per MoE layer: graph A (input norm, attention over a
 static KV cache, post-attention norm, this layer's router logits and the next layer's pre-gate from one matmul)

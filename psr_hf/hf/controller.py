@@ -1,6 +1,6 @@
 """The Controller: per-row logical caches carried across the forward passes of a patched model.
 
-It is the torch side of the one decision path (DESIGN.md, "One decode step through the HF path"):
+It is the torch side of the one decision path (ARCHITECTURE.md, "The one decision path"):
 
 1. the forward of the model (and of its text decoder, for direct calls) is wrapped: it reads ``input_ids``, the
    attention mask and the cache length: a new sequence resets the rows, padded positions and rows that finished

@@ -1,5 +1,5 @@
 """Offload: experts in a host store, a device slot cache per MoE layer that follows the logical cache, and the
-copy scheduler (``spec/ALGORITHM.md``, "Physical scheduling"). ``OffloadConfig`` is torch-free; the rest loads
+copy scheduler (``docs/ALGORITHM.md``, "Physical scheduling"). ``OffloadConfig`` is torch-free; the rest loads
 when first used."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class OffloadConfig:
     Every non-expert weight moves to ``device``; the routed experts of each MoE layer move into one contiguous
     host buffer per layer (pinned, so copies are asynchronous); each layer gets ``C`` expert slots on ``device``
     (``C`` = the routing config's capacity). Copies follow the logical cache's decisions and never feed back into
-    them (``spec/ALGORITHM.md``, "Physical scheduling"), so nothing here changes which experts run.
+    them (``docs/ALGORITHM.md``, "Physical scheduling"), so nothing here changes which experts run.
 
     Args:
         device: where the model computes: ``"cuda"``, ``"cuda:N"``, or ``"cpu"`` (the same slot cache and

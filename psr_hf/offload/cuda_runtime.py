@@ -2,9 +2,9 @@
 
 Why: on the lent H200 one torch ``copy_(pinned, non_blocking=True)`` of an expert costs 20.7 us of host time to
 issue, the same ``cudaMemcpyAsync`` 2.2 us; a torch event record 5.2 us, ``cudaEventRecord`` 0.5 us; ``with
-torch.cuda.stream(s)`` 8.8 us and ``torch.cuda.current_stream()`` about 29 us (``DESIGN.md``). The copy path of
-the engine calls these per copy and per layer, so it calls them raw: fixed addresses, events from a pool, the
-stream's raw handle.
+torch.cuda.stream(s)`` 8.8 us and ``torch.cuda.current_stream()`` about 29 us (the current figures:
+``benchmarks/engine/h200/host_path/host_calls.json``). The copy path of the engine calls these per copy and per
+layer, so it calls them raw: fixed addresses, events from a pool, the stream's raw handle.
 
 Optional: ``cuda-python`` is a GPU extra (``pip install psr-hf[cuda]``). :func:`available` says whether it imports
 and why not; every caller falls back to torch's calls without it.

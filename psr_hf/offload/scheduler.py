@@ -1,4 +1,4 @@
-"""The slot cache and the copy scheduler (``spec/ALGORITHM.md``, "Physical scheduling"; paper Section 4.2).
+"""The slot cache and the copy scheduler (``docs/ALGORITHM.md``, "Physical scheduling"; paper Section 4.2).
 
 Each MoE layer has ``C`` device slots. The scheduler keeps a map expert -> slot per layer in step with the logical
 cache and turns logical insertions into copies:

@@ -1,4 +1,4 @@
-"""The slot scheduler's bookkeeping as numba kernels over preallocated arrays (``spec/ALGORITHM.md``,
+"""The slot scheduler's bookkeeping as numba kernels over preallocated arrays (``docs/ALGORITHM.md``,
 "Physical scheduling"), so that following a layer's plan costs the host one compiled call instead of a Python
 loop per expert and an object per copy. :class:`~psr_hf.offload.scheduler.SlotScheduler` owns the arrays and
 issues the copies these kernels decide, in their order, through its link.

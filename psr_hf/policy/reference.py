@@ -1,6 +1,6 @@
 """Slow, obviously correct pure-Python reference of the logical-cache routing policy.
 
-This module transcribes ``spec/ALGORITHM.md`` rule by rule, with plain loops, sets and ``sorted()`` with explicit
+This module transcribes ``docs/ALGORITHM.md`` rule by rule, with plain loops, sets and ``sorted()`` with explicit
 keys, so that it can be read against the spec line by line. The jitted kernels are tested against it on random
 traces; speed is not a goal here.
 

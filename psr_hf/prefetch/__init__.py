@@ -1,4 +1,4 @@
-"""SpecPrefetch (``../papers/specprefetch.md``): learned low-rank next-layer predictors that rank experts for
+"""SpecPrefetch (the SpecPrefetch paper): learned low-rank next-layer predictors that rank experts for
 prefetching only (the native router still decides what runs), their training, recall metrics and baselines.
 
 :class:`~psr_hf.prefetch.predictor.Predictor` is what ``psr_hf.patch(model, RoutingConfig(prefetch="predictor"),

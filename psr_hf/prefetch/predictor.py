@@ -1,4 +1,4 @@
-"""SpecPrefetch's learned next-layer predictors (``../papers/specprefetch.md``, Section 3.2): for each adjacent
+"""SpecPrefetch's learned next-layer predictors (the SpecPrefetch paper, Section 3.2): for each adjacent
 pair of MoE layers ``(l, l + 1)`` a rank-``r`` adapter on the router input ``x`` of layer ``l``,
 
     z_hat[l + 1] = B[l] A[l] x,    A[l]: [r, D],  B[l]: [E, r],

@@ -1,4 +1,4 @@
-"""ExpertRecall@M of next-layer expert predictors (``../papers/specprefetch.md``, Section 4 "Evaluation Metrics",
+"""ExpertRecall@M of next-layer expert predictors (the SpecPrefetch paper, Section 4 "Evaluation Metrics",
 Tables 1-3).
 
 For each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each evaluated token, ``T`` is the native top-``K`` of

@@ -1,4 +1,4 @@
-"""Training SpecPrefetch's next-layer predictors (``../papers/specprefetch.md``, Sections 3.2 and 3.4) and the
+"""Training SpecPrefetch's next-layer predictors (the SpecPrefetch paper, Sections 3.2 and 3.4) and the
 baselines trained with the same supervision (the paper's Tables 1-3).
 
 Supervision: for each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each valid token, the frozen native router

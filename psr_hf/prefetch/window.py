@@ -1,4 +1,4 @@
-"""SpecPrefetch's window-aware budget (``../papers/specprefetch.md``, Sections 3.1 and 3.3, Figure 1b), measured
+"""SpecPrefetch's window-aware budget (the SpecPrefetch paper, Sections 3.1 and 3.3, Figure 1b), measured
 on psr_hf's engine: per adjacent MoE-layer pair ``(l, l + 1)`` the overlap window
 
     W_l = t_exec(l + 1) - t_pred(l)
