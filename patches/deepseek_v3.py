@@ -1,7 +1,9 @@
 """DeepSeek-V3 and Moonlight-16B-A3B (``DeepseekV3ForCausalLM``, the native class).
 
 Selection scores are ``sigmoid(logits) + e_score_correction_bias`` with the experts outside the kept groups at
-``-inf`` (group-limited routing, exactly as ``DeepseekV3TopkRouter`` keeps groups); execution weights come from
+``-inf`` (group-limited routing, exactly as ``DeepseekV3TopkRouter`` keeps groups; where the kept groups hold
+fewer than top-K experts, one less than the lowest kept score, so that top-K exists, as transformers' top-k picks
+masked experts then); execution weights come from
 the unbiased ``sigmoid(logits)``, normalised if ``norm_topk_prob``, times ``routed_scaling_factor``. The first
 ``first_k_dense_replace`` layers are dense and skipped; the shared experts run unchanged.
 """
@@ -39,7 +41,15 @@ class DeepseekV3Patch(ArchitecturePatch):
             group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
             kept = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
-            scores = per_group.masked_fill(~mask.unsqueeze(-1), float("-inf")).reshape(-1, router.num_experts)
+            outside = ~mask.unsqueeze(-1)  # [N, G, 1]
+            if keep * per_group.shape[-1] >= router.top_k:
+                scores = per_group.masked_fill(outside, float("-inf"))
+            else:
+                # the kept groups hold fewer than top_k experts (a degenerate config): transformers' top-k then
+                # takes masked experts too, so here they score below every kept one instead of -inf
+                floor = per_group.masked_fill(outside, float("inf")).amin(dim=(1, 2), keepdim=True) - 1.0
+                scores = torch.where(outside, floor, per_group)
+            scores = scores.reshape(-1, router.num_experts)
         return scores
 
     def execution_weights(self, router: nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

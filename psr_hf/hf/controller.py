@@ -40,6 +40,7 @@ from ..policy._mass import _finish_layer
 from ..policy.cache import LogicalCache, StepPlan
 from ..policy.config import RoutingConfig
 from ..policy.replaying import Recording
+from .masks import valid_positions
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +331,9 @@ class Controller:
         self._recover_offload = False  # the offload's slots still need recover() (an abort that was itself cut short)
         self._pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         self._bypass = 0
+        # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
+        # mode: a backward pass that recomputes layers (gradient checkpointing) routes them as that pass did
+        self._decisions: dict[int, tuple[int, int, torch.Tensor, np.ndarray]] = {}
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
@@ -342,8 +346,9 @@ class Controller:
         self._flags = np.zeros(1, dtype=np.uint8)
         self._devices = [layer.router.weight.device for layer in layers]
         self._all_valid = np.zeros(0, dtype=np.uint8)  # the kernels read an empty mask as "every position real"
-        self._mass_bias = [np.zeros(0) if b is None else b
-                           for b in (family.mass_bias(layer.router) for layer in layers)]
+        # the family's router bias per layer on the host (displaced mass), read at every sequence start: a model built
+        # on the meta device has none until its weights load, and training or load_state_dict may change it
+        self._mass_bias: list[np.ndarray] = [np.zeros(0)] * len(layers)
         self.predictor: Any = None
         self._previous: np.ndarray | None = None  # prefetch="previous": [L, R, E] each row's last real z per layer
         self._configure(config, calibration, predictor)
@@ -722,6 +727,10 @@ class Controller:
                 self._recorder._chunks = []
             self._sequence_positions, self._sequence_cache = 0, None
 
+    def _read_mass_bias(self) -> None:
+        biases = [self.family.mass_bias(layer.router) for layer in self.layers]
+        self._mass_bias = [np.zeros(0) if b is None else b for b in biases]
+
     def _new_sequence(self, rows: int) -> None:
         self._interrupted = None
         self._sequence_positions, self._sequence_cache = 0, None  # set by the sequence's forward passes
@@ -731,6 +740,7 @@ class Controller:
             self._recorder._close_sequence()
         self._stacked.clear()  # the model may have moved between sequences
         self._devices = [layer.router.weight.device for layer in self.layers]
+        self._read_mass_bias()
         if rows != self.cache.rows:
             self.cache.resize(rows)
         else:
@@ -871,7 +881,10 @@ class Controller:
         past = self._past_length(kwargs)
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
         self._check_continuation(past, B, cache)
-        valid = self._valid_positions(mask, B, S, mask_host)
+        if mask_host is not None:
+            valid = None if mask_host.all() else (mask_host != 0).astype(np.uint8)
+        else:
+            valid = valid_positions(mask, B, S, past, kwargs.get("cache_position"))
         if mask is None and self._right_padded is not None:
             valid = self._valid_from_lengths(self._right_padded, B, S, past)
         self._start(module, tokens, valid, past, B, S)
@@ -926,6 +939,7 @@ class Controller:
                 io.tokens[:, 0] = tokens[:, 0]
                 io.valid[:, 0] = 1 if valid is None else valid[:, 0]
             self._pregate = [None] * self.num_layers
+            self._decisions = {}
             self._fwd = _Forward(B, S, tokens, valid, module, past=past)
         except BaseException as error:
             self._abort(error)
@@ -941,21 +955,6 @@ class Controller:
         raise ValueError(
             f"psr_hf: unsupported KV cache type {type(cache).__name__} (no get_seq_length()); use a transformers Cache"
         )
-
-    @staticmethod
-    def _valid_positions(mask: Any, B: int, S: int, host: np.ndarray | None = None) -> np.ndarray | None:
-        if mask is None:
-            return None
-        if host is not None:
-            return None if host.all() else (host != 0).astype(np.uint8)
-        if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != B or mask.shape[1] < S:
-            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(
-                f"psr_hf needs a 2D attention_mask [batch, past + length] = [{B}, >= {S}] to tell padding from tokens; "
-                f"got {shape}. Pass the tokenizer's attention_mask (or none when nothing is padded)"
-            )
-        valid = mask[:, -S:].detach().to("cpu").numpy() != 0
-        return None if valid.all() else valid.astype(np.uint8)
 
     @staticmethod
     def _valid_from_lengths(lengths: np.ndarray, B: int, S: int, past: int) -> np.ndarray | None:
@@ -1014,10 +1013,13 @@ class Controller:
         with self._lock:  # a whole generate() at a time: its forwards continue one sequence
             return self._generate_locked(original, *args, **kwargs)
 
-    @staticmethod
-    def _refuse_right_padding(mask: Any) -> None:
+    def _refuse_right_padding(self, mask: Any) -> None:
         """generate() continues every row from the batch's last position: a row whose attention mask has a 0 after
-        its last 1 (padding on the right while other rows are longer) would continue from padding."""
+        its last 1 (padding on the right while other rows are longer) would continue from padding. Under exact
+        routing the outputs are the unpatched model's whatever the padding, so transformers' own warning is what
+        the user gets; under a cache-aware policy the garbage continuation would be charged to the routing."""
+        if self.config.policy == "exact":
+            return
         if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[1] == 0:
             return
         real = mask.detach() != 0
@@ -1028,8 +1030,8 @@ class Controller:
                 f"psr_hf: generate() got a right-padded batch (row{'s' if len(rows) > 1 else ''} "
                 f"{', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''} of the attention_mask end in "
                 "padding after real tokens): generation continues every row from the last position, so right "
-                "padding gives garbage continuations, and the padding would feed the routing state. Pad on the "
-                'left: tokenizer.padding_side = "left"'
+                "padding gives garbage continuations (transformers only warns), which a comparison of policies "
+                'would charge to the routing. Pad on the left: tokenizer.padding_side = "left"'
             )
 
     def _generate_locked(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -1069,6 +1071,8 @@ class Controller:
             if self._bypass:
                 return original(hidden_states, *args, **kwargs)
             fwd = self._fwd
+            if fwd is None and index in self._decisions and _in_backward():
+                return self._recompute(index, router, original(hidden_states, *args, **kwargs))
             if fwd is None:
                 raise RuntimeError(
                     f"psr_hf: MoE layer {index} ran outside a forward pass of the patched model; call the model (or "
@@ -1091,9 +1095,8 @@ class Controller:
     def _route_own(self, layer: int, router: Any, own: tuple) -> tuple:
         """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
         fwd = self._fwd
-        z = self.family.selection_scores(router, own[0])  # [N, E]
-        if z.requires_grad:
-            z = z.detach()
+        with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
+            z = self.family.selection_scores(router, own[0].detach())  # [N, E]
         z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
         if fwd.positions == 1:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
@@ -1112,8 +1115,9 @@ class Controller:
         the model's own router runs afterwards, and only where the selection is the router's own top-K."""
         fwd = self._fwd
         B, S, E = fwd.rows, fwd.positions, self.num_experts
-        raw, both = self.joint_scores(layer, hidden)
-        host = _host(both.detach() if both.requires_grad else both)  # [N, 2E]: this layer's z | next pre-gate
+        with torch.no_grad():  # the host's copy and the untrained path's logits: nothing saved for a backward pass
+            raw, both = self.joint_scores(layer, hidden)
+        host = _host(both)  # [N, 2E]: this layer's z | next pre-gate
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
         # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
         z_host = np.ascontiguousarray(host[:, :E]).reshape(B, S, E)
@@ -1181,17 +1185,55 @@ class Controller:
         count, chosen_dev_view, flags, _ = self._decide(layer, plan, z_host)
         device = self._devices[layer]
         N = self._fwd.rows * self._fwd.positions
+        training = torch.is_grad_enabled() and router.weight.requires_grad
+        if training:
+            # the weights' gradients flow through the router's own logits (the joint matmul's are detached), and a
+            # recomputation in the backward pass computes the same ones
+            own = own if own is not None else run_own()
+            logits = own[0]
         if count == 0:
-            return own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
+            result = own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
+            chosen_dev = None
+        else:
+            chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
+            if count < N and own is None:
+                own = run_own()
+            result = self._assemble(router, logits, own, count, N, chosen_dev, flags)
+        if training and self.model.training:
+            kept = None if chosen_dev is None else chosen_dev.clone()
+            self._decisions[layer] = (N, count, kept, flags[:N].copy())
+        return result
+
+    def _assemble(self, router: Any, logits: Any, own: tuple | None, count: int, N: int, chosen: torch.Tensor,
+                  flags: np.ndarray) -> tuple:
+        """The router's triple when ``count`` of the ``N`` positions (``flags``) run ``chosen`` instead of the
+        router's own top-K: their weights from the unmodified scores, the router's own outputs elsewhere."""
         if isinstance(logits, _Lazy):
             logits = logits.value()
-        chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
         if count == N:
-            return logits, self.family.execution_weights(router, logits, chosen_dev), chosen_dev
-        _, weights, indices = own if own is not None else run_own()
-        mask = torch.from_numpy(flags.astype(bool)).to(device)[:, None]
-        new_weights = self.family.execution_weights(router, logits, chosen_dev).to(weights.dtype)
-        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen_dev, indices)
+            return logits, self.family.execution_weights(router, logits, chosen), chosen
+        _, weights, indices = own
+        mask = torch.from_numpy(flags[:N].astype(bool)).to(chosen.device)[:, None]
+        new_weights = self.family.execution_weights(router, logits, chosen).to(weights.dtype)
+        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen, indices)
+
+    def _recompute(self, layer: int, router: Any, own: tuple) -> tuple:
+        """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
+        with weights from the recomputed logits, so the gradients are those of the routed forward."""
+        N, count, chosen, flags = self._decisions[layer]
+        if self.offload is not None:
+            raise RuntimeError(
+                "psr_hf: gradient checkpointing recomputes layers in the backward pass, whose expert slots have "
+                "changed since the forward pass; train without offload (psr_hf.patch(..., offload=None))"
+            )
+        if own[0].shape[0] != N:
+            raise RuntimeError(
+                f"psr_hf: MoE layer {layer} was recomputed in the backward pass with {own[0].shape[0]} positions, but "
+                f"the forward pass routed {N}; run the backward of the last forward pass"
+            )
+        if count == 0:
+            return own
+        return self._assemble(router, own[0], own, count, N, chosen, flags)
 
     # ------------------------------------------------------------------ prefetch="previous" (Naive Prefetch)
     def _start_previous(self, rows: int) -> None:
@@ -1305,6 +1347,12 @@ class Controller:
                 tensor = torch.empty((rows, self.top_k), dtype=torch.int64)
                 view = (tensor.numpy(), tensor)
         return view
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where gradient checkpointing recomputes layers)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() >= 0
 
 
 class _Lazy:

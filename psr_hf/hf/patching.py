@@ -86,6 +86,12 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
                         calibration)
     elif calibration is False:
         calibration = None
+    if offload_config is not None and any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "psr_hf.patch(..., offload=...): the model's weights are on the meta device (built without weights), and "
+            "offloading copies them to pinned host memory; load the weights first, then patch (a model patched "
+            "without offload may be built on the meta device and loaded later)"
+        )
     family = _family(model)
     layers = family.moe_layers()
     if not layers:
