@@ -127,3 +127,12 @@ def test_offloading_a_model_on_the_meta_device_says_to_load_the_weights_first(ba
         model = type(base_models["olmoe"])(base_models["olmoe"].config)
     with pytest.raises(ValueError, match="meta device.*load the weights first"):
         psr_hf.patch(model, psr_hf.RoutingConfig(policy="exact", residency=0.5), offload="cpu")
+
+
+def test_in_eval_mode_the_outputs_do_not_depend_on_whether_grad_is_enabled(base_models, quiet_psr_hf):
+    model = copy.deepcopy(base_models["deepseek_v3"]).eval()
+    ids, mask = _batch()
+    with psr_hf.patched(model, psr_hf.RoutingConfig(policy="psr", lam=0.3, residency=0.5)):
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits.detach(), expected)

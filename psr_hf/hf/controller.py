@@ -1185,10 +1185,11 @@ class Controller:
         count, chosen_dev_view, flags, _ = self._decide(layer, plan, z_host)
         device = self._devices[layer]
         N = self._fwd.rows * self._fwd.positions
-        training = torch.is_grad_enabled() and router.weight.requires_grad
+        training = self.model.training and torch.is_grad_enabled()
         if training:
             # the weights' gradients flow through the router's own logits (the joint matmul's are detached), and a
-            # recomputation in the backward pass computes the same ones
+            # recomputation in the backward pass computes the same ones (in eval mode, the joint matmul's: outputs
+            # never depend on whether grad is enabled)
             own = own if own is not None else run_own()
             logits = own[0]
         if count == 0:
@@ -1199,7 +1200,7 @@ class Controller:
             if count < N and own is None:
                 own = run_own()
             result = self._assemble(router, logits, own, count, N, chosen_dev, flags)
-        if training and self.model.training:
+        if training:
             kept = None if chosen_dev is None else chosen_dev.clone()
             self._decisions[layer] = (N, count, kept, flags[:N].copy())
         return result
