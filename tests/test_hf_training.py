@@ -24,14 +24,20 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _gradients(model: torch.nn.Module, checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _gradients(model: torch.nn.Module, checkpointing: bool | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of one training step; ``checkpointing`` True (transformers' default, non-reentrant),
+    "reentrant" or False."""
     ids, mask = _batch()
     model.train()
     model.zero_grad(set_to_none=True)
     # transformers 5.24 names it activation checkpointing; older releases gradient checkpointing
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    enable() if checkpointing else disable()
+    options = {"use_reentrant": checkpointing == "reentrant"}
+    if not checkpointing:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -53,7 +59,7 @@ def test_exact_routing_trains_as_the_unpatched_model_with_and_without_checkpoint
     reference = _gradients(copy.deepcopy(base_models[family]), checkpointing=False)
     model = copy.deepcopy(base_models[family])
     psr_hf.patch(model, psr_hf.RoutingConfig(policy="exact", residency=0.5))
-    for checkpointing in (False, True):
+    for checkpointing in (False, True, "reentrant"):
         loss, grads = _gradients(model, checkpointing)
         assert torch.equal(loss, reference[0]) and _same(grads, reference[1]), checkpointing
 
@@ -63,8 +69,9 @@ def test_checkpointing_recomputes_psrs_routing_and_the_routers_get_gradients(fam
     model = copy.deepcopy(base_models[family])
     psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.3, residency=0.5))
     plain = _gradients(model, checkpointing=False)
-    checkpointed = _gradients(model, checkpointing=True)
-    assert torch.equal(plain[0], checkpointed[0]) and _same(plain[1], checkpointed[1])
+    for checkpointing in (True, "reentrant"):
+        checkpointed = _gradients(model, checkpointing=checkpointing)
+        assert torch.equal(plain[0], checkpointed[0]) and _same(plain[1], checkpointed[1]), checkpointing
     routers = [layer.router.weight for layer in psr_hf.controller(model).layers]
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(w)] in plain[1] and plain[1][names[id(w)]].abs().sum() > 0 for w in routers)

@@ -1185,11 +1185,11 @@ class Controller:
         count, chosen_dev_view, flags, _ = self._decide(layer, plan, z_host)
         device = self._devices[layer]
         N = self._fwd.rows * self._fwd.positions
-        training = self.model.training and torch.is_grad_enabled()
+        training = self.model.training
         if training:
             # the weights' gradients flow through the router's own logits (the joint matmul's are detached), and a
-            # recomputation in the backward pass computes the same ones (in eval mode, the joint matmul's: outputs
-            # never depend on whether grad is enabled)
+            # recomputation in the backward pass computes the same ones, also after a forward without grad
+            # (reentrant checkpointing); in eval mode the joint matmul's: outputs never depend on the grad mode
             own = own if own is not None else run_own()
             logits = own[0]
         if count == 0:
