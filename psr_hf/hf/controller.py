@@ -880,22 +880,35 @@ class Controller:
             tokens = np.zeros((B, S), dtype=np.int64)
         past = self._past_length(kwargs)
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-        self._check_continuation(past, B, cache)
+        # under exact routing the state never changes an output: a forward that continues another cache (a model
+        # that is its own assistant in assisted decoding) starts fresh routing state, as transformers just runs it
+        restart = self._check_continuation(past, B, cache, restart=self.config.policy == "exact")
         if mask_host is not None:
             valid = None if mask_host.all() else (mask_host != 0).astype(np.uint8)
         else:
             valid = valid_positions(mask, B, S, past, kwargs.get("cache_position"))
         if mask is None and self._right_padded is not None:
             valid = self._valid_from_lengths(self._right_padded, B, S, past)
-        self._start(module, tokens, valid, past, B, S)
+        self._start(module, tokens, valid, past, B, S, restart)
         if cache is not None and (past == 0 or self._sequence_cache is None):
             self._remember_cache(cache)
 
-    def _check_continuation(self, past: int, B: int, cache: Any = None) -> None:
+    def _check_continuation(self, past: int, B: int, cache: Any = None, restart: bool = False) -> bool:
         """A forward of ``B`` rows after ``past`` cached positions (in the KV cache ``cache``, if given) may
         continue the current sequence: the one whose routing state this is, so the same cache object as the
         sequence's forward passes used (when both are known) and no more cached positions than the routing state
-        has seen (fewer: a cache cropped in place, as assisted decoding does)."""
+        has seen (fewer: a cache cropped in place, as assisted decoding does). Where it may not: a
+        ``RuntimeError``, or with ``restart`` True (the routing state starts afresh for this forward)."""
+        try:
+            self._check_continuing(past, B, cache)
+        except RuntimeError:
+            if not restart:
+                raise
+            logger.debug("psr_hf: a forward continues another sequence's KV cache; fresh routing state (exact routing)")
+            return True
+        return False
+
+    def _check_continuing(self, past: int, B: int, cache: Any) -> None:
         if past > 0 and self._interrupted is None:
             # a dead reference: the sequence's cache is gone, so this one (alive all along) is another
             other = cache is not None and self._sequence_cache is not None and cache is not self._sequence_cache()
@@ -921,16 +934,17 @@ class Controller:
                 "sequence (empty cache) or reorder the rows with the KV cache"
             )
 
-    def _start(self, module: Any, tokens: np.ndarray, valid: np.ndarray | None, past: int, B: int, S: int) -> None:
+    def _start(self, module: Any, tokens: np.ndarray, valid: np.ndarray | None, past: int, B: int, S: int,
+               restart: bool = False) -> None:
         """Open the forward pass of ``tokens`` [B, S] (``valid``: its real positions, None: all) after ``past``
-        cached positions: a new sequence when ``past`` is 0, else the current one continues."""
+        cached positions: a new sequence when ``past`` is 0 (or ``restart``), else the current one continues."""
         if self.offload is not None:
             self._check_offload_device()
         try:  # from here on the state changes: a stop part-way closes the sequence
             if self.offload is not None:
                 self._recover()
                 self.offload.sync_weights(self._resident)
-            if past == 0:
+            if past == 0 or restart:
                 self._new_sequence(B)
             if self._in_generate and past > 0 and self._stop_ids.size:
                 valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
