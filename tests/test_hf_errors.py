@@ -154,11 +154,12 @@ def test_a_bad_offload_argument_leaves_the_model_untouched(model):
 
 
 # ---------------------------------------------------------------------------------------------- calls
-def test_a_4d_attention_mask_raises(model):
+def test_an_attention_mask_it_cannot_read_raises(model):
+    """2D and 4D masks (and dicts of them) are read (tests/test_hf_masks.py); a 3D one names what is accepted."""
     psr_hf.patch(model, CONFIG)
-    mask = torch.ones(1, 1, 8, 8)
-    message = (r"needs a 2D attention_mask \[batch, past \+ length\] = \[1, >= 8\] to tell padding from tokens; "
-               r"got \(1, 1, 8, 8\)")
+    mask = torch.ones(1, 8, 8)
+    message = (r"needs an attention_mask that marks padding: 2D \[batch, past \+ length\] = \[1, >= 8\], 4D .*"
+               r"got \(1, 8, 8\)")
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         model(input_ids=IDS, attention_mask=mask)
 
@@ -192,8 +193,8 @@ def test_an_error_inside_a_forward_leaves_the_controller_usable(model):
         expected = ctl.cache.state.copy()
         with pytest.raises(IndexError):
             model(input_ids=torch.full((1, 8), 999))  # fails in the embedding, after the pre-hook
-        with pytest.raises(ValueError, match="2D attention_mask"):
-            model(input_ids=IDS, attention_mask=torch.ones(1, 1, 8, 8))  # fails in the pre-hook
+        with pytest.raises(ValueError, match="attention_mask that marks padding"):
+            model(input_ids=IDS, attention_mask=torch.ones(1, 8, 8))  # fails in the pre-hook
         model(input_ids=IDS)
     np.testing.assert_array_equal(ctl.cache.state, expected)
     assert [r.num_tokens for r in recorder.recordings] == [8, 8]
