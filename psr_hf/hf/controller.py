@@ -727,6 +727,11 @@ class Controller:
                 self._recorder._chunks = []
             self._sequence_positions, self._sequence_cache = 0, None
 
+    @property
+    def _outputs_exact(self) -> bool:
+        """Exact routing: every output is the unpatched model's whatever the routing state holds."""
+        return self.config.policy == "exact"
+
     def _read_mass_bias(self) -> None:
         biases = [self.family.mass_bias(layer.router) for layer in self.layers]
         self._mass_bias = [np.zeros(0) if b is None else b for b in biases]
@@ -882,7 +887,7 @@ class Controller:
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
         # under exact routing the state never changes an output: a forward that continues another cache (a model
         # that is its own assistant in assisted decoding) starts fresh routing state, as transformers just runs it
-        restart = self._check_continuation(past, B, cache, restart=self.config.policy == "exact")
+        restart = self._check_continuation(past, B, cache, restart=self._outputs_exact)
         if mask_host is not None:
             valid = None if mask_host.all() else (mask_host != 0).astype(np.uint8)
         else:
@@ -1032,7 +1037,7 @@ class Controller:
         its last 1 (padding on the right while other rows are longer) would continue from padding. Under exact
         routing the outputs are the unpatched model's whatever the padding, so transformers' own warning is what
         the user gets; under a cache-aware policy the garbage continuation would be charged to the routing."""
-        if self.config.policy == "exact":
+        if self._outputs_exact:
             return
         if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[1] == 0:
             return
