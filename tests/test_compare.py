@@ -17,17 +17,16 @@ import numpy as np
 import pytest
 
 from psr_hf.cli import main
-from psr_hf.eval.compare import (
+from psr_hf.eval.compare import compare_runs
+from psr_hf.eval.lm_eval_runs import load_run, parse_run_argument
+from psr_hf.eval.stats import (
     cluster_robust_se,
-    compare_runs,
     holm,
-    load_run,
     mean_over_tasks,
     paired_binary,
     paired_clustered,
     paired_continuous,
-    paired_ratio,
-    parse_run_argument,
+    paired_perplexity_ratio,
     sign_flip_test,
 )
 
@@ -224,7 +223,7 @@ def test_paired_t_for_continuous_scores_by_hand():
 
 def test_perplexity_difference_is_nll_per_word_by_hand():
     # two documents of 10 and 30 words: NLL 20 and 60 under A, 25 and 63 under B: (5 + 3) / 40 nats per word
-    stat = paired_ratio([20.0, 60.0], [25.0, 63.0], [10, 30])
+    stat = paired_perplexity_ratio([20.0, 60.0], [25.0, 63.0], [10, 30])
     assert stat.difference == pytest.approx(8 / 40)
     # residual sums 5 - 0.2*10 = 3, 3 - 0.2*30 = -3: sqrt(2 * 18) / 40
     assert stat.se == pytest.approx(math.sqrt(2 * 18) / 40)
@@ -471,6 +470,26 @@ def test_perplexity_columns_are_tested_but_kept_out_of_the_mean(tmp_path):
     assert comparison.reference_scores["wikitext"] == pytest.approx(math.exp(80 / 40))
     assert comparison.means[0].columns == ("ARC-C",)
     assert "wikitext: word_perplexity (none); differences in nats/word" in comparison.to_markdown()
+
+
+def test_a_column_without_a_t_test_stays_out_of_holm_and_says_why(tmp_path):
+    # every score rises by exactly 0.25: zero variance, so the paired t-test is undefined (no p-value)
+    def scores(values):
+        return [_line(i, "none", {"score": v}) for i, v in enumerate(values)]
+
+    write_run(tmp_path / "a", {"probe": scores([0.25, 0.5, 0.75]), "arc_challenge": binary_lines([0, 0, 0, 0])})
+    write_run(tmp_path / "b", {"probe": scores([0.5, 0.75, 1.0]), "arc_challenge": binary_lines([1, 1, 1, 1])})
+    comparison = compare_runs(tmp_path / "a", [tmp_path / "b"])
+    probe, arc = comparison.cell("b", "probe"), comparison.cell("b", "ARC-C")
+    assert probe.test == "paired-t" and probe.difference == pytest.approx(25.0) and probe.statistic is None
+    assert math.isnan(probe.p) and math.isnan(probe.p_holm) and not (probe.significant or probe.nominal)
+    assert "every difference equals 0.25" in probe.details["no_test"]
+    assert comparison.tests() == 1 and arc.p_holm == arc.p == pytest.approx(2 / 2**4)
+    markdown = comparison.to_markdown()
+    assert "over the table's 1 tests" in markdown and "1 cell without a test" in markdown
+    record = comparison.to_dict()
+    assert record["tests"] == 1
+    assert next(c for c in record["cells"] if c["column"] == "probe")["p"] is None
 
 
 def test_json_record_and_cli(tmp_path, capsys):

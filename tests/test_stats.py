@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from psr_hf.eval.stats import Interval, mean_interval, normal_interval, paired_log_ratio, standard_error
+from psr_hf.eval.stats import (
+    Interval,
+    mean_interval,
+    normal_interval,
+    paired_continuous,
+    paired_log_ratio,
+    paired_perplexity_ratio,
+    paired_t_test,
+    standard_error,
+)
 
 # Student t quantile q = 0.975 with 2 degrees of freedom, closed form: (2q - 1) / sqrt(2q(1 - q))
 T975_DF2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
@@ -84,3 +93,22 @@ def test_paired_log_ratio_without_spread_or_with_one_pair_has_no_p_value():
 def test_paired_log_ratio_refuses_unpaired_or_non_positive_values(values, baseline):
     with pytest.raises(ValueError):
         paired_log_ratio(values, baseline)
+
+
+@pytest.mark.parametrize("differences", [[0.25, 0.25, 0.25], [-1.5, -1.5], [0.0, 0.0, 0.0], [0.5], [0.2, -0.1, 0.4]])
+def test_the_comparison_and_the_benchmarks_get_one_t_test_for_the_same_differences(differences):
+    # the benchmarks' log ratios, the comparison's continuous scores and per-document NLL: the same differences
+    n = len(differences)
+    expected = paired_t_test(differences)
+    timed = paired_log_ratio(np.exp(differences), np.ones(n))
+    scores = paired_continuous(np.zeros(n), differences)
+    nll = paired_perplexity_ratio(np.zeros(n), differences, np.ones(n))
+    if n < 2 or len(set(differences)) == 1:  # zero variance: t is undefined, so no p-value, with the reason
+        assert expected.p is None and expected.statistic is None and expected.reason
+        assert timed.p is None and scores.p is None and nll.p is None
+        assert scores.details["no_test"] == nll.details["no_test"] == expected.reason
+    else:
+        assert expected.p == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue, rel=1e-12)
+        assert timed.p == pytest.approx(expected.p, rel=1e-9)
+        assert scores.p == nll.p == expected.p and scores.statistic == expected.statistic
+        assert "no_test" not in scores.details

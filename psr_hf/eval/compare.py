@@ -1,74 +1,20 @@
-"""Paired comparison of lm-eval runs on identical questions: the statistics of ``psr-hf compare``.
+"""The paired comparison of lm-eval runs on identical questions, behind ``psr-hf compare`` (docs/lm-eval.md).
 
-Input: the outputs of lm-evaluation-harness 0.4.x run with ``--output_path X --log_samples``. lm-eval writes
-``X/<model_name_sanitized>/results_<timestamp>.json`` and one ``samples_<task>_<timestamp>.jsonl`` per task (per
-leaf task: a group such as ``mmlu`` has no samples file of its own); when ``X`` ends in ``.json`` both go next to
-it instead, the results as ``<stem>_<timestamp>.json``. The timestamp is ``datetime.now().isoformat()`` with
-``:`` replaced by ``-``; as lm-eval does itself, the latest timestamp is the largest string. A run is given as
-``X``, as the inner directory, or as one results file (then only that timestamp is read). When a directory holds
-several evaluations, each task is read from its latest samples file (a rerun of a task replaces it; tasks run
-separately into the same directory are all found); the files used are in the JSON record.
-
-Each line of a samples file is one document under one filter: ``doc_id`` (index in the evaluation split),
-``filter`` (``none``, ``strict-match``, ...), ``metrics`` (the names of the metric fields of the line),
-``doc_hash``/``prompt_hash``/``target_hash``, and one field per metric: a number or bool for accuracies
-(``acc``, ``exact_match``, ``pass@1`` of humaneval, ``pass_at_1`` of mbpp, ``prompt_level_strict_acc``), a list
-of bools for IFEval's instruction level (``inst_level_strict_acc``: one entry per instruction of the prompt),
-``[loglikelihood, count]`` for ``word_perplexity``/``byte_perplexity``/``bits_per_byte``. Samples are paired
-across runs by (leaf task, ``doc_id``) under the column's filter; runs that cover different documents, or whose
-``doc_hash`` differs on a document, are refused; differing ``prompt_hash`` (e.g. another chat template) is
-logged and counted.
-
-Tasks. The subtasks of a group (``group_subtasks`` of the results file: MMLU's 57 subjects, BBH's 27 tasks) are
-pooled at the question level into one column named after the top-level group, as in the paper's Appendix A.
-Default metric per task, from the metrics its samples carry (``--metric TASK=METRIC[,FILTER]`` overrides, and may
-be repeated for several columns of one task):
-
-- ``prompt_level_strict_acc`` and ``inst_level_strict_acc`` (IFEval: columns IFE-P and IFE-I);
-- else ``pass@1`` or ``pass_at_1`` (HumanEval, MBPP);
-- else ``exact_match`` (GSM8K, BBH chain of thought);
-- else ``acc`` (MMLU, ARC, HellaSwag: accuracy, not length-normalised, as the paper);
-- else ``word_perplexity``, ``byte_perplexity`` or ``bits_per_byte``;
-- else the task's only metric; otherwise an error that lists the metrics.
-
-The filter is the metric's only filter, else ``strict-match`` (GSM8K), else ``none``; otherwise an error.
-
-Statistics, per column and run B against the reference A (the paper's Section 6.1 and Appendix A):
-
-- 0/1 per question (``binary``): difference = 100 x mean(b - a) in points; SE = 100 x sd(b - a) / sqrt(n)
-  (sd with n - 1); exact McNemar test on the discordant questions (statsmodels: two-sided binomial test of
-  min(a_only, b_only) out of a_only + b_only at 1/2).
-- a list of 0/1 per prompt (``clustered``, IFEval instruction level): the prompt is the unit. With per-prompt
-  sums ``d_i = b_i - a_i`` of followed instructions and ``m_i`` instructions, difference = sum(d) / sum(m);
-  cluster-robust SE = sqrt(G / (G - 1) * sum((d_i - diff * m_i)^2)) / sum(m) over G prompts, which is
-  statsmodels' OLS of the per-instruction differences on a constant with ``cov_type="cluster"`` (its default
-  small-sample factor G / (G - 1) * (N - 1) / (N - K) with K = 1); p-value from a sign-flip permutation test of
-  sum(d) (scipy ``permutation_test``, ``permutation_type="samples"``) over the prompts with d_i != 0 (a zero
-  flips to itself): every one of the 2^k sign patterns when 2^k <= ``permutations``, else ``permutations``
-  seeded Monte Carlo draws (p = (hits + 1) / (draws + 1)); the record says which.
-- ``[loglikelihood, count]`` per document (``ratio``: perplexities): difference in negative log-likelihood per
-  word or byte, sum(nll_b - nll_a) / sum(count) (nats; bits for ``bits_per_byte``; positive = B worse), the same
-  cluster-robust SE with documents as clusters, and a paired t-test (scipy) of the per-document NLL sums.
-- other numbers per question (``continuous``): mean difference, SE = sd / sqrt(n), paired t-test (scipy); in
-  points when every value lies in [0, 1], else in the metric's units.
-
-Holm's correction (statsmodels ``multipletests``) runs over every test of the table (all runs x all columns).
-Bold: significant after it at ``alpha``; dagger: p < ``alpha`` before correction only.
-
-Mean over tasks: the mean of each task's first column (IFEval at prompt level) among columns in points, with
-the interval mean +- z * sqrt(sum SE_t^2) / k (normal, ``level`` 0.95 by default), which treats tasks as
-independent, as the paper does ("a 95% interval that treats tasks as independent"). Perplexity-like columns are
-tested and shown but are not in the mean.
-
-The library logs; ``psr-hf compare`` prints.
+:func:`compare_runs` pairs each run with the reference by (leaf task, ``doc_id``) under each column's filter: runs
+over other documents, or whose ``doc_hash`` differs, are refused; a differing ``prompt_hash`` is logged and counted.
+Each column is tested by its kind with :mod:`psr_hf.eval.stats` (the paper's Section 6.1 and Appendix A): ``binary``
+(0/1 per question) by exact McNemar, ``clustered`` (IFEval's instruction level) by sign flips over prompts,
+``ratio`` (perplexities, in NLL per word or byte) and ``continuous`` by a paired t-test. Holm's correction runs over
+every test of the table (bold: significant after it at ``alpha``; dagger: p < ``alpha`` before it only; a cell
+without a test stays out). The mean over tasks averages each task's first column in points with a normal interval
+that treats tasks as independent, as the paper does; perplexity-like columns are not in it. :class:`Comparison`
+gives the table (markdown, the paper's Tables 3-4) and the JSON record; :mod:`psr_hf.eval.lm_eval_runs` reads runs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -76,17 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from .stats import Interval, normal_interval, standard_error
+from . import stats
+from .lm_eval_runs import Run, RunSummary, load_run, parse_run_argument
+
+# load_run and parse_run_argument are psr-hf compare's names for reading runs, kept importable from here
+__all__ = ["KINDS", "Cell", "Column", "Comparison", "MeanDifference", "compare_runs", "load_run",
+           "parse_run_argument"]
 
 logger = logging.getLogger(__name__)
-
-# lm-eval: datetime.now().isoformat().replace(":", "-"), e.g. 2026-11-30T13-41-23.117940
-_TIMESTAMP = r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(?:\.\d+)?"
-_SAMPLES_FILE = re.compile(rf"^samples_(?P<task>.+)_(?P<ts>{_TIMESTAMP})\.jsonl$")
-_RESULTS_FILE = re.compile(rf"^(?P<stem>.+)_(?P<ts>{_TIMESTAMP})\.json$")
-# the fixed fields of a samples line (lm_eval.result_schema.SampleResult); the rest are metrics
-_SAMPLE_FIELDS = frozenset({"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
-                            "doc_hash", "prompt_hash", "target_hash"})
 
 _IFEVAL_METRICS = ("prompt_level_strict_acc", "inst_level_strict_acc")
 _METRIC_PREFERENCE = ("pass@1", "pass_at_1", "exact_match", "acc", "word_perplexity", "byte_perplexity",
@@ -107,342 +50,7 @@ _IFEVAL_SUFFIXES = {"prompt_level_strict_acc": "-P", "inst_level_strict_acc": "-
                     "prompt_level_loose_acc": "-P loose", "inst_level_loose_acc": "-I loose"}
 
 KINDS = ("binary", "clustered", "ratio", "continuous")
-
-
-# ---------------------------------------------------------------------------------------------------- runs
-@dataclass(frozen=True)
-class Sample:
-    """One document of one leaf task under one filter: its metric values and hashes."""
-
-    doc_id: int
-    filter: str
-    values: dict[str, Any]
-    doc_hash: str | None = None
-    prompt_hash: str | None = None
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """Where a run came from (for the JSON record)."""
-
-    label: str
-    directory: str
-    files: tuple[str, ...]
-    model: str | None
-    model_args: Any
-    limit: Any
-    lm_eval_version: str | None
-
-
-@dataclass(frozen=True)
-class Run:
-    """One lm-eval output directory, loaded: table tasks (a leaf task, or a group pooling its leaves)."""
-
-    label: str
-    directory: Path
-    tasks: dict[str, tuple[str, ...]]  # table task -> leaf tasks pooled into it
-    samples: dict[str, tuple[Sample, ...]]  # leaf task -> its samples under every filter
-    files: tuple[Path, ...]
-    model: str | None = None
-    model_args: Any = None
-    limit: Any = None
-    lm_eval_version: str | None = None
-
-    def summary(self) -> RunSummary:
-        return RunSummary(self.label, str(self.directory), tuple(str(f) for f in self.files), self.model,
-                          self.model_args, self.limit, self.lm_eval_version)
-
-
-def _samples_files(directory: Path) -> list[tuple[str, str, Path]]:
-    found = []
-    for path in directory.iterdir():
-        match = _SAMPLES_FILE.match(path.name)
-        if match and path.is_file():
-            found.append((match["task"], match["ts"], path))
-    return found
-
-
-def _run_directory(path: Path) -> tuple[Path, str | None]:
-    if path.is_file():
-        match = _RESULTS_FILE.match(path.name)
-        if not match:
-            raise ValueError(f"{path}: not an lm-eval results file (<name>_<timestamp>.json)")
-        return path.parent, match["ts"]
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such directory")
-    if _samples_files(path):
-        return path, None
-    inner = sorted(d for d in path.iterdir() if d.is_dir() and _samples_files(d))
-    if len(inner) == 1:
-        return inner[0], None
-    if len(inner) > 1:
-        raise ValueError(f"{path} holds lm-eval outputs of several models ({', '.join(d.name for d in inner)}); "
-                         "pass one of these directories")
-    raise ValueError(f"{path}: no samples_<task>_<timestamp>.jsonl here or in a subdirectory "
-                     "(run lm-eval with --output_path and --log_samples)")
-
-
-def _read_samples(path: Path) -> tuple[Sample, ...]:
-    samples = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                names = record.get("metrics")
-                if names is None:  # not written by 0.4.x; take every non-fixed field
-                    names = [k for k in record if k not in _SAMPLE_FIELDS]
-                samples.append(Sample(int(record["doc_id"]), str(record.get("filter", "none")),
-                                      {name: record[name] for name in names if name in record},
-                                      record.get("doc_hash"), record.get("prompt_hash")))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}, line {number}: not an lm-eval sample ({exc})") from None
-    return tuple(samples)
-
-
-def _leaves(group: str, subtasks: Mapping[str, Sequence[str]], seen: frozenset[str] = frozenset()) -> list[str]:
-    out = []
-    for child in subtasks.get(group, ()):
-        if child in subtasks and child not in seen:
-            out.extend(_leaves(child, subtasks, seen | {group}))
-        else:
-            out.append(child)
-    return out
-
-
-def _pool(leaves: Sequence[str], subtasks: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
-    """Table tasks: each top-level group with the leaves it holds, and each leaf in no group."""
-    children = {c for group in subtasks.values() for c in group}
-    tops = sorted(g for g in subtasks if g not in children)
-    tasks: dict[str, tuple[str, ...]] = {}
-    owner: dict[str, str] = {}
-    for group in tops:
-        members = tuple(leaf for leaf in dict.fromkeys(_leaves(group, subtasks)) if leaf in leaves)
-        members = tuple(leaf for leaf in members if leaf not in owner)
-        for leaf in members:
-            owner[leaf] = group
-        if members:
-            tasks[group] = tuple(sorted(members))
-    for leaf in leaves:
-        if leaf not in owner:
-            tasks[leaf] = (leaf,)
-    return dict(sorted(tasks.items()))
-
-
-def load_run(path: str | Path, label: str | None = None, *, pool_groups: bool = True) -> Run:
-    """Load one lm-eval ``--log_samples`` output.
-
-    ``path``: the ``--output_path`` directory, the ``<model_name_sanitized>`` directory inside it, or one
-    results file. ``label``: the run's name in tables (default: the last component of ``path``).
-    ``pool_groups``: pool a group's subtasks into one table task (default) or keep every leaf task apart.
-    """
-    path = Path(path)
-    directory, only_ts = _run_directory(path)
-    latest: dict[str, tuple[str, Path]] = {}
-    for task, ts, file in _samples_files(directory):
-        if only_ts is not None and ts != only_ts:
-            continue
-        if task not in latest or ts > latest[task][0]:
-            latest[task] = (ts, file)
-    if not latest:
-        raise ValueError(f"{path}: no samples file with the timestamp {only_ts}")
-    results = []
-    for file in sorted(directory.glob("*.json")):
-        match = _RESULTS_FILE.match(file.name)
-        if not match or (only_ts is not None and match["ts"] != only_ts):
-            continue
-        try:
-            record = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "results" in record:
-            results.append((match["ts"], file, record))
-    results.sort(key=lambda r: r[0])
-    subtasks: dict[str, list[str]] = {}
-    for _, _, record in results:  # later files win
-        subtasks.update({g: list(c) for g, c in (record.get("group_subtasks") or {}).items()})
-    if not results:
-        logger.warning("%s: no lm-eval results file; subtasks of groups are not pooled", directory)
-    leaves = sorted(latest)
-    tasks = _pool(leaves, subtasks) if pool_groups else {leaf: (leaf,) for leaf in leaves}
-    samples = {task: _read_samples(file) for task, (_, file) in latest.items()}
-    used_ts = {ts for ts, _ in latest.values()}
-    used_results = [(file, record) for ts, file, record in results if ts in used_ts]
-    config = used_results[-1][1].get("config", {}) if used_results else {}
-    files = tuple(sorted([file for _, file in latest.values()] + [file for file, _ in used_results]))
-    for file in files:
-        logger.info("%s: %s", label or path.name, file)
-    return Run(label=label or path.name or str(path), directory=directory, tasks=tasks, samples=samples,
-               files=files, model=config.get("model"), model_args=config.get("model_args"),
-               limit=config.get("limit"),
-               lm_eval_version=used_results[-1][1].get("lm_eval_version") if used_results else None)
-
-
-# ---------------------------------------------------------------------------------------------------- statistics
-@dataclass(frozen=True)
-class PairedStatistic:
-    """A paired comparison of B with A on one column, in the metric's own units (proportions, nats).
-
-    ``counts``: discordant counts (``reference_only``/``run_only`` questions; for clustered metrics also prompts
-    where B or A followed more instructions); ``details``: what the test used (permutations, seed, df, ...).
-    """
-
-    difference: float
-    se: float
-    p: float
-    test: str
-    statistic: float | None = None
-    counts: dict[str, int] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-def paired_binary(a: Sequence[float], b: Sequence[float]) -> PairedStatistic:
-    """0/1 outcomes of A and B on the same questions: mean difference B - A, its paired SE, exact McNemar."""
-    from statsmodels.stats.contingency_tables import mcnemar
-
-    a = np.asarray(a, dtype=bool)
-    b = np.asarray(b, dtype=bool)
-    n = a.size
-    d = b.astype(np.float64) - a.astype(np.float64)
-    reference_only = int(np.sum(a & ~b))
-    run_only = int(np.sum(b & ~a))
-    table = [[int(np.sum(a & b)), reference_only], [run_only, int(np.sum(~a & ~b))]]
-    result = mcnemar(table, exact=True)
-    return PairedStatistic(float(d.mean()) if n else math.nan, standard_error(d), float(result.pvalue),
-                           "mcnemar-exact", float(result.statistic),
-                           {"reference_only": reference_only, "run_only": run_only, "both": table[0][0],
-                            "neither": table[1][1]})
-
-
-def cluster_robust_se(d: Sequence[float], sizes: Sequence[float]) -> float:
-    """SE of sum(d) / sum(sizes) with clusters i: sqrt(G / (G - 1) * sum((d_i - r m_i)^2)) / sum(m).
-
-    Equal to statsmodels' OLS of the per-item differences on a constant with ``cov_type="cluster"``.
-    """
-    d = np.asarray(d, dtype=np.float64)
-    m = np.asarray(sizes, dtype=np.float64)
-    g = d.size
-    total = m.sum()
-    if g < 2 or total <= 0:
-        return math.nan
-    u = d - (d.sum() / total) * m
-    return float(math.sqrt(g / (g - 1) * float(np.sum(u * u))) / total)
-
-
-@dataclass(frozen=True)
-class SignFlip:
-    """A sign-flip permutation test: ``method`` is ``exact`` (all ``resamples`` = 2^k sign patterns) or
-    ``monte-carlo`` (``resamples`` seeded draws)."""
-
-    p: float
-    method: str
-    resamples: int
-
-
-def sign_flip_test(d: Sequence[float], *, permutations: int = 100_000, seed: int = 0) -> SignFlip:
-    """Two-sided sign-flip permutation test of sum(d) = 0 (scipy ``permutation_test``): over all 2^k sign
-    patterns of the k non-zero entries when 2^k <= ``permutations``, else ``permutations`` draws seeded by
-    ``seed``."""
-    from scipy.stats import permutation_test
-
-    d = np.asarray(d, dtype=np.float64)
-    nonzero = d[d != 0]
-    k = nonzero.size
-    if k == 0:
-        return SignFlip(1.0, "exact", 1)
-    exact = k < 63 and 2**k <= permutations
-    result = permutation_test((nonzero,), lambda x, axis: np.sum(x, axis=axis), vectorized=True,
-                              permutation_type="samples", n_resamples=permutations, alternative="two-sided",
-                              rng=np.random.default_rng(seed))
-    return SignFlip(float(result.pvalue), "exact" if exact else "monte-carlo", 2**k if exact else permutations)
-
-
-def paired_clustered(a_sums: Sequence[float], b_sums: Sequence[float], sizes: Sequence[float], *,
-                     permutations: int = 100_000, seed: int = 0) -> PairedStatistic:
-    """Per-prompt sums of followed instructions of A and B and instructions per prompt (IFEval instruction level):
-    difference sum(b - a) / sum(sizes), cluster-robust SE, sign-flip permutation test on the per-prompt sums."""
-    a = np.asarray(a_sums, dtype=np.float64)
-    b = np.asarray(b_sums, dtype=np.float64)
-    m = np.asarray(sizes, dtype=np.float64)
-    d = b - a
-    flip = sign_flip_test(d, permutations=permutations, seed=seed)
-    details: dict[str, Any] = {"units": "prompts", "items": int(m.sum()), "resamples": flip.resamples}
-    if flip.method == "monte-carlo":
-        details["seed"] = seed
-    return PairedStatistic(float(d.sum() / m.sum()), cluster_robust_se(d, m), flip.p, f"sign-flip-{flip.method}",
-                           float(d.sum()),
-                           {"run_better": int(np.sum(d > 0)), "reference_better": int(np.sum(d < 0))},
-                           details)
-
-
-def _t_test(d: np.ndarray) -> tuple[float, float, int]:
-    from scipy.stats import ttest_1samp
-
-    n = d.size
-    if n < 2:
-        return math.nan, math.nan, 0
-    if np.all(d == d[0]):  # no spread: t is 0/0 or infinite
-        logger.warning("paired t-test: every difference equals %g", d[0])
-        return (0.0, 1.0, n - 1) if d[0] == 0 else (math.copysign(math.inf, d[0]), 0.0, n - 1)
-    result = ttest_1samp(d, 0.0)
-    return float(result.statistic), float(result.pvalue), n - 1
-
-
-def paired_ratio(nll_a: Sequence[float], nll_b: Sequence[float], counts: Sequence[float]) -> PairedStatistic:
-    """Per-document negative log-likelihoods of A and B and the words (bytes) of each document: difference in
-    NLL per word sum(b - a) / sum(counts), cluster-robust SE, paired t-test of the per-document NLL."""
-    a = np.asarray(nll_a, dtype=np.float64)
-    b = np.asarray(nll_b, dtype=np.float64)
-    m = np.asarray(counts, dtype=np.float64)
-    d = b - a
-    t, p, df = _t_test(d)
-    return PairedStatistic(float(d.sum() / m.sum()), cluster_robust_se(d, m), p, "paired-t", t,
-                           {"run_better": int(np.sum(d < 0)), "reference_better": int(np.sum(d > 0))},
-                           {"units": "documents", "items": int(m.sum()), "df": df})
-
-
-def paired_continuous(a: Sequence[float], b: Sequence[float]) -> PairedStatistic:
-    """Numbers of A and B on the same questions: mean difference, SE sd / sqrt(n), paired t-test."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    d = b - a
-    t, p, df = _t_test(d)
-    return PairedStatistic(float(d.mean()), standard_error(d), p, "paired-t", t,
-                           {"run_better": int(np.sum(d > 0)), "reference_better": int(np.sum(d < 0))},
-                           {"df": df})
-
-
-@dataclass(frozen=True)
-class Holm:
-    """Holm-adjusted p-values and which hypotheses are rejected at the family's alpha (NaN p: never)."""
-
-    adjusted: np.ndarray  # [tests]
-    reject: np.ndarray  # [tests] bool
-
-
-def holm(pvalues: Sequence[float], alpha: float = 0.05) -> Holm:
-    """Holm's step-down correction (statsmodels ``multipletests``) over ``pvalues``; NaN ones stay out."""
-    from statsmodels.stats.multitest import multipletests
-
-    p = np.asarray(pvalues, dtype=np.float64)
-    adjusted = np.full(p.shape, np.nan)
-    reject = np.zeros(p.shape, dtype=bool)
-    finite = np.isfinite(p)
-    if finite.any():
-        reject[finite], adjusted[finite], _, _ = multipletests(p[finite], alpha=alpha, method="holm")
-    return Holm(adjusted, reject)
-
-
-def mean_over_tasks(differences: Sequence[float], ses: Sequence[float], level: float = 0.95) -> Interval:
-    """Mean of per-task differences with a normal interval that treats tasks as independent:
-    se = sqrt(sum se_t^2) / k, mean +- z_(1+level)/2 * se (:func:`~psr_hf.eval.stats.normal_interval`)."""
-    d = np.asarray(differences, dtype=np.float64)
-    s = np.asarray(ses, dtype=np.float64)
-    k = d.size
-    if k == 0:
-        return Interval(math.nan, math.nan, math.nan, math.nan, level)
-    return normal_interval(float(d.mean()), float(math.sqrt(float(np.sum(s * s))) / k), level)
+# a cell whose test is undefined (fewer than 2 pairs, every difference equal) has no p-value: NaN in the table
 
 
 # ---------------------------------------------------------------------------------------------------- columns
@@ -495,6 +103,12 @@ def _choose_filter(task: str, metric: str, filters: Sequence[str], available: Ma
 
 
 def _metric_choices(run: Run, task: str, specs: Sequence[str] | None) -> list[tuple[str, str]]:
+    """(metric, filter) of each column of ``task``: ``specs`` (``--metric TASK=METRIC[,FILTER]``), else the default
+    from the metrics its samples carry: ``prompt_level_strict_acc`` and ``inst_level_strict_acc`` (IFEval: columns
+    IFE-P and IFE-I); else ``pass@1`` or ``pass_at_1`` (HumanEval, MBPP); else ``exact_match`` (GSM8K, BBH chain
+    of thought); else ``acc`` (MMLU, ARC, HellaSwag: accuracy, not length-normalised, as the paper); else
+    ``word_perplexity``, ``byte_perplexity`` or ``bits_per_byte``; else the task's only metric. The filter is the
+    metric's only filter, else ``strict-match`` (GSM8K), else ``none``; otherwise an error that lists them."""
     available = _available(run, task)
     if specs:
         chosen = []
@@ -560,7 +174,8 @@ def _is_number(v: Any) -> bool:
 
 
 def _kind(task: str, metric: str, values: Sequence[Any]) -> tuple[str, str, float]:
-    """(kind, unit, scale) of a column from its values in every run."""
+    """(kind, unit, scale) of a column from its values in every run: in points (x100) when every value lies in
+    [0, 1], nats (bits for ``bits_per_byte``) per word or byte for perplexities, else the metric's units."""
     if metric in _RATIO_METRICS:
         if not all(isinstance(v, (list, tuple)) and len(v) == 2 and _is_number(v[0]) and _is_number(v[1])
                    for v in values):
@@ -624,7 +239,7 @@ class Cell:
     score: float
     difference: float
     se: float
-    p: float
+    p: float  # NaN: no test (details["no_test"] says why)
     p_holm: float = math.nan
     significant: bool = False
     nominal: bool = False
@@ -697,6 +312,10 @@ class Comparison:
     def mean(self, run: str) -> MeanDifference | None:
         return next((m for m in self.means if m.run == run), None)
 
+    def tests(self) -> int:
+        """The tests of the table, over which Holm's correction runs: the cells with a p-value."""
+        return sum(1 for c in self.cells if math.isfinite(c.p))
+
     def to_markdown(self) -> str:
         """The table in the layout of the paper's Tables 3-4: a row of the reference's scores, then one row per
         run with signed differences (bold: significant after Holm; dagger: p < alpha before correction only)
@@ -723,11 +342,15 @@ class Comparison:
                 m = self.mean(run.label)
                 row.append(f"{_fmt_signed(m.mean, 'points')} ± {(m.high - m.low) / 2:.1f}" if m else "n/a")
             lines.append("| " + " | ".join(row) + " |")
-        tests = len(self.cells)
+        tests = self.tests()
         legend = [f"Differences {', '.join(r.label for r in self.runs)} minus {self.reference.label} on identical "
                   f"questions, in points unless noted; first row: {self.reference.label}'s scores. Bold: significant "
                   f"after Holm's correction over the table's {tests} tests (alpha = {self.alpha:g}); †: p < "
                   f"{self.alpha:g} before correction only."]
+        if tests < len(self.cells):
+            untested = len(self.cells) - tests
+            legend.append(f"{untested} cell{'s' if untested != 1 else ''} without a test (fewer than 2 pairs, or "
+                          "every difference equal: no p-value), outside the correction.")
         if in_mean:
             legend.append(f"Mean: average over the {len(in_mean)} task{'s' if len(in_mean) != 1 else ''} "
                           f"({', '.join(c.name for c in in_mean)}) "
@@ -749,7 +372,7 @@ class Comparison:
             "level": self.level,
             "permutations": self.permutations,
             "seed": self.seed,
-            "tests": len(self.cells),
+            "tests": self.tests(),
             "correction": "holm (statsmodels multipletests) over every test of the table",
             "mean_interval": "mean +- z * sqrt(sum se^2) / k, tasks independent (normal)",
             "columns": [asdict(c) for c in self.columns],
@@ -777,18 +400,18 @@ def _reference_score(kind: str, values: Sequence[Any], metric: str) -> float:
 
 
 def _paired_statistic(column: Column, keys: Sequence[tuple[str, int]], a: Sequence[Any], b: Sequence[Any],
-                      runs: str, permutations: int, seed: int) -> PairedStatistic:
+                      runs: str, permutations: int, seed: int) -> stats.PairedStatistic:
     """The column's test of B's values ``b`` against A's ``a`` on the documents ``keys`` (in the metric's units)."""
     task = column.task
     if column.kind == "binary":
-        return paired_binary([float(v) for v in a], [float(v) for v in b])
+        return stats.paired_binary([float(v) for v in a], [float(v) for v in b])
     if column.kind == "clustered":
         for k, x, y in zip(keys, a, b):
             if len(x) != len(y):
                 raise ValueError(f"task {task}: document {k[1]} of {k[0]} has {len(x)} and {len(y)} instructions "
                                  f"in {runs}")
-        stat = paired_clustered([sum(map(float, x)) for x in a], [sum(map(float, y)) for y in b],
-                                [len(x) for x in a], permutations=permutations, seed=seed)
+        stat = stats.paired_clustered([sum(map(float, x)) for x in a], [sum(map(float, y)) for y in b],
+                                      [len(x) for x in a], permutations=permutations, seed=seed)
         flat_a = np.array([float(v) for x in a for v in x])
         flat_b = np.array([float(v) for y in b for v in y])
         return replace(stat, counts={
@@ -798,11 +421,12 @@ def _paired_statistic(column: Column, keys: Sequence[tuple[str, int]], a: Sequen
         for k, x, y in zip(keys, a, b):
             if float(x[1]) != float(y[1]):
                 raise ValueError(f"task {task}: document {k[1]} of {k[0]} counts {x[1]} and {y[1]} units in {runs}")
-        stat = paired_ratio([-float(x[0]) for x in a], [-float(y[0]) for y in b], [float(x[1]) for x in a])
+        stat = stats.paired_perplexity_ratio([-float(x[0]) for x in a], [-float(y[0]) for y in b],
+                                             [float(x[1]) for x in a])
         if column.metric != "bits_per_byte":
             stat = replace(stat, details={**stat.details, "perplexity_ratio": math.exp(stat.difference)})
         return stat
-    return paired_continuous([float(v) for v in a], [float(v) for v in b])
+    return stats.paired_continuous([float(v) for v in a], [float(v) for v in b])
 
 
 def _differing(ref_hashes: Mapping, hashes: Mapping, which: int) -> list[tuple[str, int]]:
@@ -849,7 +473,7 @@ def compare_runs(reference: str | Path | Run, runs: Sequence[str | Path | Run], 
     table_tasks.sort(key=lambda t: (_ORDER.index(short[t]) if short[t] in _ORDER else len(_ORDER), t))
 
     columns: list[Column] = []
-    raw: list[tuple[Column, str, PairedStatistic, int, float, float]] = []
+    raw: list[tuple[Column, str, stats.PairedStatistic, int, float, float]] = []
     reference_scores: dict[str, float] = {}
     for task in table_tasks:
         choices = _metric_choices(ref, task, metrics.get(task))
@@ -895,12 +519,15 @@ def compare_runs(reference: str | Path | Run, runs: Sequence[str | Path | Run], 
                 raw.append((column, run.label, stat, len(keys), reference_scores[name],
                             _reference_score(kind, b, metric) * (100.0 if unit == "points" else 1.0)))
 
-    family = holm([stat.p for _, _, stat, *_ in raw], alpha)
+    family = stats.holm([stat.p for _, _, stat, *_ in raw], alpha)
     cells = []
     for (column, label, stat, n, ref_score, score), p_holm, significant in zip(raw, family.adjusted, family.reject):
-        nominal = bool(math.isfinite(stat.p) and stat.p < alpha and not significant)
+        p = math.nan if stat.p is None else stat.p
+        if "no_test" in stat.details:
+            logger.warning("%s on %s: no %s test: %s", label, column.name, stat.test, stat.details["no_test"])
+        nominal = bool(math.isfinite(p) and p < alpha and not significant)
         cells.append(Cell(label, column.name, column.task, column.metric, column.filter, stat.test, n, ref_score,
-                          score, stat.difference * column.scale, stat.se * column.scale, stat.p, float(p_holm),
+                          score, stat.difference * column.scale, stat.se * column.scale, p, float(p_holm),
                           bool(significant), nominal, stat.statistic, dict(stat.counts), dict(stat.details)))
     means = []
     in_mean = [c for c in columns if c.in_mean]
@@ -908,20 +535,12 @@ def compare_runs(reference: str | Path | Run, runs: Sequence[str | Path | Run], 
         if not in_mean:
             break
         chosen = [next(c for c in cells if c.run == run.label and c.column == col.name) for col in in_mean]
-        interval = mean_over_tasks([c.difference for c in chosen], [c.se for c in chosen], level)
+        interval = stats.mean_over_tasks([c.difference for c in chosen], [c.se for c in chosen], level)
         means.append(MeanDifference(run.label, tuple(c.name for c in in_mean), interval.mean, interval.se,
                                     interval.low, interval.high, level))
     comparison = Comparison(ref.summary(), tuple(r.summary() for r in others), tuple(columns), reference_scores,
                             tuple(cells), tuple(means), alpha, level, permutations, seed)
     logger.info("compared %d runs with %s on %d columns: %d tests, %d significant after Holm", len(others),
-                ref.label, len(columns), len(cells), sum(c.significant for c in cells))
+                ref.label, len(columns), comparison.tests(), sum(c.significant for c in cells))
     return comparison
 
-
-def parse_run_argument(argument: str) -> tuple[str | None, str]:
-    """``LABEL=PATH`` or ``PATH`` (a path that exists wins over the ``=`` reading) -> (label or None, path)."""
-    if "=" in argument and not Path(argument).exists():
-        label, _, path = argument.partition("=")
-        if label and path:
-            return label, path
-    return None, argument
