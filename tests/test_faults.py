@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import psr_hf
-from psr_hf.hf.controller import cache_keyword
+from psr_hf.hf.inputs import cache_keyword
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.offload.scheduler import SlotScheduler, ThreadLink
 from psr_hf.testing import FAMILIES, tiny_model
@@ -116,7 +116,7 @@ def test_an_interrupt_in_a_nested_forward_closes_the_outer_one(family):
     with pytest.raises(KeyboardInterrupt):
         _generate(model, ids)
     stop.handle.remove()
-    assert ctl._fwd is None
+    assert ctl.forward_pass is None
     tokens, logits = _generate(model, ids)
     want_tokens, want_logits, _ = _fresh(family, "psr", "resident", ids)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import psr_hf
-from psr_hf.hf.controller import cache_keyword
+from psr_hf.hf.inputs import cache_keyword
 import psr_hf.engine
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.testing import tiny_model
@@ -56,7 +56,7 @@ def _engine_case(offload=None):
 
     model = tiny_model("olmoe")
     psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5), offload=offload)
-    engine.compile(model, max_len=32)
+    engine.attach(model, max_len=32)
     return model
 
 
@@ -75,11 +75,11 @@ def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(la
     else:
         router.weight = torch.nn.Parameter(new.clone())
     if how == "replace" and layer == -1:  # the last router is read where it lives: refused, with what to do
-        with pytest.raises(RuntimeError, match="compile the model again"):
+        with pytest.raises(RuntimeError, match="attach the engine again"):
             _generate(model, ids)
         return
     got = _generate(model, ids)
-    psr_hf.engine.uncompile(model)
+    psr_hf.engine.detach(model)
     want = _generate(model, ids)  # the transformers path, on the same weights
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
@@ -88,7 +88,7 @@ def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(la
 def test_a_compiled_model_converted_to_another_dtype_fails_naming_the_engine():
     model = _engine_case()
     model.to(torch.float64)
-    with pytest.raises(RuntimeError, match=r"engine was built on it .*compile the model again"):
+    with pytest.raises(RuntimeError, match=r"engine was built on it .*attach the engine again"):
         _generate(model, _ids(3, 1, 4))
 
 
@@ -134,11 +134,11 @@ def test_a_compiled_generate_past_max_len_counts_and_records_the_sequence_once()
         want = _generate(model, ids, new=20)
     want_stats = ctl.stats().total
     ctl.reset_stats()
-    psr_hf.engine.compile(model, max_len=16)  # 5 + 20 positions: the engine hands over to transformers midway
+    psr_hf.engine.attach(model, max_len=16)  # 5 + 20 positions: the engine hands over to transformers midway
     with ctl.record() as got_rec:
         got = _generate(model, ids, new=20)
     got_stats = ctl.stats().total
-    assert psr_hf.engine.compiled(model).fallbacks > 0
+    assert psr_hf.engine.attached(model).fallbacks > 0
     assert torch.equal(got[0], want[0])
     assert got_stats["tokens"] == want_stats["tokens"] == 24  # each routed position once
     assert got_stats["demand_per_token"] == pytest.approx(want_stats["demand_per_token"])
@@ -291,12 +291,12 @@ def test_outputs_and_inputs_are_checked_before_the_work(tmp_path, capsys, case):
                                           str(tmp_path / "a_file" / "p.safetensors")], "does not exist"),
         "grow-dangling-link": (["grow", "--model", "tiny-moe", "--out", str(tmp_path / "dangling")],
                                "a symbolic link to nothing"),
-        "kl-json-missing-folder": (["kl", "--model", "tiny-moe", "--json", str(tmp_path / "no" / "kl.json")],
+        "kl-json-missing-folder": (["excess-nll", "--model", "tiny-moe", "--json", str(tmp_path / "no" / "kl.json")],
                                    "does not exist; create it first"),
-        "kl-plot-missing-folder": (["kl", "--model", "tiny-moe", "--plot", str(tmp_path / "no" / "kl.png")],
+        "kl-plot-missing-folder": (["excess-nll", "--model", "tiny-moe", "--plot", str(tmp_path / "no" / "kl.png")],
                                    "does not exist; create it first"),
-        "kl-text-folder": (["kl", "--model", "tiny-moe", "--text", str(tmp_path)], "--text .*: no such file"),
-        "kl-residency": (["kl", "--model", "tiny-moe", "--residencies", "1.5"], "residency=1.5"),
+        "kl-text-folder": (["excess-nll", "--model", "tiny-moe", "--text", str(tmp_path)], "--text .*: no such file"),
+        "kl-residency": (["excess-nll", "--model", "tiny-moe", "--residencies", "1.5"], "residency=1.5"),
     }[case]
     code, seconds = _cli(argv)
     err = capsys.readouterr().err

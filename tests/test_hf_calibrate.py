@@ -24,7 +24,7 @@ def deepseek():
 
 def _own_topk_and_ranges(model, docs, max_length):
     """Reference statistics straight from the unpatched routers, one window at a time."""
-    ctl_family = psr_hf.hf.patching._family(model)
+    ctl_family = psr_hf.hf.patching.family_of(model)
     layers = ctl_family.moe_layers()
     captured = {}
     handles = [layer.router.register_forward_hook(

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, OlmoeForCausalLM
 
 import psr_hf
-from psr_hf.hf.controller import cache_keyword
+from psr_hf.hf.inputs import cache_keyword
 from psr_hf import RoutingConfig
-from psr_hf.hf.controller import Installation
+from psr_hf.hf.installation import Installation
 from psr_hf.testing import FAMILIES, tiny_config, tiny_model
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
 

@@ -11,7 +11,8 @@ import torch
 
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
-from psr_hf.hf.controller import Controller, Installation, RoutingCounters
+from psr_hf.hf.installation import Installation, Installer
+from psr_hf.hf.statistics import RoutingCounters
 from psr_hf.offload.scheduler import CopyCounters
 from psr_hf.patches import get_patch
 from psr_hf.testing import FAMILIES, tiny_model
@@ -145,8 +146,8 @@ def _refuse(self, *args, **kwargs):
 def test_a_failure_in_the_middle_of_install_leaves_the_model_as_before(step, fail, offload, monkeypatch):
     model = tiny_model("olmoe")
     before, logits = _snapshot(model), _logits(model)
-    method = getattr(Controller, step)
-    monkeypatch.setattr(Controller, step, fail(method) if fail is _fail_after else fail)
+    method = getattr(Installer, step)
+    monkeypatch.setattr(Installer, step, fail(method) if fail is _fail_after else fail)
     with pytest.raises(RuntimeError, match="injected failure"):
         psr_hf.patch(model, CONFIG, offload=offload)
     monkeypatch.undo()

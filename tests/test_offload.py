@@ -16,7 +16,7 @@ import torch
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.testing import FAMILIES, tiny_model
-from psr_hf.offload.engine import _set_implementation
+from psr_hf.offload.experts import _set_implementation
 from psr_hf.offload.placement import OffloadMemoryError, _check_fit
 from psr_hf.offload.scheduler import ISSUED, PREFETCH, SlotScheduler, ThreadLink
 from psr_hf.policy import LogicalCache

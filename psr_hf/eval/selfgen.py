@@ -52,7 +52,7 @@ def sample_windows(model: torch.nn.Module, prompts: Sequence[torch.Tensor], *, t
         raise ValueError("no prompts: give one prompt (token ids) per window")
     from transformers import DynamicCache
 
-    from ..hf.controller import cache_keyword
+    from ..hf.inputs import cache_keyword
 
     keyword = cache_keyword(model)
     device = next(model.parameters()).device

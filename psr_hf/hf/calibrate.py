@@ -72,13 +72,13 @@ def calibrate(
     Returns a :class:`Calibration` with ``delta`` (mean score range per layer), ``expert_counts`` (warm set) and
     the token prior, ready for :func:`psr_hf.patch` or ``.save(path)``.
     """
-    from .controller import _ATTR
-    from .patching import _family
+    from .installation import CONTROLLER_ATTRIBUTE
+    from .patching import family_of
 
     if max_length < 1 or batch_size < 1:
         raise ValueError(f"max_length={max_length} and batch_size={batch_size} must be >= 1")
-    ctl = getattr(model, _ATTR, None)
-    family = ctl.family if ctl is not None else _family(model)
+    ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
+    family = ctl.family if ctl is not None else family_of(model)
     layers = family.moe_layers()
     routers = [layer.router for layer in layers]
     L, E, K = len(layers), int(routers[0].weight.shape[0]), int(routers[0].top_k)

@@ -14,12 +14,15 @@ import torch
 
 from ..patches import get_patch, supported_model_types
 from ..policy.config import RoutingConfig
-from .controller import _ATTR, Controller
+from .controller import Controller
+from .installation import CONTROLLER_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
 
-def _family(model: torch.nn.Module) -> Any:
+def family_of(model: torch.nn.Module) -> Any:
+    """The architecture patch (:class:`~psr_hf.patches.base.ArchitecturePatch`) that handles ``model``: its
+    model type's, or its text config's for a composite model. ``ValueError`` for a model psr_hf cannot patch."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"psr_hf.patch needs a transformers model (nn.Module with .config), got {type(model).__name__}")
     module = type(model).__module__
@@ -73,7 +76,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
         from ..offload.config import OffloadConfig
 
         offload_config = OffloadConfig.coerce(offload)
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(model, CONTROLLER_ATTRIBUTE, None) is not None:
         raise ValueError(
             "this model is already patched by psr_hf; call psr_hf.unpatch(model) first to patch it with another "
             "configuration (psr_hf.controller(model) gives the current one)"
@@ -92,7 +95,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             "offloading copies them to pinned host memory; load the weights first, then patch (a model patched "
             "without offload may be built on the meta device and loaded later)"
         )
-    family = _family(model)
+    family = family_of(model)
     layers = family.moe_layers()
     if not layers:
         raise ValueError(f"{type(model).__name__} has no routed MoE layers for psr_hf to patch")
@@ -125,7 +128,7 @@ def _calibration_beside(model: torch.nn.Module) -> Any:
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Remove everything :func:`patch` installed; returns the same model, computing exactly as before."""
-    ctl = getattr(model, _ATTR, None)
+    ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
     if ctl is None:
         raise ValueError("this model is not patched by psr_hf (nothing to unpatch); psr_hf.patch(model, config) patches it")
     ctl.uninstall()
@@ -145,7 +148,7 @@ def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offloa
 
 def controller(model: torch.nn.Module) -> Controller:
     """The :class:`Controller` of a patched model: per-row state, ``reset()``, ``stats()``, ``record()``."""
-    ctl = getattr(model, _ATTR, None)
+    ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
     if ctl is None:
         raise ValueError("this model is not patched by psr_hf; call psr_hf.patch(model, config) first")
     return ctl

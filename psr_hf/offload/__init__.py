@@ -10,8 +10,8 @@ from typing import Any
 from .config import OffloadConfig
 
 _LAZY = {
-    "OffloadEngine": "psr_hf.offload.engine",
-    "OffloadStats": "psr_hf.offload.engine",
+    "OffloadedExperts": "psr_hf.offload.experts",
+    "OffloadStats": "psr_hf.offload.experts",
     "OffloadMemory": "psr_hf.offload.placement",
     "OffloadMemoryError": "psr_hf.offload.placement",
     "SlotScheduler": "psr_hf.offload.scheduler",

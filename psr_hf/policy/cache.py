@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels as K_
+from . import _mass
 from .calibration import Calibration
 from .config import DEFAULT_WINDOW, RoutingConfig
 
@@ -270,6 +271,7 @@ class LogicalCache:
         self._scratch = (np.zeros(nf, dtype=np.float64), np.zeros(ni, dtype=np.int64))
         self._no_pregate = np.zeros((0, 0, 0), dtype=np.float32)
         self._no_valid = np.zeros((0, 0), dtype=np.uint8)  # the kernel reads an empty mask as "all positions real"
+        self._no_valid_flat = np.zeros(0, dtype=np.uint8)  # the same for finish_layer's [N] mask
         self._placeholder: dict[int, np.ndarray] = {}
         self._needs_pregate = config.needs_pregate
         self._allocate(int(rows))
@@ -327,6 +329,29 @@ class LogicalCache:
     def resident(self, layer: int, row: int = 0) -> np.ndarray:
         """Experts in the logical cache of ``layer`` for ``row``, ascending."""
         return np.flatnonzero(self.state[layer, row, K_.RESIDENT])
+
+    def resident_mask(self, layer: int, row: int = 0) -> np.ndarray:
+        """``[E]`` float64: ``row``'s logical cache at ``layer`` as a view of the state (nonzero: cached), for a
+        caller that reads it at once (the next step changes it)."""
+        return self.state[layer, row, K_.RESIDENT]
+
+    def finish_layer(self, plan: StepPlan, scores: np.ndarray, valid: np.ndarray | None, pad_ties: bool,
+                     mass_mode: int, mass_bias: np.ndarray, displaced: np.ndarray, chosen: np.ndarray,
+                     flags: np.ndarray) -> int:
+        """What a caller that executes a layer's ``plan`` (``[B, S]`` positions, ``N = B * S``) needs of it, in one
+        compiled call: the selected experts into ``chosen`` ``[N, K]`` int64 and ``flags`` ``[N]`` uint8 (1 where
+        the layer must run the selection explicitly: a replaced router slot, or a tie across the router's own
+        top-K boundary), and each replaced position's displaced fraction of the router's own top-K weight added to
+        ``displaced[row]`` (``[B]`` float64). ``scores``: the layer's ``[B, S, E]`` float32 selection scores;
+        ``valid``: ``[B, S]`` real positions (None: all); ``pad_ties``: treat a padded position whose own top-K
+        ties at the boundary like a real one (an offload loads exactly the plan's experts); ``mass_mode``,
+        ``mass_bias``: how the family's router weighs an expert (``router_mass``, ``mass_bias``). Returns the
+        number of flagged positions."""
+        B, S = plan.plan.shape[:2]
+        N = B * S
+        valid = self._no_valid_flat if valid is None else valid.reshape(N)
+        return _mass._finish_layer(plan.plan.reshape(N, -1), self.top_k, plan.replaced_column, scores.reshape(N, -1),
+                                   valid, int(pad_ties), mass_mode, mass_bias, displaced, S, chosen, flags)
 
     def stats(self) -> CacheStats:
         r = self.counters

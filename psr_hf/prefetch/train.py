@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------- model access
 def model_family(model: nn.Module) -> Any:
     """The architecture patch of ``model`` (its text config's family for a composite model)."""
-    from ..hf.patching import _family
+    from ..hf.patching import family_of
 
-    return _family(model)
+    return family_of(model)
 
 
 def text_config(model: nn.Module) -> Any:
@@ -167,9 +167,9 @@ def record_router_inputs_with_positions(model: nn.Module, windows: Any, *, batch
     windows = _as_windows(windows)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: give at least 1")
-    from ..hf.controller import _ATTR
+    from ..hf.installation import CONTROLLER_ATTRIBUTE
 
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(model, CONTROLLER_ATTRIBUTE, None) is not None:
         raise ValueError("this model is patched by psr_hf, so its routing (and every later layer's router input) is "
                          "not the native one the predictors learn; record on an unpatched model "
                          "(psr_hf.unpatch(model) first)")

@@ -1,10 +1,10 @@
-"""The offload engine of one patched model: placement, slot buffers, scheduler and the registered experts function.
+"""The offloaded experts of one patched model: placement, slot buffers, scheduler and the registered experts function.
 
-The controller tells the engine what the logical cache decided (:meth:`OffloadEngine.route` after a layer's
-selection, :meth:`OffloadEngine.prefetch` after the next layer's part 1); the model's experts modules, switched to
-the ``"psr_offload"`` implementation of transformers' ``ExpertsInterface``, call :meth:`OffloadEngine.run`, which
-waits for the slots the layer executes, maps expert ids to slots on the device, and runs the model's own experts
-implementation (``grouped_mm`` by default) on the slot buffers.
+The controller tells :class:`OffloadedExperts` what the logical cache decided (:meth:`OffloadedExperts.route` after
+a layer's selection, :meth:`OffloadedExperts.prefetch` after the next layer's part 1); the model's experts modules,
+switched to the ``"psr_offload"`` implementation of transformers' ``ExpertsInterface``, call
+:meth:`OffloadedExperts.run`, which waits for the slots the layer executes, maps expert ids to slots on the device,
+and runs the model's own experts implementation (``grouped_mm`` by default) on the slot buffers (docs/offloading.md).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def _offload_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
             f"{type(self).__name__} runs with experts_implementation='psr_offload' but is not offloaded by psr_hf; "
             "patch the model with psr_hf.patch(..., offload=OffloadConfig(...)) or set another experts implementation"
         )
-    engine, layer = binding
-    return engine.run(layer, hidden_states, top_k_index, top_k_weights)
+    experts, layer = binding
+    return experts.run(layer, hidden_states, top_k_index, top_k_weights)
 
 
 def _register() -> None:
@@ -161,7 +161,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class OffloadEngine:
+class OffloadedExperts:
     """Everything physical of one offloaded model; created by :func:`psr_hf.patch`, removed by :meth:`close`."""
 
     def __init__(self, model: nn.Module, layers: list, num_experts: int, capacity: int, config: OffloadConfig):

@@ -1,0 +1,354 @@
+"""Per-layer routing of a patched model: a MoE layer's scores to the logical cache, its selection back as the
+router's outputs (ARCHITECTURE.md, "The one decision path").
+
+A router forward computes this layer's selection scores and the next layer's pre-gate (one matmul where the
+policy reads a pre-gate), moves them to the host in **one** transfer and asks the
+:class:`~psr_hf.policy.LogicalCache` for the selection. Where the selection equals the router's own top-K its own
+outputs are returned untouched (exact routing is bitwise the unpatched model); elsewhere the selected experts,
+weighed from the unmodified scores. The batch-1 decode path of :meth:`Controller.select` and
+:meth:`Controller.prefetch` runs the same helpers. Nothing here decides which expert runs: the kernels do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..policy.cache import StepPlan
+from .prefetch_sources import PregateRanking
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What :meth:`Controller.select` decided for one MoE layer of a batch-1 decode step.
+
+    ``experts``: the ``K`` executed expert ids (host int64, the logical cache's order); ``tensor``: the same
+    memory as a ``[1, K]`` int64 tensor (the host staging buffer, pinned and reused for a CUDA device: copy it to
+    the device before the next :meth:`Controller.select` of a layer on that device); ``own``: whether the
+    selection is the router's own top-K (nothing replaced, no tie across its top-K boundary): then the HF path
+    returns the router's own outputs."""
+
+    experts: np.ndarray
+    tensor: torch.Tensor
+    own: bool
+
+
+class LayerRouting:
+    """The routing state of one patched model's MoE layers, owned by its :class:`Controller`: the host pre-gate
+    of each layer in the open forward pass, the stacked router weights, the selection staging buffers, the
+    decisions a gradient-checkpointing backward pass replays and the displaced-mass sums. The controller sets
+    ``cache``, ``source``, ``offload`` and ``recorder`` and passes the open forward pass (``fwd``) to each call."""
+
+    def __init__(self, model: torch.nn.Module, family: Any, layers: list, num_experts: int, top_k: int):
+        self.model, self.family, self.layers = model, family, layers
+        self.num_layers, self.num_experts, self.top_k = len(layers), num_experts, top_k
+        self.cache: Any = None  # the LogicalCache
+        self.source: PregateRanking = PregateRanking()  # the prefetch source (RoutingConfig.prefetch)
+        self.offload: Any = None  # the OffloadedExperts when the experts are offloaded
+        self.recorder: Any = None  # the running Recorder, if any
+        self.needs_pregate = self.executes_pregate = False
+        self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
+        # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
+        # mode: a backward pass that recomputes layers (gradient checkpointing) routes them as that pass did
+        self.decisions: dict[int, tuple[int, int, torch.Tensor, np.ndarray]] = {}
+        self._stacked: dict[int, tuple] = {}  # layer -> (weights' identity, [2E, H])
+        self._pinned: dict[torch.device, torch.Tensor] = {}  # host staging buffers for selections, per device
+        self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
+        self._flags = np.zeros(1, dtype=np.uint8)
+        self.devices = [layer.router.weight.device for layer in layers]
+        # the family's router bias per layer on the host (displaced mass), read at every sequence start: a model built
+        # on the meta device has none until its weights load, and training or load_state_dict may change it
+        self._mass_bias: list[np.ndarray] = [np.zeros(0)] * self.num_layers
+        self.displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
+
+    # ------------------------------------------------------------------ state the controller changes
+    def configure(self, config: Any, cache: Any, source: PregateRanking) -> None:
+        """Route with ``config`` through ``cache``, ranking prefetches with ``source``: one fresh row."""
+        self._stacked.clear()
+        self.source, self.cache = source, cache
+        self.needs_pregate = config.needs_pregate
+        self.executes_pregate = config.executes_pregate
+        self.displaced = np.zeros((self.num_layers, 1))
+        source.start(1, cache.calibration)
+
+    def new_sequence(self, rows: int) -> None:
+        """A new sequence of ``rows`` rows: the weights, their devices and biases are read again (the model may
+        have moved or changed between sequences)."""
+        self._stacked.clear()
+        self.refresh_devices()
+        biases = [self.family.mass_bias(layer.router) for layer in self.layers]
+        self._mass_bias = [np.zeros(0) if b is None else b for b in biases]
+        self.displaced = np.zeros((self.num_layers, rows))
+        self.source.start(rows, self.cache.calibration)
+
+    def refresh_devices(self) -> None:
+        """The routers' devices, for which the selections are staged (the offload may have moved them)."""
+        self.devices = [layer.router.weight.device for layer in self.layers]
+
+    def begin_forward(self) -> None:
+        self.pregate = [None] * self.num_layers
+        self.decisions = {}
+
+    def abort_forward(self) -> None:
+        self.pregate = [None] * self.num_layers
+
+    def reorder(self, index: np.ndarray) -> None:
+        self.displaced = self.displaced[:, index]
+        self.source.reorder(index)
+
+    def resident(self, layer: int) -> np.ndarray:
+        """[E] bool: row 0's logical cache at ``layer``."""
+        return self.cache.resident_mask(layer) != 0
+
+    # ------------------------------------------------------------------ the router forwards
+    def route_own(self, fwd: Any, layer: int, router: Any, own: tuple) -> tuple:
+        """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
+        with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
+            z = self.family.selection_scores(router, own[0].detach())  # [N, E]
+        z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
+        if fwd.positions == 1:
+            # part 1 of this layer already ran in the previous layer's call when the policy inserts
+            plan = self._decode_select(layer, z_host[:, 0], "select" if self.needs_pregate and layer else "both")
+        else:
+            if layer:
+                self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
+            plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
+        self.source.remember(layer, z_host, fwd.valid)
+        return self._execute(fwd, layer, router, plan, z_host, own[0], own, None)
+
+    def route_joint(self, fwd: Any, layer: int, router: Any, hidden: torch.Tensor,
+                    run_own: Callable[[], tuple]) -> tuple:
+        """This layer's scores and the next layer's pre-gate from one matmul, moved to the host in one transfer;
+        the model's own router runs afterwards, and only where the selection is the router's own top-K."""
+        B, S, E = fwd.rows, fwd.positions, self.num_experts
+        with torch.no_grad():  # the host's copy and the untrained path's logits: nothing saved for a backward pass
+            raw, both = self.joint_scores(layer, hidden)
+        host = _host(both)  # [N, 2E]: this layer's z | next pre-gate
+        logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
+        # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
+        z_host = np.ascontiguousarray(host[:, :E]).reshape(B, S, E)
+        g_next = np.ascontiguousarray(host[:, E:]).reshape(B, S, E)
+        if S == 1:
+            # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
+            # computes), on the cache's own buffers
+            g_next = self.source.next_pregate(layer + 1, g_next)
+            plan = self._decode_select(layer, host[:, :E], "select")
+            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own)
+            self._decode_prefetch(fwd, layer + 1, g_next[:, 0])
+        else:
+            # a block of positions: parts 1 and 2 of this layer for each position in order
+            if layer:
+                self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
+            plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
+            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own)
+        self.source.remember(layer, z_host, fwd.valid)
+        self.pregate[layer + 1] = g_next
+        return result
+
+    def recompute(self, layer: int, router: Any, own: tuple) -> tuple:
+        """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
+        with weights from the recomputed logits, so the gradients are those of the routed forward."""
+        N, count, chosen, flags = self.decisions[layer]
+        if self.offload is not None:
+            raise RuntimeError(
+                "psr_hf: gradient checkpointing recomputes layers in the backward pass, whose expert slots have "
+                "changed since the forward pass; train without offload (psr_hf.patch(..., offload=None))"
+            )
+        if own[0].shape[0] != N:
+            raise RuntimeError(
+                f"psr_hf: MoE layer {layer} was recomputed in the backward pass with {own[0].shape[0]} positions, but "
+                f"the forward pass routed {N}; run the backward of the last forward pass"
+            )
+        if count == 0:
+            return own
+        return self._assemble(router, own[0], own, count, N, chosen, flags)
+
+    # ------------------------------------------------------------------ the batch-1 decode path
+    def select(self, fwd: Any, layer: int, scores: Any, pregate: Any) -> Selection:
+        """:meth:`Controller.select` in the open step ``fwd``."""
+        E = self.num_experts
+        z = np.ascontiguousarray(np.asarray(scores, dtype=np.float32).reshape(1, 1, E))
+        mode = "select" if self.needs_pregate and (layer or layer + 1 < self.num_layers) else "both"
+        plan = self._decode_select(layer, z[:, 0], mode)
+        count, tensor, _, chosen = self._decide(fwd, layer, plan, z)
+        if self.needs_pregate and layer + 1 < self.num_layers:
+            # a copy: the caller's buffer is rewritten by the next layer before this pre-gate is read
+            given = None if pregate is None else np.array(pregate, dtype=np.float32, order="C").reshape(1, 1, E)
+            g_next = self.source.next_pregate(layer + 1, given)
+            if g_next is not None:
+                self.pregate[layer + 1] = g_next
+        self.source.remember(layer, z, fwd.valid)
+        return Selection(experts=chosen[0], tensor=tensor, own=count == 0)
+
+    def prefetch(self, fwd: Any, layer: int) -> bool:
+        """:meth:`Controller.prefetch` in the open step ``fwd``."""
+        if not self.needs_pregate:
+            return False
+        g = self.pregate[layer] if 0 < layer < self.num_layers else None
+        if g is None:
+            raise RuntimeError(f"psr_hf: prefetch({layer}) before select({layer - 1}) gave its pre-gate")
+        self._decode_prefetch(fwd, layer, g[:, 0])
+        return True
+
+    # ------------------------------------------------------------------ router weights
+    def joint_scores(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Controller.joint_scores`."""
+        raw, both = self.family.joint_scores(self.layers[layer].router, self.layers[layer + 1].router, hidden,
+                                             self.stacked_weight(layer))
+        return raw, self.source.priorities(raw, both, self.num_experts)
+
+    def prefetch_weight(self, layer: int) -> torch.Tensor:
+        """:meth:`Controller.prefetch_weight`."""
+        return self.source.ranking_weight(layer, self.layers[layer + 1].router)
+
+    def stacked_weight(self, layer: int) -> torch.Tensor:
+        """:meth:`Controller.stacked_weight`."""
+        a = self.layers[layer].router.weight
+        b = self.source.weight_owner(self.layers[layer + 1].router)
+        cached = self._stacked.get(layer)
+        key = (a._version, a.data_ptr(), a.dtype, a.device) + (
+            (b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else (id(b),))
+        if cached is None or cached[0] is not a or cached[1] is not b or cached[2] != key:
+            following = self.prefetch_weight(layer).detach().to(device=a.device, dtype=a.dtype)
+            stacked = self.family.stacked_router_weight(a.detach(), following)
+            cached = self._stacked[layer] = (a, b, key, stacked)
+        return cached[3]
+
+    # ------------------------------------------------------------------ a layer's plan to the router's outputs
+    def _execute(self, fwd: Any, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: Any,
+                 own: tuple | None, run_own: Callable[[], tuple] | None) -> tuple:
+        """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
+        ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
+        scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
+        pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
+        logical cache's."""
+        count, chosen_dev_view, flags, _ = self._decide(fwd, layer, plan, z_host)
+        device = self.devices[layer]
+        N = fwd.rows * fwd.positions
+        training = self.model.training
+        if training:
+            # the weights' gradients flow through the router's own logits (the joint matmul's are detached), and a
+            # recomputation in the backward pass computes the same ones, also after a forward without grad
+            # (reentrant checkpointing); in eval mode the joint matmul's: outputs never depend on the grad mode
+            own = own if own is not None else run_own()
+            logits = own[0]
+        if count == 0:
+            result = own if own is not None else run_own()  # the router's own choice: its own outputs, bitwise
+            chosen_dev = None
+        else:
+            chosen_dev = chosen_dev_view.to(device, non_blocking=True) if device.type == "cuda" else chosen_dev_view
+            if count < N and own is None:
+                own = run_own()
+            result = self._assemble(router, logits, own, count, N, chosen_dev, flags)
+        if training:
+            kept = None if chosen_dev is None else chosen_dev.clone()
+            self.decisions[layer] = (N, count, kept, flags[:N].copy())
+        return result
+
+    def _assemble(self, router: Any, logits: Any, own: tuple | None, count: int, N: int, chosen: torch.Tensor,
+                  flags: np.ndarray) -> tuple:
+        """The router's triple when ``count`` of the ``N`` positions (``flags``) run ``chosen`` instead of the
+        router's own top-K: their weights from the unmodified scores, the router's own outputs elsewhere."""
+        if isinstance(logits, _Lazy):
+            logits = logits.value()
+        if count == N:
+            return logits, self.family.execution_weights(router, logits, chosen), chosen
+        _, weights, indices = own
+        mask = torch.from_numpy(flags[:N].astype(bool)).to(chosen.device)[:, None]
+        new_weights = self.family.execution_weights(router, logits, chosen).to(weights.dtype)
+        return logits, torch.where(mask, new_weights, weights), torch.where(mask, chosen, indices)
+
+    def _decode_select(self, layer: int, z: np.ndarray, mode: str) -> StepPlan:
+        """One position per row (decoding): part 2 of ``layer`` (``mode`` "select"), or parts 1 and 2 ("both"),
+        on the cache's own buffers for the scores ``z`` [B, E]; spec executes the pre-gate that the previous layer
+        stored for this one."""
+        io = self.cache.io
+        io.scores[:, 0] = z
+        if self.executes_pregate and layer:
+            io.pregate[:, 0] = self.pregate[layer][:, 0]
+        return self.cache.step_io(layer, mode)
+
+    def _decode_prefetch(self, fwd: Any, layer: int, g: np.ndarray) -> None:
+        """One position per row (decoding): part 1 of ``layer`` from its pre-gate ``g`` [B, E] (the previous
+        layer's input through this layer's router), and the offload's prefetch copies of its insertions."""
+        self.cache.io.pregate[:, 0] = g
+        plan = self.cache.step_io(layer, "prefetch")
+        if self.offload is not None and _mirrors(fwd):
+            self.offload.prefetch(layer, plan, self.cache.resident_mask(layer))
+
+    def _decide(self, fwd: Any, layer: int, plan: StepPlan,
+                z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
+        """What every caller does with a layer's plan: record it, count its statistics
+        (:meth:`LogicalCache.finish_layer`), write the selected experts into the host staging buffer and tell the
+        offload. Returns the number of positions whose selection is not the router's own top-K, the staging
+        tensor ``[N, K]`` (host; pinned for a CUDA device), the per-position flags (1: not the router's own) and
+        the staging buffer as an array."""
+        N = fwd.rows * fwd.positions
+        if self.recorder is not None:
+            self.recorder.add_layer(layer, z_host, self.pregate[layer], plan.selected)
+        chosen, chosen_dev_view = self._staging(N, self.devices[layer])
+        flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
+        count = self.cache.finish_layer(plan, z_host, fwd.valid, self.offload is not None, self.family.router_mass,
+                                        self._mass_bias[layer], self.displaced[layer], chosen, flags)
+        if self.offload is not None:
+            mirror = _mirrors(fwd)
+            resident = None if fwd.rows != 1 else self.cache.resident_mask(layer) if mirror else self.resident(layer)
+            self.offload.route(layer, plan, chosen, mirror, resident)
+        return count, chosen_dev_view, flags, chosen
+
+    def _staging(self, rows: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+        """A host ``[rows, K]`` int64 buffer for the selection and a tensor over the same memory. For a CUDA
+        device it is pinned and reused (one per device), so the copy to the device is asynchronous: the buffer is
+        rewritten only after the next device-to-host transfer from that device, which waits for this copy."""
+        key = (device, rows)
+        view = self._staging_views.get(key)
+        if view is None:
+            size = rows * self.top_k
+            if device.type == "cuda":
+                pinned = self._pinned.get(device)
+                if pinned is None or pinned.numel() < size:
+                    pinned = self._pinned[device] = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True)
+                    self._staging_views = {k: v for k, v in self._staging_views.items() if k[0] != device}
+                tensor = pinned[:size].view(rows, self.top_k)
+                view = self._staging_views[key] = (tensor.numpy(), tensor)
+            else:  # the tensor is used as it is by the layer, so never reused
+                tensor = torch.empty((rows, self.top_k), dtype=torch.int64)
+                view = (tensor.numpy(), tensor)
+        return view
+
+
+def _mirrors(fwd: Any) -> bool:
+    """One row and one real position: the offload's slots follow this step's plan exactly."""
+    return fwd.rows == 1 and fwd.positions == 1 and (fwd.valid is None or bool(fwd.valid[0, 0]))
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where gradient checkpointing recomputes layers)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() >= 0
+
+
+class _Lazy:
+    """The first ``E`` columns of a ``[N, 2E]`` tensor, sliced on first use (a torch call costs microseconds)."""
+
+    __slots__ = ("raw", "E")
+
+    def __init__(self, raw: torch.Tensor, E: int):
+        self.raw, self.E = raw, E
+
+    def value(self) -> torch.Tensor:
+        return self.raw[:, : self.E]
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A device tensor as a float32 host array (one device-to-host copy, which synchronises). bfloat16 widens
+    on the host by a bit shift (exact, and cheaper than a torch conversion)."""
+    h = t.cpu()
+    if h.dtype == torch.float32:
+        return h.numpy()
+    if h.dtype == torch.bfloat16:
+        return (h.view(torch.int16).numpy().astype(np.int32) << 16).view(np.float32)
+    return h.float().numpy()
