@@ -1,9 +1,9 @@
-"""psr_hf.engine.compile: model.generate() served by the engine's batch-1 decoder (CPU, float32, eager).
+"""psr_hf.engine.attach: model.generate() served by the engine's batch-1 decoder (CPU, float32, eager).
 
-After compile, generate() must give what the patched HF path gives: the same greedy and sampled tokens (same
+With the engine attached, generate() must give what the patched HF path gives: the same greedy and sampled tokens (same
 logits -> same argmax / same multinomial draws under one seed), scores within 1e-4, the same routing selections
 and statistics, eos stopping; batch 2 and beam search fall back to the HF path (logged once per reason), a
-sequence past max_len re-synchronises on the HF path; uncompile (and unpatch) restore the forward.
+sequence past max_len re-synchronises on the HF path; detach (and unpatch) restore the forward.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import psr_hf
-from psr_hf.hf.controller import cache_keyword
+from psr_hf.hf.inputs import cache_keyword
 from psr_hf import RoutingConfig, engine
 from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.testing import tiny_model
@@ -38,14 +38,14 @@ def shipped():
 
 
 @contextlib.contextmanager
-def _patched(model, policy, calibration=None, compile=True, **kwargs):
+def _patched(model, policy, calibration=None, attach=True, **kwargs):
     with psr_hf.patched(model, RoutingConfig(**policy), calibration=calibration):
-        if compile:
-            engine.compile(model, **kwargs)
+        if attach:
+            engine.attach(model, **kwargs)
         try:
             yield psr_hf.controller(model)
         finally:
-            engine.uncompile(model)
+            engine.detach(model)
 
 
 def _generate(model, ids, seed=None, **kwargs):
@@ -60,14 +60,14 @@ def _generate(model, ids, seed=None, **kwargs):
     return out, recorder.recordings, ctl.stats()
 
 
-def _both(model, ids, policy, calibration=None, seed=None, compile_kwargs=None, **kwargs):
-    """The same generate() uncompiled and compiled, in the same patch: (hf, engine, compile state)."""
-    with _patched(model, policy, calibration, **(compile_kwargs or {})):
-        state = engine.compiled(model)
-        engine.uncompile(model)
+def _both(model, ids, policy, calibration=None, seed=None, attach_kwargs=None, **kwargs):
+    """The same generate() without and with the engine, in the same patch: (hf, engine, attachment)."""
+    with _patched(model, policy, calibration, **(attach_kwargs or {})):
+        state = engine.attached(model)
+        engine.detach(model)
         hf = _generate(model, ids, seed, **kwargs)
-        engine.compile(model, **(compile_kwargs or {}))
-        state = engine.compiled(model)
+        engine.attach(model, **(attach_kwargs or {}))
+        state = engine.attached(model)
         ours = _generate(model, ids, seed, **kwargs)
     return hf, ours, state
 
@@ -141,38 +141,38 @@ def test_batch_two_and_beams_fall_back_logging_once(shipped, caplog):
 def test_past_max_len_continues_on_the_hf_path(shipped):
     model, _, calibration, ids = shipped
     limit = ids.shape[1] + 5
-    hf, ours, state = _both(model, ids, EXACT, calibration, compile_kwargs=dict(max_len=limit),
+    hf, ours, state = _both(model, ids, EXACT, calibration, attach_kwargs=dict(max_len=limit),
                             max_new_tokens=NEW, do_sample=False)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
     assert state.served == 1 + 5 and state.fallbacks == NEW - 6  # the prompt and 5 steps fill max_len
 
 
-def test_uncompile_and_unpatch_restore_the_forward(shipped):
+def test_detach_and_unpatch_restore_the_forward(shipped):
     model, _, calibration, ids = shipped
     before_patch = vars(model).get("forward")
     with psr_hf.patched(model, RoutingConfig(**EXACT), calibration=calibration):
         patched_forward = vars(model)["forward"]
-        engine.compile(model)
-        assert model.forward is not patched_forward and engine.compiled(model).max_len == min(model.config.max_position_embeddings, 4096)
-        with pytest.raises(ValueError, match="already compiled"):
-            engine.compile(model)
-        engine.uncompile(model)
-        assert vars(model)["forward"] is patched_forward and engine.compiled(model) is None
-        engine.uncompile(model)  # idempotent
-        engine.compile(model, max_len=64)
-    # unpatch before uncompile: the patch's removal restores the model's own forward, the engine is gone
-    assert vars(model).get("forward") is before_patch and engine.compiled(model) is None
-    engine.uncompile(model)
+        engine.attach(model)
+        assert model.forward is not patched_forward and engine.attached(model).max_len == min(model.config.max_position_embeddings, 4096)
+        with pytest.raises(ValueError, match="already attached"):
+            engine.attach(model)
+        engine.detach(model)
+        assert vars(model)["forward"] is patched_forward and engine.attached(model) is None
+        engine.detach(model)  # idempotent
+        engine.attach(model, max_len=64)
+    # unpatch before detach: the patch's removal restores the model's own forward, the engine is gone
+    assert vars(model).get("forward") is before_patch and engine.attached(model) is None
+    engine.detach(model)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="patched"):
-        engine.compile(model)
+        engine.attach(model)
 
 
 def test_tiny_deepseek_v3_greedy():
     model = tiny_model("deepseek_v3")
     ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-    hf, ours, state = _both(model, ids, EXACT, None, compile_kwargs=dict(max_len=64), max_new_tokens=8,
+    hf, ours, state = _both(model, ids, EXACT, None, attach_kwargs=dict(max_len=64), max_new_tokens=8,
                             do_sample=False, pad_token_id=0)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
     assert state.served == 8
@@ -180,7 +180,7 @@ def test_tiny_deepseek_v3_greedy():
 
 
 def test_a_returned_cache_passed_to_another_generate_is_refused_or_continued_exactly():
-    """A compiled generate() returns a cache without tensors. Handed to a second generate(), transformers 5.2x
+    """generate() with the engine attached returns a cache without tensors. Handed to a second generate(), transformers 5.2x
     replays the sequence from position 0 (which must fail clearly instead of counting the sequence twice), while
     5.17 sends only the new tokens (which the engine continues: the tokens must equal the HF path's)."""
     import psr_hf.engine as engine
@@ -189,7 +189,7 @@ def test_a_returned_cache_passed_to_another_generate_is_refused_or_continued_exa
     model, tokenizer, calibration = load_shipped("olmoe-routing")
     psr_hf.patch(model, psr_hf.RoutingConfig(policy="exact", residency=0.5), calibration=calibration)
     try:
-        engine.compile(model)
+        engine.attach(model)
         ids = tokenizer("It was a truth", return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         try:
@@ -198,10 +198,10 @@ def test_a_returned_cache_passed_to_another_generate_is_refused_or_continued_exa
         except RuntimeError as error:
             assert "cannot be passed to another generate" in str(error)
         else:
-            engine.uncompile(model)
+            engine.detach(model)
             assert torch.equal(again, model.generate(out.sequences, max_new_tokens=3, do_sample=False))
     finally:
-        engine.uncompile(model)
+        engine.detach(model)
         psr_hf.unpatch(model)
 
 
@@ -217,7 +217,7 @@ def test_cuda_graphs_equal_the_hf_path_float32(shipped, policy):
     model = copy.deepcopy(model).to("cuda")
     ids = ids.to("cuda")
     kwargs = dict(max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    hf, ours, state = _both(model, ids, policy, calibration, compile_kwargs=dict(max_len=64), **kwargs)
+    hf, ours, state = _both(model, ids, policy, calibration, attach_kwargs=dict(max_len=64), **kwargs)
     assert getattr(state.decoder, "graphs", False) and state.decoder.compiled
     assert state.served == NEW and state.fallbacks == 0
     torch.testing.assert_close(ours[0].sequences, hf[0].sequences, rtol=0, atol=0)

@@ -16,7 +16,9 @@ import torch
 
 import psr_hf
 from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
-from psr_hf.engine.layers import DecodeLayers, DeepseekV3Layers, OlmoeLayers, build_layers
+from psr_hf.engine.families.deepseek_v3 import DeepseekV3Layers
+from psr_hf.engine.families.olmoe import OlmoeLayers
+from psr_hf.engine.layers import DecodeLayers, build_layers
 from psr_hf.testing import tiny_config, tiny_model
 
 LOGITS_TOL = 1e-5  # relative to the largest |logit| of the position

@@ -158,7 +158,7 @@ def test_reference_equals_the_transformers_experts_module(family, dtype):
 
 
 def test_reference_reads_the_offload_engines_slots_in_place(quiet_psr_hf):
-    """The offload engine's slot buffers (``OffloadEngine.slots[layer]``) are the layout: the reference on the
+    """The offload engine's slot buffers (``OffloadedExperts.slots[layer]``) are the layout: the reference on the
     slots holding the selection equals the reference on the host store (the parameters) by expert id, bitwise."""
     model = tiny_model("olmoe")
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -1,19 +1,13 @@
 """The engine's eager batch-1 decoder: the building blocks of :mod:`psr_hf.engine.layers` and
 :mod:`psr_hf.engine.moe` chained per token, routed by the patched model's own
-:class:`~psr_hf.hf.controller.Controller`.
+:class:`~psr_hf.hf.controller.Controller`; and :class:`DecoderBase`, what both decoders build on their step.
 
-Per step (one token at one position), for each decoder layer: the attention block; a dense layer's MLP; for a
-MoE layer the router logits (this layer's and the next MoE layer's pre-gate from one matmul) and the family's
-scores, moved to the host in one transfer, then the controller's :meth:`~Controller.select` (part 2 of the
-policy, recording, statistics, the offload's demand copies), its :meth:`~Controller.prefetch` of the next MoE
-layer (part 1, the offload's prefetch copies, issued before this layer's experts run), the execution weights of
-the selected experts from the unmodified logits, and the MoE over expert slots (plus the shared experts) into
-the residual. Every routing decision is the controller's: this module decides nothing about which expert runs.
-
-This eager version is the reference of the CUDA-graph decoder (:mod:`psr_hf.engine.graphs`); the places the graph
-version changes are marked ``GRAPH:``. Copies skipped (compute-only time): a decoder on a model patched with the
-same RoutingConfig but not offloaded makes the same decisions and copies nothing (``psr-hf bench --engine``'s
-``*_nocopy`` rows).
+Per step, for each MoE layer: the router logits and the family's scores, moved to the host in one transfer, then
+the controller's ``select`` (part 2 of the policy, recording, statistics, the offload's demand copies) and
+``prefetch`` of the next MoE layer (part 1, issued before this layer's experts run), the execution weights from
+the unmodified logits and the MoE over expert slots into the residual. Every routing decision is the
+controller's. This eager version is the reference of the CUDA-graph decoder (:mod:`psr_hf.engine.graphs`); the
+places the graph version changes are marked ``GRAPH:``. Page: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -63,7 +57,7 @@ def moe_layers_of(L: DecodeLayers, ctl: Any) -> list[int]:
     return moe_layers
 
 
-class Sequences(abc.ABC):
+class DecoderBase(abc.ABC):
     """What both decoders (:class:`Decoder`, :class:`~psr_hf.engine.graphs.GraphDecoder`) do with their
     ``step(token)`` and ``reset()``: a prompt, and greedy decoding of a new sequence."""
 
@@ -126,7 +120,7 @@ class Sequences(abc.ABC):
         return sequence
 
 
-class Decoder(Sequences):
+class Decoder(DecoderBase):
     """Batch-1 eager decoder of a model patched by :func:`psr_hf.patch` (resident, or offloaded with
     ``offload=OffloadConfig(...)``), with a static KV cache of ``max_len`` positions.
 
@@ -229,13 +223,13 @@ class Decoder(Sequences):
                   None if residual is None else residual[0], backend=self.backend)
 
     def _moe_offloaded(self, m: int, experts: np.ndarray, out: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """The decode branch of :meth:`OffloadEngine.run` on the engine's buffers: the copies of the layer's
+        """The decode branch of :meth:`OffloadedExperts.run` on the engine's buffers: the copies of the layer's
         selection (issued by ``select``) are waited for, the experts mapped to their slots, the MoE computed on
         the layer's slot buffers, the slots released for reuse and the queued prefetches issued."""
         offload = self.controller.offload
         slots = offload.decode_slots(m, experts)
         # GRAPH: the layer's persistent device slot map, uploaded from a pinned buffer when it changed
-        # (OffloadEngine._compute), gathered by the selected expert ids inside graph B
+        # (OffloadedExperts._compute), gathered by the selected expert ids inside graph B
         slot_ids = torch.from_numpy(slots).to(self.layers.device)
         buffers = offload.slots[m]
         self._moe(slot_ids, buffers["gate_up_proj"], buffers["down_proj"], out, residual)

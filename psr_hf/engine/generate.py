@@ -1,33 +1,14 @@
-"""``model.generate()`` through the engine: :func:`compile` / :func:`uncompile`.
+"""``model.generate()`` through the engine: :func:`attach` / :func:`detach` (page: docs/engine.md, "Behind
+generate()").
 
-:func:`compile` wraps the forward of a model patched by :func:`psr_hf.patch` (an instance attribute over the
+:func:`attach` wraps the forward of a model patched by :func:`psr_hf.patch` (an instance attribute over the
 controller's own forward wrapper). ``generate()`` is unchanged: its logits processors, sampling, stopping criteria
-and outputs are its own; only the calls of the forward it makes are served by the engine's batch-1 decoder
-(:class:`~psr_hf.engine.decoder.Decoder`, or :class:`~psr_hf.engine.graphs.GraphDecoder` replayed as CUDA graphs).
-
-How the wrapper decides, per call:
-
-* **prefill** (served): one row of ``input_ids`` (no ``inputs_embeds``), no cache or an empty transformers cache,
-  the attention mask (if any) all ones, ``position_ids`` (if any) ``0..S-1``, only the last position's logits
-  asked for (``logits_to_keep=1``, as ``generate()`` asks, or ``S == 1``), no attentions, hidden states, router
-  logits or labels, ``S <= max_len``. The prompt runs through ``decoder.prefill`` (a new sequence) and the call
-  returns a ``CausalLMOutputWithPast`` with the ``[1, 1, V]`` logits and an :class:`EngineCache`: a
-  ``DynamicCache`` that holds no tensors and reports the engine's sequence length;
-* **continuation** (served): a call that carries the current :class:`EngineCache`, whose ``k >= 1`` tokens
-  continue the engine's sequence (positions, cache positions and mask length consistent), only the last logits
-  asked for and the sequence staying within ``max_len``: ``decoder.step`` per token;
-* **everything else** goes to the model's own (patched) forward, the reason logged once per reason (INFO on the
-  ``psr_hf.engine.generate`` logger): several rows (batch > 1, beam search), padding, more logits than the
-  last position's (assisted decoding's verification), outputs the engine does not compute, a longer sequence than
-  ``max_len``, a cache the engine did not make. A call that carries the engine's cache but cannot be served
-  (assisted decoding, ``max_len`` reached) **re-synchronises**: the model's own forward runs the engine's whole
-  sequence plus the new tokens from an empty cache, and returns the logits of the new positions with a real
-  transformers cache, from which ``generate()`` continues on the HF path. A stale :class:`EngineCache` (from an
-  earlier sequence) raises ``RuntimeError``.
-
-:func:`psr_hf.unpatch` removes the wrapper with the rest of the patch (it restores the forward the model had
-before :func:`psr_hf.patch`); :func:`uncompile` afterwards only forgets the engine. Calling :func:`uncompile`
-first is the clean order.
+and outputs are its own; only the forward calls it makes are served by the engine's batch-1 decoder
+(:class:`~psr_hf.engine.decoder.Decoder`, or :class:`~psr_hf.engine.graphs.GraphDecoder` replayed as CUDA graphs):
+a one-row prefill from an empty cache and its continuations, asking for the last position's logits only. Every
+other call runs the model's own (patched) forward, the reason logged once; a call that carries the engine's
+:class:`EngineCache` but cannot be served re-synchronises on that forward from the whole sequence.
+:func:`psr_hf.unpatch` removes the wrapper with the rest of the patch; :func:`detach` first is the clean order.
 """
 
 from __future__ import annotations
@@ -39,11 +20,11 @@ from typing import Any
 
 import torch
 
-from psr_hf.hf.controller import _ATTR as _PATCH_ATTR
+from psr_hf.hf.installation import CONTROLLER_ATTRIBUTE as _PATCH_ATTR
 
 logger = logging.getLogger(__name__)
 
-_ATTR = "_psr_hf_engine"  # the model's instance attribute holding its _Compiled while compiled
+_ATTR = "_psr_hf_engine"  # the model's instance attribute holding its _Attachment while attached
 DEFAULT_MAX_LEN = 4096
 # arguments the engine understands; any other one with a value other than None / False is a reason to fall back
 _KNOWN = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
@@ -71,7 +52,7 @@ def _engine_cache_class() -> type:
         static one); ``get_seq_length()`` is the engine's sequence length. Stale once the engine starts another
         sequence."""
 
-        def __init__(self, owner: "_Compiled"):
+        def __init__(self, owner: "_Attachment"):
             super().__init__()
             self._psr_owner = owner
             self._psr_length = 0
@@ -86,15 +67,23 @@ def _engine_cache_class() -> type:
 _CACHE_CLASS: type | None = None
 
 
-def EngineCache(owner: "_Compiled") -> Any:  # noqa: N802 (a class built lazily: transformers loads on first use)
+def EngineCache(owner: "_Attachment") -> Any:  # noqa: N802 (a class built lazily: transformers loads on first use)
     global _CACHE_CLASS
     if _CACHE_CLASS is None:
         _CACHE_CLASS = _engine_cache_class()
     return _CACHE_CLASS(owner)
 
 
-class _Compiled:
-    """The state of a compiled model: its decoder, the wrapper, the engine's current sequence."""
+class _Attachment:
+    """The engine attached to a model: its decoder, the wrapper, the engine's current sequence.
+
+    Per call, the wrapper serves a **prefill** (one row of ``input_ids``, no cache or an empty one, mask all ones,
+    positions ``0..S-1``, the last logits only, nothing else asked for, ``S <= max_len``: ``decoder.prefill``,
+    returning the ``[1, 1, V]`` logits and an :class:`EngineCache`) and a **continuation** (the current
+    EngineCache, whose tokens continue the engine's sequence within ``max_len``: ``decoder.step`` per token).
+    Everything else (batches, beams, padding, more logits, attentions or hidden states, a longer sequence, a cache
+    the engine did not make) runs the original forward; a call carrying the engine's cache that cannot be served
+    re-synchronises there from an empty cache; a stale EngineCache raises ``RuntimeError``."""
 
     def __init__(self, model: torch.nn.Module, decoder: Any, max_len: int):
         self.model = model
@@ -136,8 +125,8 @@ class _Compiled:
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         if getattr(self.model, _PATCH_ATTR, None) is not self.controller:
-            raise RuntimeError("psr_hf.engine: the model was unpatched (or patched again) while compiled; call "
-                               "psr_hf.engine.uncompile(model) before psr_hf.unpatch(model)")
+            raise RuntimeError("psr_hf.engine: the model was unpatched (or patched again) while the engine was "
+                               "attached; call psr_hf.engine.detach(model) before psr_hf.unpatch(model)")
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 return self._fallback("positional arguments", args, kwargs)
@@ -174,8 +163,9 @@ class _Compiled:
         if ours and reason is not None and reason.startswith(("position_ids", "cache_position", "the attention mask's")):
             # the positions do not continue the engine's sequence: e.g. a cache returned by one generate() passed to
             # another, which replays the sequence from the start; re-synchronising would count it twice
-            raise RuntimeError(f"psr_hf.engine: {reason}; the cache a compiled generate() returns cannot be passed to "
-                               "another generate() or forward: start again from the whole sequence without a cache")
+            raise RuntimeError(f"psr_hf.engine: {reason}; the cache generate() returns with the engine attached "
+                               "cannot be passed to another generate() or forward: start again from the whole "
+                               "sequence without a cache")
         if ours:
             return self._resync(reason, kwargs, name)
         return self._fallback(reason, args, kwargs)
@@ -275,25 +265,25 @@ class _Compiled:
             call.pop("attention_mask")
         call["use_cache"] = True
         self._drop_sequence()
-        self.controller._discard_sequence()  # counted and recorded again by the run from the start
+        self.controller.discard_sequence()  # counted and recorded again by the run from the start
         return self.original(**call)
 
 
 # ---------------------------------------------------------------------------------------------- public API
-def compile(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool | None = None,
-            **decoder_kwargs: Any) -> torch.nn.Module:  # noqa: A001 (the name of the API)
+def attach(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool | None = None,
+           **decoder_kwargs: Any) -> torch.nn.Module:
     """Serve ``model.generate()`` at batch 1 by the engine; returns the same model.
 
     ``model`` must be patched by :func:`psr_hf.patch` (resident or offloaded). ``max_len``: the engine's static KV
     cache (positions per sequence), default the config's ``max_position_embeddings`` capped at 4096; a generate()
     that goes past it continues on the HF path. ``graphs``: replay CUDA graphs (default: on CUDA; eager on the
-    CPU). Further keyword arguments go to the decoder (``backend``, ``absorb_mla``). Undo with :func:`uncompile`.
+    CPU). Further keyword arguments go to the decoder (``backend``, ``absorb_mla``). Undo with :func:`detach`.
     """
     if getattr(model, _PATCH_ATTR, None) is None:
-        raise ValueError("psr_hf.engine.compile needs a model patched by psr_hf.patch(model, config) first")
-    if compiled(model) is not None:
-        raise ValueError("this model is already compiled; psr_hf.engine.uncompile(model) first")
-    uncompile(model)  # the state left by a compile whose wrapper psr_hf.unpatch removed
+        raise ValueError("psr_hf.engine.attach needs a model patched by psr_hf.patch(model, config) first")
+    if attached(model) is not None:
+        raise ValueError("the engine is already attached to this model; psr_hf.engine.detach(model) first")
+    detach(model)  # the state left by an attach whose wrapper psr_hf.unpatch removed
     if max_len is None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         max_len = min(int(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_LEN), DEFAULT_MAX_LEN)
@@ -309,10 +299,10 @@ def compile(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool 
 
         decoder = Decoder(model, int(max_len), **decoder_kwargs)
     _engine_cache_class_ready()
-    state = _Compiled(model, decoder, int(max_len))
+    state = _Attachment(model, decoder, int(max_len))
     object.__setattr__(model, "forward", state.wrapper)
     object.__setattr__(model, _ATTR, state)
-    logger.info("psr_hf.engine: %s compiled (max_len %d, %s)", type(model).__name__, max_len,
+    logger.info("psr_hf.engine: attached to %s (max_len %d, %s)", type(model).__name__, max_len,
                 "CUDA graphs" if graphs else "eager")
     return model
 
@@ -323,8 +313,8 @@ def _engine_cache_class_ready() -> None:
         _CACHE_CLASS = _engine_cache_class()
 
 
-def uncompile(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`compile`: the model's forward is the one it had before (the patched one), the engine's buffers are
+def detach(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`attach`: the model's forward is the one it had before (the patched one), the engine's buffers are
     released. Idempotent; also after :func:`psr_hf.unpatch` (which already removed the wrapper)."""
     state = vars(model).get(_ATTR)
     if state is None:
@@ -339,8 +329,8 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compiled(model: torch.nn.Module) -> Any:
-    """The compile state of ``model`` (``decoder``, ``served``, ``fallbacks``, ``max_len``), or None."""
+def attached(model: torch.nn.Module) -> Any:
+    """The engine attached to ``model`` (``decoder``, ``served``, ``fallbacks``, ``max_len``), or None."""
     state = vars(model).get(_ATTR)
     if state is not None and vars(model).get("forward") is not state.wrapper:
         return None  # unpatched meanwhile: the wrapper is gone

@@ -2,52 +2,14 @@
 :class:`~psr_hf.engine.decoder.Decoder` (the same functions of :mod:`psr_hf.engine.layers` and
 :mod:`psr_hf.engine.moe` in the same order on the same static buffers, routed by the same controller calls).
 
-Per step (one token, batch 1), with ``d_0 < d_1 < ...`` the decoder indices of the MoE layers:
-
-* the host writes the token and the position into their static device tensors (``fill_``, outside every graph:
-  a graph reads them from device memory, never as captured constants);
-* per MoE layer ``m``, **graph A_m**: (for ``m = 0`` the embedding) every dense layer between the previous MoE
-  layer and ``d_m`` (attention block, dense MLP, residual), the attention block of ``d_m``, its router logits and
-  scores, and the copy of the ``[1, W]`` scores (as float32) into layer ``m``'s pinned host buffer
-  (``copy_(non_blocking=True)`` captured: the pinned address is fixed). After the launch an event is recorded on
-  the current stream and the host waits on that event only (no device synchronisation). The host then does
-  exactly what ``Decoder`` does: ``controller.select(m, z, pregate)``, writes the K selected expert ids into layer
-  ``m``'s pinned int64 buffer and, offloaded, calls ``offload.decode_slots`` (on CUDA it makes the current stream
-  wait for the layer's copies) and writes the K slot ids into a second pinned buffer; it launches B_m, and only
-  then runs ``controller.prefetch(m + 1)`` and ``offload.decode_done(m)`` (the logical decisions in the same order,
-  select m, prefetch m + 1, select m + 1; the prefetch copies are issued while the GPU computes);
-* **graph B_m**: the H2D copies of the pinned expert ids (and slot ids) into static device buffers, the execution
-  weights from the unmodified logits, the slot MoE (Triton on CUDA when available, the torch reference otherwise),
-  the shared experts and the residual. Offloaded, ``offload.decode_done(m)`` follows once the replay is enqueued
-  (its event is recorded after graph B on the same stream, so the copy stream overwrites the slots only after
-  graph B has read them);
-* **graph C**: the dense layers after the last MoE layer, the final norm and the lm_head into the static logits
-  buffer.
-
-Nothing on the host sits between B_m and A_{m+1}, so each pair is captured as one graph (``merge=True``: one launch
-per MoE layer; A_0 alone first, B_{M-1} with C last). With cuda-python (:mod:`psr_hf.offload.cuda_runtime`) the
-graphs are launched with ``cudaGraphLaunch`` and the host's wait is a raw event (a few us each, against torch's
-``replay()`` and ``Event``); without it torch's calls do the same. All graphs are replayed on the caller's current
-stream (the copy link's ``wait`` / ``read_done`` order the offload's copy stream against that stream), in the order
-they were captured (they share one memory pool, which is safe only in capture order).
-
-Capture (``graphs=True``, at construction): the offload's copy stream and the device are synchronised, then every
-graph body runs ``warmup`` times on a side stream with dummy inputs (token 0, position 0, expert ids ``0..K-1``,
-slot ids ``0..K-1`` modulo the slots), then each body is captured on that side stream into one shared pool. What
-this touches: the static buffers of :class:`~psr_hf.engine.layers.DecodeBuffers`, this decoder's own pinned
-buffers and workspaces, and slot 0 of this decoder's own KV cache (written at the dummy position 0). It touches
-neither the controller (no ``select``/``prefetch``/``step``: its routing state, recording and statistics are
-unchanged) nor the offload's slots or maps (graph B only reads the slot buffers). Every sequence starts at
-position 0, whose step rewrites KV slot 0 of every layer before attention reads it, and attention at position
-``p`` reads slots ``<= p`` only (the layers' mask), so nothing the warm-up wrote is ever read. The decoder starts
-a new sequence after capture (the next step is position 0, which starts the controller's new sequence); calling
-``controller.reset()`` is not needed and is not done.
-
-``graphs=False`` runs the same bodies eagerly in the same order on the same static buffers (on the CPU the host
-buffers are plain CPU tensors and there are no events), which is what the CPU tests compare with ``Decoder``.
-
-The offload's slot buffers are bound into graph B at capture: if the offload reallocates them (the model's
-expert weights changed dtype or device) the step raises ``RuntimeError``; build a new decoder.
+Per MoE layer ``m``: graph A_m (the dense layers before it, its attention block, router logits and scores, and
+their copy into a pinned host buffer), then on the host ``controller.select``, the launch of graph B_m (the
+execution weights, the slot MoE, the shared experts and the residual) and only then ``controller.prefetch(m + 1)``
+and ``offload.decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are captured as one
+graph (``merge=True``), launched through raw runtime calls where cuda-python imports, on the caller's current
+stream in capture order. ``graphs=False`` runs the same bodies eagerly (the CPU tests compare it with
+``Decoder``). The schedule, what capture touches, and why nothing the warm-up writes is read: docs/engine.md,
+"Inside the engine".
 """
 
 from __future__ import annotations
@@ -60,7 +22,7 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import Sequences, moe_layers_of
+from .decoder import DecoderBase, moe_layers_of
 from .layers import DecodeLayers, build_layers
 from psr_hf.offload import cuda_runtime
 from psr_hf.offload.cuda_runtime import Runtime, raw_current_stream
@@ -69,7 +31,7 @@ from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, 
 logger = logging.getLogger(__name__)
 
 
-class GraphDecoder(Sequences):
+class GraphDecoder(DecoderBase):
     """Batch-1 decoder of a model patched by :func:`psr_hf.patch` (resident or offloaded) replayed as CUDA graphs
     (``graphs=True``, CUDA only) or run eagerly with the same buffers and order (``graphs=False``). Same public
     methods as :class:`~psr_hf.engine.decoder.Decoder`: :meth:`step`, :meth:`prefill`, :meth:`generate_greedy`,

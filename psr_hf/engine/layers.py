@@ -1,56 +1,19 @@
-"""Batch-1 decode building blocks over a loaded transformers model's own weights, written to be captured in CUDA
-graphs, and the eager reference decode step that chains them.
+"""The engine's per-layer decode functions over a loaded transformers model's own weights: :class:`DecodeLayers`,
+the base every family's layers derive from (:mod:`psr_hf.engine.families`, one module per family), and
+:func:`build_layers`, which picks the family registered for the model's ``config.model_type``.
 
-Build one with :func:`build_layers`; it returns the family's class (:class:`OlmoeLayers`,
-:class:`DeepseekV3Layers`), which holds **references** to the model's parameters (nothing is copied; the only
-memory it adds is the static KV cache, one ``[2E, H]`` stack of two router weights per MoE layer that has a next
-MoE layer, and a few vectors: its static buffers, a ``[max_len]`` slot index).
-
-Every per-layer function works on one token (batch 1) and is capturable as written:
-
-* no host synchronisation: no ``.item()``/``.tolist()``/``.cpu()``, no Python branch on a tensor's value (the
-  only checks are on shapes, dtypes and devices, which are host metadata);
-* static shapes: attention runs over all ``max_len`` slots of the KV cache with a mask derived from the position
-  tensor, so nothing depends on the position but values;
-* the position is a 0-d int64 tensor on the model's device; the KV cache is written at it with ``index_copy_``;
-* every output is written into a buffer the caller passes (``copy_`` or ``out=``); temporaries inside a function
-  are allocated by torch as usual (under capture they come from the graph's private pool, same sizes every step).
-
-The range of the position cannot be checked inside a graph: the host calls :meth:`DecodeLayers.check_position`
-with the step's position (a Python int) before writing it to the position tensor and replaying.
-
-Router contract (what the host-side policy reads, identical to ``psr_hf.hf.Controller._route_joint``):
-:meth:`DecodeLayers.router_logits` writes ``[1, W]`` raw logits, ``W = 2E`` when the layer has a next MoE layer
-(this layer's logits, then the next layer's pre-gate logits, from one matmul over the family's
-``stacked_router_weight``) and ``W = E`` for the last MoE layer; they are in the router's dtype (the model's for
-OLMoE, float32 for DeepSeek-V3, whose router computes in float32). :meth:`DecodeLayers.router_scores` turns them
-into the family's ``joint_scores``: the policy's ``z`` of this layer in columns ``[:E]`` and the pre-gate ``g`` of
-the next in ``[E:]``. For OLMoE (a softmax router) the scores are the raw logits themselves (softmax is monotone;
-the policy's bias is added to logits, ``router_mass`` is ``MASS_SOFTMAX``); for DeepSeek-V3 they are
-``sigmoid(logits) + e_score_correction_bias`` with the experts of the groups outside the kept ``topk_group`` at
-``-inf``. The weights of the executed experts always come from the unmodified logits
-(:meth:`DecodeLayers.execution_weights`, the family's ``execution_weights``): OLMoE the softmax over all experts
-gathered (renormalised only if ``norm_topk_prob``), DeepSeek-V3 the gathered sigmoid, renormalised if
-``norm_topk_prob``, times ``routed_scaling_factor`` (so the routed scaling is in the weights the MoE receives).
-
-KV layout. OLMoE: ``keys[l]``/``values[l]`` are ``[max_len, num_key_value_heads, head_dim]``, keys after the
-k-norm and RoPE. DeepSeek-V3 (multi-head latent attention): one tensor per layer, ``keys[l]`` of shape
-``[max_len, 1, kv_lora_rank + qk_rope_head_dim]`` holding the compressed kv latent after ``kv_a_layernorm``
-followed by the roped ``k_pe``, and ``values[l]`` is the view of its first ``kv_lora_rank`` columns. That is
-exactly what transformers' own cache keeps for MLA, ``(kv_lora_rank + rope) / (heads * (qk_head + v_head))`` of
-the expanded keys and values (1/9 for Moonlight), and it loses nothing: the per-head keys and values are a linear
-function of it. Attention then either absorbs ``kv_b_proj`` into the query and the output (``absorb_mla=True``,
-the default: the scores are ``(q_nope W_UK) . latent + q_pe . k_pe``, the output ``(p . latent) W_UV``, no
-per-slot expansion) or expands every slot through ``kv_b_proj`` as transformers does (``absorb_mla=False``,
-``max_len`` times the work; kept as a second reference). Both are the same function of the stored latent; they
-differ only in float rounding order.
+The base holds what every family shares: **references** to the model's parameters (nothing is copied; it adds
+the static KV cache, one ``[2E, H]`` stack of two router weights per MoE layer that has a next MoE layer, and
+a few vectors), the static buffers, the routers and pre-gate, dense and shared MLPs, the final norm and lm_head,
+and the eager reference decode step with exact routing. A family adds its attention function and KV cache
+layout. Every function works on one token (batch 1) and is capturable in a CUDA graph as written; the capture
+rules, the router contract and the KV layouts are in docs/engine.md ("Inside the engine").
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,92 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from psr_hf.patches import get_patch
+from .attention import StaticKVCache, attention_block, check_rope, norm_params, rms_norm
+from .families import layers_class, supported_model_types
 
 logger = logging.getLogger(__name__)
 
-#: model types the engine builds layers for, and their classes (filled below)
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("olmoe", "deepseek_v3")
 #: families psr_hf patches but the engine refuses: their decoders mix in linear-attention (Gated DeltaNet) layers
 HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-#: RoPE types whose frequencies and output scaling are fixed (independent of the sequence length)
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (OLMoE, DeepSeek-V3): normalise in float32, cast back, times the weight."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _norm_params(module: nn.Module, what: str) -> tuple[torch.Tensor, float]:
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.Tensor) or eps is None:
-        raise ValueError(f"{what}: {type(module).__name__} is not an RMSNorm with a weight and variance_epsilon")
-    return weight, float(eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _cos_sin(position: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype,
-             interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin at ``position`` as transformers' rotary embedding computes them: ``[D]`` over the duplicated
-    frequencies, or ``[D/2]`` (one angle per pair) for DeepSeek's interleaved layout."""
-    freqs = position.to(torch.float32) * inv_freq  # [D/2]
-    emb = freqs if interleave else torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    if not interleave:
-        return x * cos + _rotate_half(x) * sin
-    x1, x2 = x[..., 0::2], x[..., 1::2]  # DeepSeek's pairs (x0, x1), (x2, x3)...: out is de-interleaved
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _write_kv(cache: torch.Tensor, position: torch.Tensor, row: torch.Tensor) -> None:
-    """Write one token's ``row`` into ``cache [max_len, ...]`` at the 0-d ``position``."""
-    cache.index_copy_(0, position.view(1), row.reshape(1, *cache.shape[1:]))
-
-
-def _attention_block(attention: Any, static: Any, tensors: dict, norms: tuple, hidden: torch.Tensor,
-                     position: torch.Tensor, out_hidden: torch.Tensor, out_normed: torch.Tensor,
-                     cache: tuple) -> None:
-    """``out_hidden = hidden + attention(input_norm(hidden))``, ``out_normed = post_norm(out_hidden)``: one
-    function of tensors and constants (the family's ``attention``, its ``static`` sizes, one layer's weights
-    ``tensors``, ``norms`` and KV ``cache``), so that ``torch.compile`` compiles it once for every layer."""
-    (w_in, eps_in), (w_post, eps_post) = norms
-    attn = attention(static, tensors, _rms_norm(hidden, w_in, eps_in), position, *cache)
-    out_hidden.copy_(hidden + attn)
-    out_normed.copy_(_rms_norm(out_hidden, w_post, eps_post))
-
-
-def _rope_params(config: Any) -> dict:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(params, dict):
-        params = dict(params)
-    return params
-
-
-def _rope_type(config: Any) -> str:
-    params = _rope_params(config)
-    return str(params.get("rope_type", params.get("type", "default")) or "default")
-
-
-def _check_rope(config: Any, model_type: str) -> str:
-    rope_type = _rope_type(config)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"the engine does not support rope type {rope_type!r} ({model_type}); supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)} (rope types whose frequencies do not depend on the sequence length)"
-        )
-    return rope_type
 
 
 @dataclass(frozen=True)
@@ -166,64 +50,6 @@ class DecodeBuffers:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class StaticKVCache:
-    """The KV cache of one sequence: per layer preallocated ``keys[l]`` and ``values[l]`` of shape
-    ``[max_len, heads, dim]``, written at a 0-d position tensor with ``index_copy_``; ``future(position)`` is the
-    ``[max_len]`` mask of the slots after the position, which attention sets to ``-inf``.
-
-    ``value_dim`` None: no separate values; ``values[l]`` is the view of the first ``value_prefix`` columns of
-    ``keys[l]`` (multi-head latent attention, where the value is the latent part of the key).
-    """
-
-    def __init__(self, num_layers: int, max_len: int, heads: int, key_dim: int, value_dim: int | None, *,
-                 dtype: torch.dtype, device: torch.device, value_prefix: int | None = None):
-        if max_len < 1:
-            raise ValueError(f"max_len must be at least 1, got {max_len}")
-        self.max_len = max_len
-        self.keys = [torch.zeros(max_len, heads, key_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        if value_dim is None:
-            if value_prefix is None or not 0 < value_prefix <= key_dim:
-                raise ValueError("a cache without separate values needs 0 < value_prefix <= key_dim")
-            self.values = [k[..., :value_prefix] for k in self.keys]
-            self.separate_values = False
-        else:
-            self.values = [torch.zeros(max_len, heads, value_dim, dtype=dtype, device=device)
-                           for _ in range(num_layers)]
-            self.separate_values = True
-        self.slots = torch.arange(max_len, dtype=torch.int64, device=device)  # [max_len]
-
-    def write(self, layer: int, position: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
-        """Write ``key`` (and ``value``) ``[heads, dim]`` of one token at ``position`` (0-d int64)."""
-        index = position.view(1)
-        self.keys[layer].index_copy_(0, index, key.reshape(1, *self.keys[layer].shape[1:]))
-        if self.separate_values:
-            self.values[layer].index_copy_(0, index, value.reshape(1, *self.values[layer].shape[1:]))
-
-    def future(self, position: torch.Tensor) -> torch.Tensor:
-        """``[max_len]`` bool: the slots after ``position`` (not yet written in this sequence)."""
-        return self.slots > position
-
-    def reset(self) -> None:
-        """Zero every slot (a new sequence needs no reset, the mask hides later slots; this clears old data)."""
-        for k in self.keys:
-            k.zero_()
-        if self.separate_values:
-            for v in self.values:
-                v.zero_()
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors this cache owns (the MLA values are views of the keys and not listed)."""
-        owned = {f"kv.keys.{i}": k for i, k in enumerate(self.keys)}
-        if self.separate_values:
-            owned.update({f"kv.values.{i}": v for i, v in enumerate(self.values)})
-        owned["kv.slots"] = self.slots
-        return owned
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "kv.slots")
 
 
 @dataclass
@@ -257,15 +83,15 @@ def _router_source(router: nn.Module, following: nn.Module | None) -> tuple:
 # ---------------------------------------------------------------------------------------------------- base class
 class DecodeLayers(abc.ABC):
     """The per-layer decode functions of one family over ``model``'s own weights, a static KV cache of
-    ``max_len`` positions and the static buffers of the reference step. See the module docstring for the
-    capture rules and the router contract. Build with :func:`build_layers`."""
-
-    model_type: str = ""
+    ``max_len`` positions and the static buffers of the reference step (capture rules and router contract:
+    docs/engine.md). Build with :func:`build_layers`. A family implements :meth:`_build_attention`,
+    :meth:`_build_kv_cache` and :meth:`_cache` and sets ``_attention_fn`` / ``_static``."""
 
     def __init__(self, model: nn.Module, max_len: int):
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int, got {max_len!r}")
         self.model = model
+        self.model_type: str = model.config.model_type
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.family = get_patch(self.model_type)(model)
         self.decoder = self.family.decoder()
@@ -281,7 +107,7 @@ class DecodeLayers(abc.ABC):
         self.embed_weight = self._ref("embed", embed.weight)
         self.device, self.dtype = self.embed_weight.device, self.embed_weight.dtype
         self.hidden_size = self.embed_weight.shape[1]
-        self.final_norm_weight, self.final_norm_eps = _norm_params(self.decoder.norm, "final norm")
+        self.final_norm_weight, self.final_norm_eps = norm_params(self.decoder.norm, "final norm")
         self._ref("final_norm", self.final_norm_weight)
         self.lm_head_weight = self._ref("lm_head", head.weight)
         self.lm_head_bias = self._ref("lm_head.bias", getattr(head, "bias", None))
@@ -290,8 +116,8 @@ class DecodeLayers(abc.ABC):
         self.num_layers = len(self.layers)
         self._norms = []
         for i, layer in enumerate(self.layers):
-            a = _norm_params(layer.input_layernorm, f"layer {i} input norm")
-            b = _norm_params(layer.post_attention_layernorm, f"layer {i} post-attention norm")
+            a = norm_params(layer.input_layernorm, f"layer {i} input norm")
+            b = norm_params(layer.post_attention_layernorm, f"layer {i} post-attention norm")
             self._ref(f"layers.{i}.input_norm", a[0])
             self._ref(f"layers.{i}.post_norm", b[0])
             self._norms.append((a, b))
@@ -309,6 +135,12 @@ class DecodeLayers(abc.ABC):
         self.buffers = self._build_buffers()
         logger.debug("engine layers for %s: %d layers (%d MoE), max_len %d, KV cache %.2f MiB", self.model_type,
                      self.num_layers, len(self._routers), max_len, self.kv.nbytes / 2**20)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> "DecodeLayers":
+        """What :func:`build_layers` calls: this family's layers over ``model``. A family with an option of its
+        own (DeepSeek-V3's ``absorb_mla``) overrides it to pass the option on; the others ignore it."""
+        return cls(model, max_len)
 
     # ------------------------------------------------------------------ bookkeeping
     def _ref(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -341,8 +173,8 @@ class DecodeLayers(abc.ABC):
                 raise RuntimeError(
                     f"the model's {name} changed after psr_hf's engine was built on it ({was[1]} on {was[2]} -> "
                     f"{now[1]} on {now[2]}, or new memory: model.to(), a moved or converted model); the engine reads "
-                    "the tensors it was built on: compile the model again (psr_hf.engine.compile) or build a new "
-                    "decoder")
+                    "the tensors it was built on: attach the engine again (psr_hf.engine.detach, then "
+                    "psr_hf.engine.attach) or build a new decoder")
 
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the engine allocated: the KV cache, the stacked router weights, the static buffers and
@@ -357,7 +189,7 @@ class DecodeLayers(abc.ABC):
         inv_freq = getattr(rotary, "inv_freq", None)
         if not isinstance(inv_freq, torch.Tensor):
             raise ValueError(f"{type(self.decoder).__name__} has no rotary_emb.inv_freq: unsupported architecture")
-        self.rope_type = _check_rope(self.config, self.model_type)
+        self.rope_type = check_rope(self.config, self.model_type)
         if inv_freq.dtype == torch.float32:  # transformers computes the angles in float32
             self.inv_freq = self._ref("rotary.inv_freq", inv_freq)
         else:
@@ -431,8 +263,8 @@ class DecodeLayers(abc.ABC):
                 if r.router.weight.data_ptr() != r.stacked.data_ptr() or r.router.weight.dtype != r.stacked.dtype:
                     raise RuntimeError(
                         f"the router weight of MoE layer {r.moe_index} was replaced (new memory or dtype) after the "
-                        "engine was built; the engine reads it where it was: compile the model again "
-                        "(psr_hf.engine.compile) or build a new decoder")
+                        "engine was built; the engine reads it where it was: attach the engine again "
+                        "(psr_hf.engine.detach, then psr_hf.engine.attach) or build a new decoder")
             else:
                 fresh = ctl.stacked_weight(r.moe_index).detach()  # the controller's stack, kept by the same versions
                 if fresh.shape != r.stacked.shape:
@@ -497,12 +329,12 @@ class DecodeLayers(abc.ABC):
         with another rounding order in low precision. On a GPU this needs triton (inductor's code generator)."""
         if enabled:
             options = {"fullgraph": True, "dynamic": False, **options}
-            self._block = torch.compile(_attention_block, **options)
+            self._block = torch.compile(attention_block, **options)
         else:
-            self._block = _attention_block
+            self._block = attention_block
         self.compiled = bool(enabled)
 
-    _block: Any = staticmethod(_attention_block)
+    _block: Any = staticmethod(attention_block)
     compiled: bool = False
 
     def check_prefetch_source(self, ctl: Any) -> None:
@@ -599,7 +431,7 @@ class DecodeLayers(abc.ABC):
     @torch.no_grad()
     def router_scores(self, layer: int, logits: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (same shape as ``logits``): the family's selection scores of this layer and pre-gate of the
-        next, exactly the controller's ``joint_scores`` (see the module docstring)."""
+        next, exactly the controller's ``joint_scores`` (docs/engine.md, "Inside the engine")."""
         r = self._moe(layer)
         E = self.num_experts
         self._check_row(logits, "router logits", r.stacked.shape[0])
@@ -659,7 +491,7 @@ class DecodeLayers(abc.ABC):
         """``out_logits [1, V]`` = lm_head(final_norm(hidden))."""
         self._check_row(hidden, "hidden", self.hidden_size)
         self._check_row(out_logits, "logits out", self.lm_head_weight.shape[0])
-        x = _rms_norm(hidden, self.final_norm_weight, self.final_norm_eps)
+        x = rms_norm(hidden, self.final_norm_weight, self.final_norm_eps)
         out_logits.copy_(F.linear(x, self.lm_head_weight, self.lm_head_bias))
 
     # ------------------------------------------------------------------ references (tests, the eager path)
@@ -728,239 +560,11 @@ class DecodeLayers(abc.ABC):
         return b.logits
 
 
-# ---------------------------------------------------------------------------------------------------- OLMoE
-class OlmoeLayers(DecodeLayers):
-    """OLMoE: q/k RMSNorm over the whole projections, RoPE (rotate-half), grouped-query attention when
-    ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts."""
-
-    model_type = "olmoe"
-
-    def _build_attention(self) -> None:
-        c = self.config
-        if getattr(c, "sliding_window", None):
-            raise ValueError("the engine does not support sliding-window attention (config.sliding_window is set)")
-        self.num_heads = int(c.num_attention_heads)
-        self.num_kv_heads = int(getattr(c, "num_key_value_heads", None) or self.num_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
-                             f"{self.num_kv_heads}")
-        self._attn = []
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            refs = {}
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                module = getattr(a, proj)
-                refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
-                              self._ref(f"layers.{i}.{proj}.bias", module.bias))
-            refs["q_norm"] = _norm_params(a.q_norm, f"layer {i} q_norm")
-            refs["k_norm"] = _norm_params(a.k_norm, f"layer {i} k_norm")
-            self._ref(f"layers.{i}.q_norm", refs["q_norm"][0])
-            self._ref(f"layers.{i}.k_norm", refs["k_norm"][0])
-            self._attn.append(refs)
-        q_out = self._attn[0]["q_proj"][0].shape[0]
-        self.head_dim = int(getattr(self.layers[0].self_attn, "head_dim", 0) or q_out // self.num_heads)
-        if self.inv_freq.numel() * 2 != self.head_dim:
-            raise ValueError(f"rotary dimension {self.inv_freq.numel() * 2} != head_dim {self.head_dim}: partial "
-                             "rotary embeddings are not supported")
-        self.scaling = self.head_dim ** -0.5
-        module_scaling = getattr(self.layers[0].self_attn, "scaling", None)
-        if module_scaling is not None and not math.isclose(module_scaling, self.scaling, rel_tol=1e-12):
-            raise ValueError(f"OLMoE attention scale {module_scaling} of this transformers version is not "
-                             f"head_dim**-0.5 = {self.scaling}: unsupported")
-        self.clip_qkv = getattr(self.config, "clip_qkv", None)
-
-        self._attention_fn = _olmoe_attention
-        self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
-                                    self.rope_scaling)
-        for refs in self._attn:
-            refs["inv_freq"] = self.inv_freq
-
-    def _build_kv_cache(self) -> StaticKVCache:
-        return StaticKVCache(self.num_layers, self.max_len, self.num_kv_heads, self.head_dim, self.head_dim,
-                             dtype=self.dtype, device=self.device)
-
-    def _cache(self, layer: int) -> tuple:
-        return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
-
-
-@dataclass(frozen=True)
-class _OlmoeStatic:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
-    clip_qkv: float | None
-    rope_scaling: float
-
-
-def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
-    nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    q = _rms_norm(F.linear(x, *a["q_proj"]), *a["q_norm"])
-    k = _rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
-    v = F.linear(x, *a["v_proj"])
-    if s.clip_qkv is not None:
-        q = q.clamp(min=-s.clip_qkv, max=s.clip_qkv)
-        k = k.clamp(min=-s.clip_qkv, max=s.clip_qkv)
-        v = v.clamp(min=-s.clip_qkv, max=s.clip_qkv)
-    cos, sin = _cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, False)
-    q = _apply_rope(q.view(nH, D), cos, sin, False)
-    k = _apply_rope(k.view(nKV, D), cos, sin, False)
-    _write_kv(keys, position, k)
-    _write_kv(values, position, v.view(nKV, D))
-    scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
-    scores = scores.masked_fill(slots > position, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, D]
-    return F.linear(out.reshape(1, nH * D), *a["o_proj"])
-
-
-# ---------------------------------------------------------------------------------------------------- DeepSeek-V3
-class DeepseekV3Layers(DecodeLayers):
-    """DeepSeek-V3 / Moonlight: multi-head latent attention (``q_lora_rank`` None or set, RoPE on the
-    ``qk_rope_head_dim`` part, DeepSeek's interleaved pairs if ``rope_interleave``, softmax scale with the yarn
-    ``mscale_all_dim`` correction), dense first layers, shared experts, grouped sigmoid router."""
-
-    model_type = "deepseek_v3"
-
-    def __init__(self, model: nn.Module, max_len: int, *, absorb_mla: bool = True):
-        self.absorb_mla = bool(absorb_mla)
-        super().__init__(model, max_len)
-
-    def _build_attention(self) -> None:
-        c = self.config
-        self.num_heads = int(c.num_attention_heads)
-        self.q_lora_rank = getattr(c, "q_lora_rank", None)
-        self.kv_lora_rank = int(c.kv_lora_rank)
-        self.nope_dim, self.rope_dim = int(c.qk_nope_head_dim), int(c.qk_rope_head_dim)
-        self.v_dim = int(c.v_head_dim)
-        self.qk_dim = self.nope_dim + self.rope_dim
-        self.interleave = bool(getattr(c, "rope_interleave", False))
-        if self.inv_freq.numel() * 2 != self.rope_dim:
-            raise ValueError(f"rotary dimension {self.inv_freq.numel() * 2} != qk_rope_head_dim {self.rope_dim}")
-        # the softmax scale: qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 for scaled RoPE (yarn)
-        scaling = self.qk_dim ** -0.5
-        params = _rope_params(c)
-        if self.rope_type != "default" and params.get("mscale_all_dim"):
-            factor = float(params["factor"])
-            mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
-            scaling *= mscale * mscale
-        self.scaling = scaling
-        self._attn = []
-        H = self.hidden_size
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            refs: dict[str, Any] = {}
-
-            def lin(name: str, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-                return (self._ref(f"layers.{i}.{name}", module.weight), self._ref(f"layers.{i}.{name}.bias",
-                                                                                 module.bias))
-
-            if self.q_lora_rank is None:
-                refs["q_proj"] = lin("q_proj", a.q_proj)
-            else:
-                refs["q_a_proj"] = lin("q_a_proj", a.q_a_proj)
-                refs["q_a_norm"] = _norm_params(a.q_a_layernorm, f"layer {i} q_a_layernorm")
-                self._ref(f"layers.{i}.q_a_layernorm", refs["q_a_norm"][0])
-                refs["q_b_proj"] = lin("q_b_proj", a.q_b_proj)
-            refs["kv_a_proj"] = lin("kv_a_proj_with_mqa", a.kv_a_proj_with_mqa)
-            refs["kv_a_norm"] = _norm_params(a.kv_a_layernorm, f"layer {i} kv_a_layernorm")
-            self._ref(f"layers.{i}.kv_a_layernorm", refs["kv_a_norm"][0])
-            w_kv_b, b_kv_b = lin("kv_b_proj", a.kv_b_proj)
-            if b_kv_b is not None:
-                raise ValueError(f"layer {i}: kv_b_proj has a bias; the engine supports DeepSeek's bias-free kv_b_proj")
-            w = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)  # a view, no copy
-            refs["kv_b"] = w_kv_b
-            refs["w_uk"] = w[:, : self.nope_dim, :]  # [nH, nope, r]
-            refs["w_uv"] = w[:, self.nope_dim:, :]  # [nH, v, r]
-            refs["o_proj"] = lin("o_proj", a.o_proj)
-            if refs["kv_a_proj"][0].shape != (self.kv_lora_rank + self.rope_dim, H):
-                raise ValueError(f"layer {i}: kv_a_proj_with_mqa {tuple(refs['kv_a_proj'][0].shape)} does not match "
-                                 "kv_lora_rank + qk_rope_head_dim")
-            module_scaling = getattr(a, "scaling", None)
-            if module_scaling is not None and not math.isclose(module_scaling, self.scaling, rel_tol=1e-9):
-                raise ValueError(
-                    f"layer {i}: this transformers version scales DeepSeek-V3 attention by {module_scaling}, the "
-                    f"engine computes {self.scaling} (qk_head_dim**-0.5 with the yarn mscale_all_dim correction) "
-                    f"for rope type {self.rope_type!r}: unsupported rope configuration"
-                )
-            refs["inv_freq"] = self.inv_freq
-            self._attn.append(refs)
-        self._attention_fn = _mla_attention
-        self._static = _MlaStatic(self.num_heads, self.q_lora_rank is not None, self.kv_lora_rank, self.nope_dim,
-                                  self.rope_dim, self.v_dim, self.max_len, self.interleave, self.scaling,
-                                  self.rope_scaling, self.absorb_mla)
-
-    def _build_kv_cache(self) -> StaticKVCache:
-        r = self.kv_lora_rank
-        return StaticKVCache(self.num_layers, self.max_len, 1, r + self.rope_dim, None, value_prefix=r,
-                             dtype=self.dtype, device=self.device)
-
-    def _cache(self, layer: int) -> tuple:
-        return self.kv.keys[layer], self.kv.slots
-
-
-@dataclass(frozen=True)
-class _MlaStatic:
-    num_heads: int
-    q_lora: bool
-    kv_lora_rank: int
-    nope_dim: int
-    rope_dim: int
-    v_dim: int
-    max_len: int
-    interleave: bool
-    scaling: float
-    rope_scaling: float
-    absorb: bool
-
-
-def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3 multi-head latent attention of one token (``keys [T, 1, r + rope]``, written at
-    ``position``)."""
-    nH, r, nope, rope, vd, T = s.num_heads, s.kv_lora_rank, s.nope_dim, s.rope_dim, s.v_dim, s.max_len
-    if not s.q_lora:
-        q = F.linear(x, *a["q_proj"])
-    else:
-        q = F.linear(_rms_norm(F.linear(x, *a["q_a_proj"]), *a["q_a_norm"]), *a["q_b_proj"])
-    q = q.view(nH, nope + rope)
-    q_nope, q_pe = q[:, :nope], q[:, nope:]
-    compressed = F.linear(x, *a["kv_a_proj"])  # [1, r + rope]
-    latent = _rms_norm(compressed[:, :r], *a["kv_a_norm"])  # [1, r]
-    k_pe = compressed[:, r:]  # [1, rope]
-    cos, sin = _cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, s.interleave)
-    q_pe = _apply_rope(q_pe, cos, sin, s.interleave)
-    k_pe = _apply_rope(k_pe, cos, sin, s.interleave)
-    _write_kv(keys, position, torch.cat((latent, k_pe), dim=-1))
-    cache = keys.view(T, r + rope)  # [T, r + rope]: latent | roped k_pe
-    future = slots > position
-    if s.absorb:
-        q_lat = torch.bmm(q_nope.unsqueeze(1), a["w_uk"]).squeeze(1)  # [nH, r]
-        scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out_lat = torch.matmul(probs, cache[:, :r])  # [nH, r]
-        out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
-    else:
-        kv = F.linear(cache[:, :r], a["kv_b"]).view(T, nH, nope + vd)  # [T, nH, nope + v]
-        expanded = torch.cat((kv[..., :nope], cache[:, None, r:].expand(T, nH, rope)), dim=-1)
-        query = torch.cat((q_nope, q_pe), dim=-1)  # [nH, qk]
-        scores = torch.matmul(query.unsqueeze(1), expanded.permute(1, 2, 0)).squeeze(1) * s.scaling  # [nH, T]
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.unsqueeze(1), kv[..., nope:].transpose(0, 1)).squeeze(1)  # [nH, v]
-    return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
-
-
-_CLASSES: dict[str, type[DecodeLayers]] = {"olmoe": OlmoeLayers, "deepseek_v3": DeepseekV3Layers}
-
-
 def build_layers(model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> DecodeLayers:
     """The decode building blocks of ``model`` (a loaded transformers causal LM, in eval mode) with a static KV
-    cache of ``max_len`` positions. ``absorb_mla``: DeepSeek-V3's attention with ``kv_b_proj`` absorbed (see the
-    module docstring). ``ValueError`` for an unsupported family, rope type or layout."""
+    cache of ``max_len`` positions, from the family registered for its model type. ``absorb_mla``: DeepSeek-V3's
+    attention with ``kv_b_proj`` absorbed (:mod:`psr_hf.engine.families.deepseek_v3`). ``ValueError`` for an
+    unsupported family, rope type or layout."""
     model_type = getattr(model.config, "model_type", None)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = [t for t in (model_type, getattr(text, "model_type", None)) if t]
@@ -968,12 +572,12 @@ def build_layers(model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> 
         if t in HYBRID_MODEL_TYPES:
             raise ValueError(
                 f"the engine does not support hybrid linear attention yet (model_type {t!r} mixes Gated DeltaNet "
-                f"layers into its decoder); supported: {', '.join(SUPPORTED_MODEL_TYPES)}. psr_hf.patch() still "
+                f"layers into its decoder); supported: {', '.join(supported_model_types())}. psr_hf.patch() still "
                 "routes this model through transformers"
             )
     for t in types:
-        if t in _CLASSES:
-            cls = _CLASSES[t]
-            return cls(model, max_len, absorb_mla=absorb_mla) if cls is DeepseekV3Layers else cls(model, max_len)
+        cls = layers_class(t)
+        if cls is not None:
+            return cls.from_model(model, max_len, absorb_mla=absorb_mla)
     raise ValueError(f"the engine does not support model_type {model_type!r}; supported: "
-                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                     f"{', '.join(supported_model_types())}")

@@ -1,37 +1,15 @@
 """The batch-1 MoE over expert slots: one token, its K selected experts read from a layer's slot buffers.
 
 ``out = sum_k weights[k] * down[s_k] @ (silu(gate[s_k] @ x) * (up[s_k] @ x))`` with ``s_k = slots[k]``
-(``+ residual`` when one is given).
-
-Slot layout (matched exactly, so the engine reads the offload engine's slots in place): the slot buffers are the
-experts module's own fused weights with the experts dimension cut to ``C`` slots, as
-:meth:`psr_hf.offload.engine.OffloadEngine._allocate` allocates them (``self.slots[layer]``: name ->
-``torch.empty((C, *param.shape[1:]))``, contiguous, one buffer per weight name) from the host store that
-:func:`psr_hf.offload.placement.place` builds from the parameters. In transformers 5.x the experts classes
-(``OlmoeExperts``, ``DeepseekV3Experts``, ... decorated by ``transformers.integrations.moe
-.use_experts_implementation`` with its defaults ``is_transposed=False``, ``is_concatenated=True``,
-``has_gate=True``, ``has_bias=False``) hold
-
-- ``gate_up_proj`` ``[E, 2I, H]``: rows ``0:I`` the gate projection, rows ``I:2I`` the up projection, each row a
-  ``[H]`` input vector (``F.linear(x, gate_up_proj[e]).chunk(2)``);
-- ``down_proj`` ``[E, H, I]`` (``F.linear(h, down_proj[e])``).
-
-For a resident model the parameters themselves are the slot buffers (``C = E``, slot = expert id).
-:func:`check_experts_module` refuses a module with another layout or activation.
-
-Three entry points, one signature ``(x, slots, weights, gate_up, down, out, residual=None, workspace=None)``:
-
-- :func:`moe_slots_reference`: pure torch (``index_select`` of the K slots, batched matmuls); no host syncs and
-  fixed shapes, so it can be captured in a CUDA graph; the correctness reference and the CPU path;
-- :func:`moe_slots_triton`: two Triton kernels that read every selected expert weight once (kernel 1: gate and up
-  rows for a block of ``I`` per expert, ``h[k] = weights[k] * silu(gate) * up`` in float32; kernel 2: a block of
-  ``H`` outputs, summed over ``k`` and ``I`` in float32). The slot ids and routing weights are read from device
-  memory, so it is capturable (compile it once before capture: the first call JIT-compiles);
-- :func:`moe_slots`: the dispatcher (Triton for CUDA tensors when triton imports, the reference otherwise; the
-  reason is logged once).
-
-Nothing is checked per call: :func:`check_shapes` (and :func:`check_experts_module`) run once when the engine is
-built and raise ``ValueError`` with the shapes. ``triton`` is imported lazily: the package imports without it.
+(``+ residual`` when one is given). The slot buffers are the experts module's own fused weights (transformers
+5.x: ``gate_up_proj [E, 2I, H]``, gate rows then up rows; ``down_proj [E, H, I]``) with the experts dimension cut
+to the ``C`` slots the offload allocates, so the engine reads the offload's slots in place; for a resident model
+the parameters themselves are the slots (slot = expert id). One signature ``(x, slots, weights, gate_up, down,
+out, residual=None, workspace=None)`` for :func:`moe_slots_reference` (pure torch, capturable: the reference and
+the CPU path), :func:`moe_slots_triton` (two Triton kernels that read every selected expert weight once) and
+:func:`moe_slots` (Triton for CUDA tensors when triton imports, the reference otherwise). Nothing is checked per
+call: :func:`check_shapes` and :func:`check_experts_module` run once, when the engine is built. ``triton`` is
+imported lazily. Page: docs/engine.md, "Inside the engine".
 """
 
 from __future__ import annotations
@@ -316,8 +294,10 @@ def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
 def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Two Triton kernels (see the module docstring); float32 accumulation throughout, every selected weight read
-    once. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``:
+    """Two Triton kernels: kernel 1 the gate and up rows of a block of ``I`` per selected expert, ``h[k] =
+    weights[k] * silu(gate) * up``; kernel 2 a block of ``H`` outputs, summed over ``k`` and ``I``. Float32
+    accumulation throughout, every selected weight read once; the slot ids and routing weights are read from
+    device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``:
     the float32 ``[K, I]`` scratch (:func:`new_workspace`; allocated per call when None). Writes and returns
     ``out``. ``ImportError`` when triton is not installed."""
     ok, why = triton_available()

@@ -1,0 +1,107 @@
+"""OLMoE's engine layers (``OlmoeForCausalLM``): q/k RMSNorm over the whole projections, RoPE (rotate-half),
+grouped-query attention when ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; a softmax router (its
+scores are the raw logits: softmax is monotone) and no shared experts.
+
+KV layout: ``keys[l]`` / ``values[l]`` are ``[max_len, num_key_value_heads, head_dim]``, keys after the k-norm and
+RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import StaticKVCache, apply_rope, cos_sin, norm_params, rms_norm, write_kv
+from ..layers import DecodeLayers
+from . import register_layers
+
+
+@register_layers("olmoe")
+class OlmoeLayers(DecodeLayers):
+    """OLMoE: q/k RMSNorm over the whole projections, RoPE (rotate-half), grouped-query attention when
+    ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts."""
+
+    listing_order = 1  # first in the lists of supported families (the paper's first model)
+
+    def _build_attention(self) -> None:
+        c = self.config
+        if getattr(c, "sliding_window", None):
+            raise ValueError("the engine does not support sliding-window attention (config.sliding_window is set)")
+        self.num_heads = int(c.num_attention_heads)
+        self.num_kv_heads = int(getattr(c, "num_key_value_heads", None) or self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                             f"{self.num_kv_heads}")
+        self._attn = []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            refs = {}
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                module = getattr(a, proj)
+                refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
+                              self._ref(f"layers.{i}.{proj}.bias", module.bias))
+            refs["q_norm"] = norm_params(a.q_norm, f"layer {i} q_norm")
+            refs["k_norm"] = norm_params(a.k_norm, f"layer {i} k_norm")
+            self._ref(f"layers.{i}.q_norm", refs["q_norm"][0])
+            self._ref(f"layers.{i}.k_norm", refs["k_norm"][0])
+            self._attn.append(refs)
+        q_out = self._attn[0]["q_proj"][0].shape[0]
+        self.head_dim = int(getattr(self.layers[0].self_attn, "head_dim", 0) or q_out // self.num_heads)
+        if self.inv_freq.numel() * 2 != self.head_dim:
+            raise ValueError(f"rotary dimension {self.inv_freq.numel() * 2} != head_dim {self.head_dim}: partial "
+                             "rotary embeddings are not supported")
+        self.scaling = self.head_dim ** -0.5
+        module_scaling = getattr(self.layers[0].self_attn, "scaling", None)
+        if module_scaling is not None and not math.isclose(module_scaling, self.scaling, rel_tol=1e-12):
+            raise ValueError(f"OLMoE attention scale {module_scaling} of this transformers version is not "
+                             f"head_dim**-0.5 = {self.scaling}: unsupported")
+        self.clip_qkv = getattr(self.config, "clip_qkv", None)
+
+        self._attention_fn = _olmoe_attention
+        self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
+                                    self.rope_scaling)
+        for refs in self._attn:
+            refs["inv_freq"] = self.inv_freq
+
+    def _build_kv_cache(self) -> StaticKVCache:
+        return StaticKVCache(self.num_layers, self.max_len, self.num_kv_heads, self.head_dim, self.head_dim,
+                             dtype=self.dtype, device=self.device)
+
+    def _cache(self, layer: int) -> tuple:
+        return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
+
+
+@dataclass(frozen=True)
+class _OlmoeStatic:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    clip_qkv: float | None
+    rope_scaling: float
+
+
+def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
+    nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
+    q = rms_norm(F.linear(x, *a["q_proj"]), *a["q_norm"])
+    k = rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
+    v = F.linear(x, *a["v_proj"])
+    if s.clip_qkv is not None:
+        q = q.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+        k = k.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+        v = v.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+    cos, sin = cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, False)
+    q = apply_rope(q.view(nH, D), cos, sin, False)
+    k = apply_rope(k.view(nKV, D), cos, sin, False)
+    write_kv(keys, position, k)
+    write_kv(values, position, v.view(nKV, D))
+    scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
+    scores = scores.masked_fill(slots > position, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, D]
+    return F.linear(out.reshape(1, nH * D), *a["o_proj"])
