@@ -1,5 +1,6 @@
 """Model families registered per layer, one module each: the engine's decode layers
-(:mod:`psr_hf.engine.families`) and grow's mappings (:mod:`psr_hf.assets.grow_families`).
+(:mod:`psr_hf.engine.families`), grow's mappings (:mod:`psr_hf.assets.grow_families`) and the
+transformers path's patches (``psr_hf.patches``).
 
 A :class:`FamilyRegistry` belongs to one package. Its ``register`` decorator records a class for the
 ``config.model_type`` values it names; every module of the package (``base`` and private ``_*`` modules aside)
@@ -40,7 +41,7 @@ class FamilyRegistry:
             for model_type in model_types:
                 known = self._entries.get(model_type)
                 if known is not None and known is not cls:
-                    raise ValueError(f"model_type {model_type!r} already has {self.what}: {known!r}")
+                    raise ValueError(f"model_type {model_type!r} is already registered by {known!r} ({self.what})")
                 self._entries[model_type] = cls
             return cls
 

@@ -48,15 +48,15 @@ MODULE_NAME = "mixtral_in_one_file"
 def _family_folder(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``folder`` on ``psr_hf.patches.__path__`` for the block; afterwards the registry, the path and the imported
     modules are as before."""
-    registry = dict(patches._REGISTRY)
+    registry = dict(patches.REGISTRY._entries)
     monkeypatch.setattr(patches, "__path__", [*patches.__path__, str(folder)])
     importlib.invalidate_caches()  # the folder's file was written after the import system last listed it
     try:
         yield
     finally:
         monkeypatch.undo()  # the path
-        patches._REGISTRY.clear()
-        patches._REGISTRY.update(registry)
+        patches.REGISTRY._entries.clear()
+        patches.REGISTRY._entries.update(registry)
         sys.modules.pop(f"psr_hf.patches.{MODULE_NAME}", None)
         if hasattr(patches, MODULE_NAME):
             delattr(patches, MODULE_NAME)
