@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from psr_hf import OffloadConfig, RoutingConfig, patch, unpatch
-from psr_hf.bench.common import paired_summary
-from psr_hf.bench.offload import (
-    POLICY_CONFIGS,
-    accelerate_copy,
-    accelerate_device_map,
-    bench_latency,
-    compare_rows,
-    decode_window,
-    default_configs,
-    experts_modules,
-)
+from psr_hf.bench.accelerate_baseline import accelerate_copy, accelerate_device_map
+from psr_hf.bench.common import experts_modules, paired_summary
+from psr_hf.bench.decode import decode_window
+from psr_hf.bench.goals import compare_rows
+from psr_hf.bench.rows import BASELINES, latency_rows
+from psr_hf.bench.timing import bench_latency
 from psr_hf.bench.workloads import (
     CALIBRATION_MODULES,
     TINY_SHAPE,
@@ -110,16 +105,16 @@ def test_ratio_of_rows_with_fewer_tokens_pairs_the_tokens_both_decoded():
 
 # ---------------------------------------------------------------------------------------------------- rows, text
 def test_rows_cover_every_policy_at_every_capacity_and_the_filter_keeps_the_resident_reference():
-    rows = default_configs((0.5, 0.25))
+    rows = latency_rows((0.5, 0.25))
     names = [row.name for row in rows]
     assert names[:2] == ["resident", "accelerate"]
-    assert len(names) == 2 + 2 * len(POLICY_CONFIGS) and "psr_lam0.3_n1_res25" in names
+    assert len(names) == 2 + 2 * len(BASELINES) and "psr_lam0.3_n1_res25" in names
     psr = next(row for row in rows if row.name == "psr_lam0.3_n1_res50").routing
     assert (psr.policy, psr.lam, psr.budget, psr.eviction, psr.residency) == ("psr", 0.3, 1, "score", 0.5)
-    kept = [row.name for row in default_configs((0.5, 0.25), accelerate=False, only=["psr_lam0.3_n1", "spec_res25"])]
+    kept = [row.name for row in latency_rows((0.5, 0.25), accelerate=False, only=["psr_lam0.3_n1", "spec_res25"])]
     assert kept == ["resident", "psr_lam0.3_n1_res50", "psr_lam0.3_n1_res25", "spec_res25"]
     with pytest.raises(ValueError, match="unknown psr_lam9"):
-        default_configs(only=["psr_lam9"])
+        latency_rows(only=["psr_lam9"])
 
 
 def test_windows_are_deterministic_and_never_share_text_with_the_calibration():
@@ -160,7 +155,7 @@ def test_accelerate_copy_on_the_cpu_runs_behind_hooks_and_computes_the_same_logi
 # ---------------------------------------------------------------------------------------------------- rounds
 def test_fewer_than_three_rounds_are_rejected_with_the_reason(tiny_model, window, capsys):
     with pytest.raises(ValueError, match="at least 3 rounds"):
-        bench_latency(tiny_model, [window], configs=default_configs(accelerate=False, only=[]), rounds=2)
+        bench_latency(tiny_model, [window], configs=latency_rows(accelerate=False, only=[]), rounds=2)
     from psr_hf.cli import main
 
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", "2"]) == 2
@@ -174,13 +169,10 @@ def test_the_bench_frees_its_model_copies_when_it_returns(tiny_model, window):
     memory beside a real-size copy left over from the one before)."""
     import gc
 
-    from psr_hf.bench.offload import ENGINE_RESIDENT, RESIDENT, BenchConfig
+    from psr_hf.bench.rows import ENGINE, ENGINE_RESIDENT, OFFLOAD, RESIDENT, Row
 
     routing = RoutingConfig(policy="psr", lam=0.3, residency=0.5)
-    configs = [BenchConfig(RESIDENT, "resident", RESIDENT),
-               BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT),
-               BenchConfig("psr_res50", "offload", "psr", routing, 0.5),
-               BenchConfig("engine_psr_res50", "engine", "psr", routing, 0.5)]
+    configs = [Row(RESIDENT), Row(ENGINE_RESIDENT), Row(OFFLOAD, routing), Row(ENGINE, routing)]
 
     def copies() -> int:  # instances of the model's class that exist, reachable or not yet collected
         return sum(type(o) is type(tiny_model) for o in gc.get_objects())
@@ -214,7 +206,7 @@ def test_cli_bench_tiny_writes_a_record_a_table_and_a_plot(tmp_path, capsys, qui
     assert record["machine"]["device_type"] == "cpu" and record["versions"]["accelerate"] != "not installed"
     assert len(record["windows"]["ids"]) == 1 and len(record["windows"]["ids"][0]) == tokens + 1
     rows = {row["configuration"]: row for row in record["results"]}
-    assert list(rows) == [row.name for row in default_configs((0.5, 0.25))]
+    assert list(rows) == [row.name for row in latency_rows((0.5, 0.25))]
     model = record["model"]
     expert_bytes = model["expert_bytes"] / (model["moe_layers"] * model["num_experts"])
     for name, row in rows.items():
@@ -284,15 +276,16 @@ def test_cli_bench_on_the_shipped_model_uses_its_calibration(tmp_path, capsys, q
     ([1.10, 1.35, 1.40, 1.05, 1.30], "not shown"),    # point estimate above, interval across
 ])
 def test_a_goal_is_met_only_when_its_whole_interval_is_on_its_side(ratios, status):
-    from psr_hf.bench import offload
+    from psr_hf.bench import goals
+    from psr_hf.bench.rows import RESIDENT
 
     def row(name, factors):  # per round one window of three tokens at 10 ms x factor
-        return {"configuration": name, "residency": 0.5 if name != offload.RESIDENT else None,
+        return {"configuration": name, "residency": 0.5 if name != RESIDENT else None,
                 "rounds": [{"ms": [[10.0 * f] * 3]} for f in factors]}
 
-    rows = [row(offload.RESIDENT, [1.0] * len(ratios)), row("psr_lam0.3_n1_res50", ratios)]
-    goal = next(g for g in offload.evaluate_goals(rows) if g["numerator"] == "psr_lam0.3_n1_res50"
-                and g["denominator"] == offload.RESIDENT)
+    rows = [row(RESIDENT, [1.0] * len(ratios)), row("psr_lam0.3_n1_res50", ratios)]
+    goal = next(g for g in goals.evaluate_goals(rows) if g["numerator"] == "psr_lam0.3_n1_res50"
+                and g["denominator"] == RESIDENT)
     assert goal["status"] == status, goal
     assert goal["point"] == ("met" if goal["ratio"] <= 1.15 else "not met")
 
@@ -302,46 +295,47 @@ def test_a_goal_is_met_only_when_its_whole_interval_is_on_its_side(ratios, statu
     ([1.14, 1.15, 1.13, 1.14, 1.16], "not met"),   # the 14-16% measured before the host-path work
 ])
 def test_pred0_is_judged_against_off_with_copies_skipped_on_both_sides(factors, status):
-    from psr_hf.bench import offload
+    from psr_hf.bench import goals
+    from psr_hf.bench.rows import RESIDENT
 
     def row(name, factors):
         return {"configuration": name, "residency": 0.5, "rounds": [{"ms": [[2.0 * f] * 3]} for f in factors]}
 
     rows = [row("engine_exact_lru_res50", [2.0] * 5), row("engine_specprefetch_m1_res50", [1.8] * 5),
             row("engine_exact_lru_res50_nocopy", [1.0] * 5), row("engine_specprefetch_m1_res50_nocopy", factors)]
-    goal = next(g for g in offload.evaluate_goals(rows, cuda=True) if g["goal"].startswith("PRED0"))
+    goal = next(g for g in goals.evaluate_goals(rows, cuda=True) if g["goal"].startswith("PRED0"))
     assert (goal["numerator"], goal["denominator"]) == ("engine_specprefetch_m1_res50_nocopy",
                                                         "engine_exact_lru_res50_nocopy")
-    assert goal["status"] == status and goal["bound"] == offload.ENGINE_PRED0_GOAL
+    assert goal["status"] == status and goal["bound"] == goals.ENGINE_PRED0_GOAL
     # the comparisons find the budget from the specprefetch rows alone (no naive row in this run)
-    assert any(c["numerator"] == "engine_specprefetch_m1_res50_nocopy" for c in offload.comparisons(rows))
+    assert any(c["numerator"] == "engine_specprefetch_m1_res50_nocopy" for c in goals.comparisons(rows))
 
 
 # ---------------------------------------------------------------------------------------------------- engine rows
-def test_default_configs_engine_rows_mirror_the_routed_rows():
-    rows = default_configs((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)
+def test_latency_rows_engine_rows_mirror_the_routed_rows():
+    rows = latency_rows((0.5,), accelerate=False, only=["exact_lru", "psr_lam0.3_n1"], engine=True)
     assert [row.name for row in rows] == ["resident", "exact_lru_res50", "psr_lam0.3_n1_res50", "engine_resident",
                                           "engine_exact_lru_res50", "engine_psr_lam0.3_n1_res50",
                                           "engine_exact_lru_res50_nocopy", "engine_psr_lam0.3_n1_res50_nocopy"]
-    assert [row.skip_copies for row in rows].count(True) == 2
+    assert [row.copies_skipped for row in rows].count(True) == 2
     by_name = {row.name: row for row in rows}
     assert by_name["engine_psr_lam0.3_n1_res50"].routing == by_name["psr_lam0.3_n1_res50"].routing
     assert by_name["engine_resident"].kind == "engine_resident" and by_name["engine_exact_lru_res50"].kind == "engine"
-    assert "engine_resident" not in [row.name for row in default_configs((0.5,), accelerate=False)]
+    assert "engine_resident" not in [row.name for row in latency_rows((0.5,), accelerate=False)]
 
 
 def test_hf_configs_keep_few_transformers_rows_beside_every_engine_row():
-    rows = default_configs((0.5, 0.25), accelerate=False, engine=True, hf_only=["psr_lam0.3_n1"])
+    rows = latency_rows((0.5, 0.25), accelerate=False, engine=True, hf_only=["psr_lam0.3_n1"])
     names = [row.name for row in rows]
     assert [n for n in names if not n.startswith("engine_")] == ["resident", "psr_lam0.3_n1_res50",
                                                                   "psr_lam0.3_n1_res25"]
-    assert len([n for n in names if n.startswith("engine_")]) == 1 + 2 * len(POLICY_CONFIGS) + 4
-    none = default_configs((0.5,), accelerate=False, engine=True, hf_only=[])
+    assert len([n for n in names if n.startswith("engine_")]) == 1 + 2 * len(BASELINES) + 4
+    none = latency_rows((0.5,), accelerate=False, engine=True, hf_only=[])
     assert [row.name for row in none if row.kind == "offload"] == []
     with pytest.raises(ValueError, match="--hf-configs: unknown psr_lam9"):
-        default_configs((0.5,), engine=True, hf_only=["psr_lam9"])
+        latency_rows((0.5,), engine=True, hf_only=["psr_lam9"])
     with pytest.raises(ValueError, match="needs engine=True"):
-        default_configs((0.5,), hf_only=["psr_lam0.3_n1"])
+        latency_rows((0.5,), hf_only=["psr_lam0.3_n1"])
 
 
 def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quiet_psr_hf):
@@ -356,11 +350,11 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
     out = capsys.readouterr().out
     record = json.loads(record_path.read_text())
     rows = {row["configuration"]: row for row in record["results"]}
-    assert list(rows) == [row.name for row in default_configs((0.5, 0.25), accelerate=False, engine=True)]
+    assert list(rows) == [row.name for row in latency_rows((0.5, 0.25), accelerate=False, engine=True)]
     assert record["settings"]["engine"] is True and record["settings"]["engine_graphs"] is False
     engine_rows = [name for name in rows if name.startswith("engine_")]
     # + exact_lru and psr_lam0.3_n1 with copies skipped, per capacity
-    assert len(engine_rows) == 1 + 2 * len(POLICY_CONFIGS) + 4
+    assert len(engine_rows) == 1 + 2 * len(BASELINES) + 4
     for name in engine_rows:
         row = rows[name]
         assert name in out
@@ -497,13 +491,14 @@ def test_prefetch_budget_from_the_overlap_window(quiet_psr_hf):
 
 
 def test_a_cpu_run_judges_no_goal():
-    from psr_hf.bench import offload
+    from psr_hf.bench import goals
+    from psr_hf.bench.rows import RESIDENT
 
     def row(name, factors):
-        return {"configuration": name, "residency": 0.5 if name != offload.RESIDENT else None,
+        return {"configuration": name, "residency": 0.5 if name != RESIDENT else None,
                 "rounds": [{"ms": [[10.0 * f] * 3]} for f in factors]}
 
-    rows = [row(offload.RESIDENT, [1.0] * 5), row("psr_lam0.3_n1_res50", [1.3, 1.31, 1.29, 1.3, 1.32])]
-    on_cpu = offload.evaluate_goals(rows, cuda=False)
-    assert on_cpu and {g["status"] for g in on_cpu} == {offload.NEEDS_GPU}
-    assert "not met" in {g["status"] for g in offload.evaluate_goals(rows, cuda=True)}
+    rows = [row(RESIDENT, [1.0] * 5), row("psr_lam0.3_n1_res50", [1.3, 1.31, 1.29, 1.3, 1.32])]
+    on_cpu = goals.evaluate_goals(rows, cuda=False)
+    assert on_cpu and {g["status"] for g in on_cpu} == {goals.NEEDS_GPU}
+    assert "not met" in {g["status"] for g in goals.evaluate_goals(rows, cuda=True)}

@@ -1,4 +1,4 @@
-"""Excess NLL over exact routing (psr_hf.eval.divergence, psr-hf kl) on the tiny random model (CPU)."""
+"""Excess NLL over exact routing (psr_hf.eval.divergence, psr-hf excess-nll) on the tiny random model (CPU)."""
 
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def test_bad_windows_and_a_patched_model_are_refused():
 
 
 @pytest.mark.parametrize("model", [None, "tiny"])
-def test_psr_hf_kl_prints_the_table_and_writes_json(tmp_path, model):
+def test_psr_hf_excess_nll_prints_the_table_and_writes_json(tmp_path, model):
     out = tmp_path / "kl.json"
-    run = subprocess.run([sys.executable, "-m", "psr_hf.cli", "kl", "--windows", "2", "--tokens", "16",
+    run = subprocess.run([sys.executable, "-m", "psr_hf.cli", "excess-nll", "--windows", "2", "--tokens", "16",
                           "--residencies", "0.5", "--lams", "0.2", "--calibration-tokens", "1024",
                           "--json", str(out)] + (["--model", model] if model else []),
                          capture_output=True, text=True, timeout=300)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from psr_hf import RoutingConfig
-from psr_hf.bench.offload import RESIDENT, BenchConfig, bench_latency
+from psr_hf.bench.rows import OFFLOAD, RESIDENT, Row
+from psr_hf.bench.timing import bench_latency
 from psr_hf.bench.sweep import SweepStopped, run_sweep, select, sweep_grid
 from psr_hf.eval.selfgen import sample_windows, start_tokens
 from psr_hf.testing import tiny_model
@@ -66,8 +67,7 @@ def test_selfgen_sampling_is_seeded_and_follows_the_model():
 def test_bench_rounds_resume_where_they_stopped():
     model = tiny_model("olmoe")
     ids = [torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))]
-    configs = [BenchConfig(RESIDENT, "resident", RESIDENT),
-               BenchConfig("psr_res50", "offload", "psr", RoutingConfig(policy="psr", lam=0.3, residency=0.5), 0.5)]
+    configs = [Row(RESIDENT), Row(OFFLOAD, RoutingConfig(policy="psr", lam=0.3, residency=0.5))]
     seen = {}
 
     def keep(r, results):

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import psr_hf
-from psr_hf.bench.offload import decode_engine_window, offload_config
+from psr_hf.bench.decode import decode_engine_window
+from psr_hf.bench.runners import offload_config
 from psr_hf.bench.workloads import default_texts, load_model, model_calibration, text_windows
 from psr_hf.engine.graphs import GraphDecoder
 

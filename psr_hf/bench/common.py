@@ -1,5 +1,5 @@
 """What the benchmarks share: interleaved rounds and their summaries, the quiet patching log, device synchronisation,
-and the description of the machine and the package versions that every record carries.
+and the description of the model, the machine and the package versions that every record carries.
 
 Summaries are JSON-ready dicts (the records' keys) around :mod:`psr_hf.eval.stats`, where the intervals are
 computed. Importing this module imports neither torch nor transformers (the policy benchmark runs without them);
@@ -24,6 +24,9 @@ from ..eval.stats import mean_interval, paired_log_ratio
 UNCALIBRATED_LOGGERS = ("psr_hf.hf.patching", "psr_hf.policy.cache")
 UNCALIBRATED_MESSAGES = ("psr_hf.patch without a calibration", "no calibration given")
 VERSIONED_PACKAGES = ("torch", "transformers", "accelerate", "numpy", "scipy", "numba")
+# the default calibration of the latency benchmarks: this many tokens of workloads.CALIBRATION_MODULES (never the
+# windows' text)
+CALIBRATION_TOKENS = 8192
 
 
 # ---------------------------------------------------------------------------------------------------- rounds
@@ -49,6 +52,20 @@ def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> dict[str
     ``rounds`` ratios (:func:`~psr_hf.eval.stats.paired_log_ratio`)."""
     r = paired_log_ratio(values, baseline)
     return {"ratio": r.ratio, "ci95": [r.low, r.high], "rounds": list(r.ratios)}
+
+
+def matched_round_means(a: list[list[list[float]]], b: list[list[list[float]]]) -> tuple[list[float], list[float]]:
+    """Per-round mean ms of two rows over the tokens both decoded (``[round][window][position]``)."""
+    means_a, means_b = [], []
+    for rounds_a, rounds_b in zip(a, b):
+        xs, ys = [], []
+        for wa, wb in zip(rounds_a, rounds_b):
+            n = min(len(wa), len(wb))
+            xs.extend(wa[:n])
+            ys.extend(wb[:n])
+        means_a.append(float(np.mean(xs)))
+        means_b.append(float(np.mean(ys)))
+    return means_a, means_b
 
 
 def paired_summary(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
@@ -90,6 +107,33 @@ def device_sync(device: Any) -> Callable[[], None]:
 
 
 # ---------------------------------------------------------------------------------------------------- records
+def experts_modules(model: Any) -> list[str]:
+    """Names of the routed-experts modules (``...mlp.experts``) of the torch ``model``."""
+    return [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+
+
+def describe_model(model: Any) -> dict[str, Any]:
+    """Class, dtype, device, parameter count, MoE shape and the bytes of the routed experts of ``model``."""
+    config = model.config.get_text_config()
+    experts = experts_modules(model)
+    expert_bytes = sum(p.numel() * p.element_size() for name in experts
+                       for p in model.get_submodule(name).parameters())
+    param = next(model.parameters())
+    return {
+        "class": type(model).__name__,
+        "model_type": str(getattr(config, "model_type", "")),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "device": str(param.device),
+        "device_type": param.device.type,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "moe_layers": len(experts),
+        "num_experts": int(getattr(config, "num_experts", getattr(config, "n_routed_experts", 0)) or 0),
+        "top_k": int(getattr(config, "num_experts_per_tok", 0) or 0),
+        "expert_bytes": int(expert_bytes),
+        "experts_implementation": getattr(config, "_experts_implementation", None),
+    }
+
+
 def machine(device: Any = None) -> dict[str, Any]:
     """The machine a record was measured on: platform, processor, CPU count, Python, numpy and numba versions;
     with a torch ``device`` also its type and name, torch and transformers versions, torch's thread count and,

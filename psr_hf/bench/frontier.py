@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from ..eval.stats import mean_interval
+from ..policy.policies import POLICY_TABLE
 from .common import paired_summary
 
 logger = logging.getLogger(__name__)
 
 Point = Mapping[str, Any]
 
-POLICIES = ("exact", "cache_prior", "psr", "spec")
+POLICIES = tuple(POLICY_TABLE)
 REQUIRED_KEYS = ("name", "policy", "lam", "budget", "eviction", "top_j", "delta_mode", "residency", "capacity", "ms",
                  "ms_ci95", "p99_ms", "round_ms", "copies_per_token", "demand_per_token", "sg_pct", "sg_pct_ci95",
                  "selfgen_excess_nll", "selfgen_window_excess", "heldout_excess_nll", "heldout_excess_nll_ci95")
@@ -51,7 +52,8 @@ def family(point: Point) -> str:
     """The curve ``point`` belongs to, as the paper's figure and tables name it: ``exact+LRU`` / ``exact+A+prefetch``
     (and ``exact+A`` / ``exact+LRU+prefetch`` for the other two exact combinations), ``Cache-Prior``,
     ``Cache-Prior (A)``, ``Cache-Prior J={j}``, ``Cache-Prior J={j} running``, ``PSR n={budget}`` (A eviction),
-    ``PSR n={budget} (LRU)`` or ``spec``. Raises ``ValueError`` for an unknown policy or eviction."""
+    ``PSR n={budget} (LRU)``, ``spec``, or another policy of the policy table by its name. Raises ``ValueError``
+    for a policy that is not in the table or an unknown eviction."""
     policy = point.get("policy")
     eviction = point.get("eviction")
     if policy not in POLICIES:
@@ -67,6 +69,8 @@ def family(point: Point) -> str:
         return "exact+A+prefetch" if budget > 0 else "exact+A"
     if policy == "psr":
         return f"PSR n={budget}" if eviction == "score" else f"PSR n={budget} (LRU)"
+    if policy != "cache_prior":
+        return str(policy)
     top_j = int(point.get("top_j") or 0)
     if point.get("delta_mode") == "running":
         return f"Cache-Prior J={top_j} running"
@@ -77,7 +81,8 @@ def family(point: Point) -> str:
 
 def _order_key(point: Point) -> tuple:
     """Sort key of the paper's Table 2 rows: exact+LRU, exact+A+prefetch, the other exact rows, Cache-Prior by lam,
-    PSR (A) by budget then lam, the other families (Cache-Prior variants, then PSR with LRU), spec last."""
+    PSR (A) by budget then lam, the other families (Cache-Prior variants, then PSR with LRU), other policies by
+    name, spec last."""
     fam = family(point)
     lam = point.get("lam")
     tail = (lam is None, float(lam) if lam is not None else 0.0, float(point["sg_pct"]), str(point["name"]))
@@ -96,7 +101,9 @@ def _order_key(point: Point) -> tuple:
         head = (5, 0, int(point.get("top_j") or 0), point.get("delta_mode") == "running", point["eviction"] != "lru")
     elif point["policy"] == "psr":
         head = (5, 1, budget)
-    else:  # spec
+    elif point["policy"] != "spec":  # a policy without a curve of the paper's
+        head = (8, str(point["policy"]))
+    else:
         head = (9,)
     return head + tail
 

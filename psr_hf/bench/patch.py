@@ -1,26 +1,15 @@
-"""Benchmark of the patching overhead: decode ms per token of ``generate()``, unpatched vs patched.
+"""``psr-hf bench-patch``: the patching overhead of ``generate()``, decode ms per token unpatched vs patched.
 
 An OLMoE-1B-7B-shaped model with random weights (every expert resident on the device), batch-1 greedy decoding of
-a fixed seeded prompt. Each round runs every configuration once, in an order rotated by one per round
-(interleaved, so drift in clocks or temperature falls on all configurations alike); a configuration is patched
-right before its run and unpatched right after.
+a fixed seeded prompt; each round runs every configuration once in an order rotated by one per round (interleaved),
+a configuration patched right before its run and unpatched right after. Decode-only time comes from a streamer
+that synchronises the device and takes a timestamp at each token: ``(t[n] - t[1]) / (n - 1)`` per decode step,
+prefill excluded (``t[1] - t[0]``, recorded beside it); the routing statistics cover the same decode steps.
 
-Decode-only time: ``generate()`` hands the prompt to its streamer before the prefill and then every new token
-as soon as it is on the host. A streamer that synchronises the device and takes a timestamp at each call
-gives ``t[0]`` (before the prefill), ``t[1]`` (prefill and first token done) and ``t[n]`` (token ``n`` done);
-``(t[n] - t[1]) / (n - 1)`` is the time per decode step: one one-position forward pass plus the sampling and
-bookkeeping of ``generate()``, prefill excluded. ``generate()`` already waits for each token on the host
-(it reads the stop flag every step), so the synchronisation adds nothing but the timestamp. The prefill time
-``t[1] - t[0]`` is recorded beside it.
-
-Routing statistics of patched runs (copies, replaced router slots per token) are taken over the same decode
-steps: the controller's totals are reset at the first token (:meth:`Controller.reset_stats`).
-
-Summary per configuration: mean and median over rounds with a 95% t-interval of the mean, and the ratio to the
-baseline (unpatched) from the paired per-round ratios: the mean of the per-round log ratios with its 95%
-t-interval, exponentiated. The exact configuration's tokens are compared with the same round's unpatched tokens
-(bitwise identity is a correctness claim the table shows). The library logs; ``psr-hf bench-patch``
-(:mod:`psr_hf.cli`) prints.
+Per configuration: mean and median over rounds with a 95% t-interval, and the ratio to the unpatched baseline
+paired by round (exponentiated mean of the per-round log ratios with its 95% t-interval). The exact
+configuration's tokens are compared with the same round's unpatched tokens (bitwise identity is a correctness
+claim the table shows). The library logs; ``psr-hf bench-patch`` (:mod:`psr_hf.cli`) prints.
 """
 
 from __future__ import annotations
@@ -60,7 +49,9 @@ class _DecodeClock:  # duck-typed transformers BaseStreamer (put, end): generate
     """A ``generate()`` streamer that timestamps each call (after synchronising the device).
 
     ``generate()`` calls ``put`` with the prompt before the prefill, then with every new token once it is on the
-    host; ``on_first_token`` runs at the first new token (before the first decode step)."""
+    host; ``on_first_token`` runs at the first new token (before the first decode step). ``generate()`` already
+    waits for each token on the host (it reads the stop flag every step), so the synchronisation adds nothing but
+    the timestamp."""
 
     def __init__(self, sync: Callable[[], None], on_first_token: Callable[[], None] | None = None):
         self.sync = sync

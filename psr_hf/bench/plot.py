@@ -12,14 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from .rows import ACCELERATE, ENGINE, ENGINE_RESIDENT, OFFLOAD, RESIDENT, ROUTED_KINDS, Row
+
 _CATEGORIES = (("demand_per_token", "demand", "#c0392b"), ("prefetch_late_per_token", "prefetch, late", "#e67e22"),
                ("prefetch_in_time_per_token", "prefetch, in time", "#27ae60"),
                ("prefetch_unused_per_token", "prefetch, unused", "#95a5a6"))
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
-def _nocopy(row: Mapping[str, Any]) -> bool:
-    return str(row["configuration"]).endswith("_nocopy")
+def _copies_skipped(row: Mapping[str, Any]) -> bool:
+    named = Row.from_name(str(row["configuration"]))
+    return named is not None and named.copies_skipped
 
 
 def plot(record: Mapping[str, Any], path: str | Path) -> Path:
@@ -35,11 +38,11 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     rows = list(record["results"])
     # with engine rows the figure is about them (the transformers rows stay as reference lines): the offloaded
     # engine rows are the routed points, engine_resident a line, the copies-skipped rows hollow markers
-    engine = any(row["kind"] == "engine" for row in rows)
-    kind = "engine" if engine else "offload"
-    routed = [row for row in rows if row["kind"] == kind and not _nocopy(row)]
-    skipped = [row for row in rows if row["kind"] == kind and _nocopy(row)]
-    by_kind = {row["kind"]: row for row in rows if row["kind"] not in ("offload", "engine")}
+    engine = any(row["kind"] == ENGINE for row in rows)
+    kind = ENGINE if engine else OFFLOAD
+    routed = [row for row in rows if row["kind"] == kind and not _copies_skipped(row)]
+    skipped = [row for row in rows if row["kind"] == kind and _copies_skipped(row)]
+    by_kind = {row["kind"]: row for row in rows if row["kind"] not in ROUTED_KINDS}
     fig = Figure(figsize=(13, 5.2), layout="constrained")
     ax_a, ax_b = fig.subplots(1, 2, width_ratios=[1, 1.35])
     policies = list(dict.fromkeys(row["policy"] for row in routed))
@@ -60,10 +63,10 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     if skipped:
         ax_a.plot([], [], marker="o", color="grey", markerfacecolor="none", linestyle="none",
                   label="same routing, copies skipped")
-    resident = by_kind.get("resident")
+    resident = by_kind.get(RESIDENT)
     hf_resident = resident
     if engine:
-        resident = by_kind.get("engine_resident")
+        resident = by_kind.get(ENGINE_RESIDENT)
         if resident is not None:
             ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
                          label=f"engine, all resident {resident['ms_per_token']['mean']:.2f} ms")
@@ -75,7 +78,7 @@ def plot(record: Mapping[str, Any], path: str | Path) -> Path:
     elif resident is not None:
         ax_a.axhline(resident["ms_per_token"]["mean"], color="black", linewidth=1,
                      label=f"resident (grouped_mm) {resident['ms_per_token']['mean']:.2f} ms")
-    accelerated = by_kind.get("accelerate")
+    accelerated = by_kind.get(ACCELERATE)
     if accelerated is not None:
         ax_a.axhline(accelerated["ms_per_token"]["mean"], color="black", linestyle="--", linewidth=1,
                      label=f"accelerate dispatch_model {accelerated['ms_per_token']['mean']:.1f} ms")

@@ -1,24 +1,15 @@
 """``psr-hf sweep``: the latency-divergence frontier (the paper's Figure 1, Table 2 and the ablations of its
-Section 6.6) in one resumable run.
+Section 6.6) in one resumable run; docs/frontier.md.
 
-For every residency and every configuration of the grid (:func:`sweep_grid`: exact routing with LRU and with the
-A priority and prefetch, Cache-Prior with LRU and with the A priority, PSR with budgets n in {1, 2, 8} and both
-evictions, speculative execution, and Cache-Prior as published with top-J 1 / 2 and the running bonus scale, each
-at every lam) it measures
-
-- **divergence** on the *quality model*: the excess NLL over exact routing on text sampled from the exact model
-  (*selfgen*, :mod:`psr_hf.eval.selfgen`; ``sg%`` = excess perplexity) and on held-out text, each with its 95%
-  interval over windows (:func:`psr_hf.eval.divergence.divergence`). For a grown model (``grown-olmoe-routing``)
-  the quality model is the small trained model it was grown from, in float32: the grown model computes the same
-  function, so its routing decisions and divergence are the small model's, without bf16 rounding;
-- **latency** on the latency model: teacher-forced batch-1 decoding of held-out windows in the engine
-  (``engine_<name>`` rows, CUDA graphs on a GPU) or in the transformers offload path (the CPU default), every
-  configuration of a residency interleaved over the rounds with the ``resident`` reference rows
-  (:func:`psr_hf.bench.offload.bench_latency`).
-
-The record (``--json``) is written after every measured unit (the sampled windows, each configuration's
-divergence, each timed round); running the same command again with the same record continues where it stopped
-(a device command's time limit, ``--max-minutes``). The outputs come from :mod:`psr_hf.bench.frontier`.
+For every residency and every entry of :func:`sweep_grid` (exact routing with LRU and with the A priority and
+prefetch, Cache-Prior with LRU and with the A priority, PSR with budgets n in {1, 2, 8} and both evictions,
+speculative execution, Cache-Prior as published, each at every lam) it measures the **divergence** on the quality
+model (excess NLL over exact routing on selfgen and held-out text, :mod:`psr_hf.eval.divergence`; for a grown model
+the small trained model it was grown from, in float32: the same function and routing without bf16 rounding) and
+the **latency** on the latency model (:func:`~psr_hf.bench.timing.bench_latency`: the engine rows on a GPU, the
+transformers offload path on the CPU, interleaved with the resident reference rows). The record (``--json``) is
+written after every measured unit; the same command with the same record continues where it stopped. The outputs
+come from :mod:`psr_hf.bench.frontier`.
 """
 
 from __future__ import annotations
@@ -34,9 +25,12 @@ from typing import Any
 
 from .._progress import tqdm
 
-from ..policy.config import RoutingConfig
-from .offload import (CALIBRATION_TOKENS, ENGINE_PREFIX, ENGINE_RESIDENT, MIN_ROUNDS, RESIDENT, BenchConfig,
-                      WindowRun, bench_latency, capacity_suffix, describe_model)
+from ..eval.grid import cache_prior, entry_name, exact_a_pf, exact_lru, psr, routing_grid, spec
+from ..policy.policies import POLICY_TABLE
+from .common import CALIBRATION_TOKENS, describe_model
+from .decode import WindowRun
+from .rows import ENGINE, ENGINE_RESIDENT, OFFLOAD, RESIDENT, Row, capacity_suffix, routed
+from .timing import MIN_ROUNDS, bench_latency
 
 logger = logging.getLogger(__name__)
 
@@ -68,30 +62,22 @@ def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = S
         raise ValueError(f"lams {list(lams)}: give one or more bonus scales > 0 (the paper sweeps 0.1 .. 0.3)")
     if not budgets or any(not isinstance(n, int) or n < 1 for n in budgets):
         raise ValueError(f"budgets {list(budgets)}: give prefetch budgets n as ints >= 1 (the paper: 1, 2, 8)")
-    grid: dict[str, dict[str, Any]] = {
-        "exact_lru": dict(policy="exact", eviction="lru", budget=0),
-        "exact_a_pf": dict(policy="exact", eviction="score", budget=1),
-    }
+    entries = [exact_lru(), exact_a_pf()]
     for lam in lams:
         lam = float(lam)
         if "lru" in evictions:
-            grid[f"cp_lam{lam:g}"] = dict(policy="cache_prior", lam=lam, eviction="lru", budget=0)
+            entries.append(cache_prior(lam))
         if "score" in evictions:
-            grid[f"cp_lam{lam:g}_a"] = dict(policy="cache_prior", lam=lam, eviction="score", budget=0)
+            entries.append(cache_prior(lam, eviction="score"))
         for n in budgets:
             if "score" in evictions:
-                grid[f"psr_lam{lam:g}_n{n}"] = dict(policy="psr", lam=lam, eviction="score", budget=n)
+                entries.append(psr(lam, n))
             if "lru" in evictions:
-                grid[f"psr_lam{lam:g}_n{n}_lru"] = dict(policy="psr", lam=lam, eviction="lru", budget=n)
+                entries.append(psr(lam, n, eviction="lru"))
         if published:
-            for j in (1, 2):
-                grid[f"cp_lam{lam:g}_j{j}"] = dict(policy="cache_prior", lam=lam, eviction="lru", top_j=j)
-            grid[f"cp_lam{lam:g}_j2_run"] = dict(policy="cache_prior", lam=lam, eviction="lru", top_j=2,
-                                                 delta_mode="running")
-    grid["spec"] = dict(policy="spec")
-    for name, fields in grid.items():
-        RoutingConfig(residency=0.5, **fields)  # every entry valid before anything runs
-    return grid
+            entries += [cache_prior(lam, top_j=1), cache_prior(lam, top_j=2), cache_prior(lam, top_j=2, running=True)]
+    entries.append(spec())
+    return routing_grid(entries)  # every entry valid before anything runs
 
 
 def select(grid: Mapping[str, dict[str, Any]], only: Sequence[str] | None) -> dict[str, dict[str, Any]]:
@@ -169,6 +155,12 @@ def _interval_pct(ci: Sequence[float]) -> list[float]:
     return [excess_ppl_percent(float(v)) for v in ci]
 
 
+def point_name(fields: Mapping[str, Any], residency: float) -> str:
+    """The name of a grid entry's point at ``residency`` (its transformers row's: ``psr_lam0.3_n1_res50``), the key
+    of its divergence in the record."""
+    return routed(OFFLOAD, dict(fields), residency).name
+
+
 def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One point per configuration and residency with both measurements (the schema of
     :mod:`psr_hf.bench.frontier`): routing fields, latency (mean ms/token with its interval, p99, per-round
@@ -177,22 +169,22 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     from ..eval.divergence import excess_ppl_percent
 
     points = []
-    prefix = ENGINE_PREFIX if record["settings"]["engine"] else ""
+    timed_kind = ENGINE if record["settings"]["engine"] else OFFLOAD
     for residency in record["settings"]["residencies"]:
-        suffix = capacity_suffix(residency)
-        latency = record.get("latency", {}).get(suffix, {})
+        latency = record.get("latency", {}).get(capacity_suffix(residency), {})
         rows = {row["configuration"]: row for row in latency.get("rows", [])}
-        for name in record["grid"]:
-            row = rows.get(prefix + name + suffix)
-            quality = record.get("quality", {}).get(name + suffix)
+        for fields in record["grid"].values():
+            name = point_name(fields, residency)
+            row = rows.get(routed(timed_kind, fields, residency).name)
+            quality = record.get("quality", {}).get(name)
             if row is None or quality is None:
                 continue
             routing, selfgen, held = row["routing"], quality["selfgen"], quality.get("heldout")
             copies = row["copies"]
             points.append({
-                "name": name + suffix, "policy": routing["policy"],
-                "lam": routing["lam"] if routing["policy"] in ("cache_prior", "psr") else None,
-                "budget": int(routing["budget"]) if routing["policy"] != "spec" else 0,
+                "name": name, "policy": routing["policy"],
+                "lam": routing["lam"] if "lam" in POLICY_TABLE[routing["policy"]].options else None,
+                "budget": 0 if routing["budget"] is None else int(routing["budget"]),  # None: spec's K
                 "eviction": routing["eviction"], "top_j": int(routing["top_j"]), "delta_mode": routing["delta_mode"],
                 "residency": float(residency), "capacity": row["capacity"],
                 "ms": row["ms_per_token"]["mean"], "ms_ci95": row["ms_per_token"]["ci95"], "p99_ms": row["p99_ms"],
@@ -250,6 +242,10 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
     if not residencies or any(not 0.0 < r < 1.0 for r in residencies):
         raise ValueError(f"residencies {residencies}: give one or more in (0, 1) (0.5 = half of each layer's experts)")
     grid = dict(sweep_grid() if grid is None else grid)
+    misnamed = {name: entry_name(fields) for name, fields in grid.items() if entry_name(fields) != name}
+    if misnamed:
+        raise ValueError("grid names must be the names of their entries (psr_hf.eval.grid.routing_grid): "
+                         + ", ".join(f"{name!r} is {right!r}" for name, right in misnamed.items()))
     path = None if json_path is None else Path(json_path)
     settings = {"model": model, "device": str(device), "residencies": residencies, "rounds": rounds,
                 "windows": windows, "tokens": tokens, "selfgen_windows": selfgen_windows,
@@ -279,8 +275,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
 
     held_texts = default_texts(model) or module_sources(WINDOW_MODULES)
     calib = None
-    pending = [(name + capacity_suffix(r), RoutingConfig(residency=r, **fields)) for r in residencies
-               for name, fields in grid.items() if name + capacity_suffix(r) not in record["quality"]]
+    pending = [(row.name, row.routing) for r in residencies for row in (routed(OFFLOAD, f, r) for f in grid.values())
+               if row.name not in record["quality"]]
     if stage != "latency" and (pending or "selfgen" not in record):
         # ---- divergence, on the quality model
         quality_name = quality_model_name(model)
@@ -340,13 +336,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
             entry = record["latency"].setdefault(suffix, {"runs": {}})
             if "rows" in entry:
                 continue
-            configs = [BenchConfig(RESIDENT, "resident", RESIDENT)]
-            if engine_rows:
-                configs.append(BenchConfig(ENGINE_RESIDENT, "engine_resident", ENGINE_RESIDENT))
-            for name, fields in grid.items():
-                routing = RoutingConfig(residency=residency, **fields)
-                configs.append(BenchConfig((ENGINE_PREFIX if engine_rows else "") + name + suffix,
-                                           "engine" if engine_rows else "offload", name, routing, residency))
+            configs = [Row(RESIDENT), Row(ENGINE_RESIDENT)] if engine_rows else [Row(RESIDENT)]
+            configs += [routed(ENGINE if engine_rows else OFFLOAD, fields, residency) for fields in grid.values()]
 
             def saved(r: int, results: Mapping[str, list[list[WindowRun]]], entry: dict = entry) -> None:
                 entry["runs"] = _runs_data(results)
@@ -367,8 +358,8 @@ def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float
         record["machine"], record["versions"] = machine(torch.device(device)), versions()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    if stage == "latency" and any(name + capacity_suffix(r) not in record["quality"] for r in residencies
-                                  for name in grid):
+    if stage == "latency" and any(point_name(fields, r) not in record["quality"] for r in residencies
+                                  for fields in grid.values()):
         _save(record, path)
         raise SweepStopped("the rows are timed (stage 'latency'); the divergence stage is still to run: the same "
                            "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")

@@ -26,6 +26,7 @@ from .._progress import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
+from .grid import cache_prior, exact_lru, psr, routing_name
 from .stats import mean_interval
 
 logger = logging.getLogger(__name__)
@@ -164,36 +165,33 @@ def _row(name: str, config: RoutingConfig, capacity: int, nll: list[np.ndarray],
     )
 
 
-PREDICTED_SUFFIX = "_pred"  # a psr row whose pre-gate is a learned predictor's ranking
-
-
 def sweep_configs(residencies: Sequence[float] = (0.5, 0.25), lams: Sequence[float] = (0.1, 0.2, 0.3),
                   budget: int = 1, predictor: bool = False) -> dict[str, RoutingConfig]:
-    """The issue's grid: exact+LRU, and cache_prior and psr (``budget``) for each lam, at each residency; with
-    ``predictor`` also each psr row with ``prefetch="predictor"`` (named ``psr_lam..._n..._pred_res...``)."""
+    """The issue's grid (:mod:`psr_hf.eval.grid`): exact+LRU, and cache_prior and psr (``budget``) for each lam, at
+    each residency (named ``..._res{percent}``); with ``predictor`` also each psr row with ``prefetch="predictor"``
+    (named ``psr_lam..._n..._pred_res...``)."""
     out: dict[str, RoutingConfig] = {}
     for r in residencies:
-        suffix = f"res{100 * r:g}"
-        out[f"exact_lru_{suffix}"] = RoutingConfig(policy="exact", eviction="lru", budget=0, residency=r)
+        entries = [exact_lru()]
         for lam in lams:
-            out[f"cp_lam{lam:g}_{suffix}"] = RoutingConfig(policy="cache_prior", lam=lam, residency=r)
-            out[f"psr_lam{lam:g}_n{budget}_{suffix}"] = RoutingConfig(policy="psr", lam=lam, budget=budget, residency=r)
+            entries += [cache_prior(lam), psr(lam, budget)]
             if predictor:
-                out[f"psr_lam{lam:g}_n{budget}{PREDICTED_SUFFIX}_{suffix}"] = RoutingConfig(
-                    policy="psr", lam=lam, budget=budget, residency=r, prefetch="predictor")
+                entries.append(psr(lam, budget, predictor=True))
+        for fields in entries:
+            config = RoutingConfig(residency=r, **fields)
+            out[f"{routing_name(config)}_res{100 * r:g}"] = config
     return out
 
 
 def predictor_pairs(rows: Sequence[DivergenceRow]) -> list[dict[str, Any]]:
-    """For every psr row with a predictor and its plain twin (same lam, budget, residency): the paired difference
-    of excess NLL over windows (predictor minus pre-gate, with its 95% t-interval; negative: the learned ranking
-    costs less quality) and the demand and total copies per token of both."""
-    by_name = {r.name: r for r in rows}
+    """For every psr row with a predictor and its plain twin (the same routing with the pre-gate): the paired
+    difference of excess NLL over windows (predictor minus pre-gate, with its 95% t-interval; negative: the learned
+    ranking costs less quality) and the demand and total copies per token of both."""
     out = []
     for r in rows:
-        if PREDICTED_SUFFIX + "_" not in r.name:
+        if r.routing.get("prefetch") != "predictor":
             continue
-        twin = by_name.get(r.name.replace(PREDICTED_SUFFIX + "_", "_"))
+        twin = next((t for t in rows if t.routing == {**r.routing, "prefetch": "pregate"}), None)
         if twin is None:
             continue
         diff = np.asarray(r.window_excess) - np.asarray(twin.window_excess)
