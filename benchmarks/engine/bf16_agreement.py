@@ -25,7 +25,7 @@ import torch
 
 import psr_hf
 from psr_hf import Calibration, RoutingConfig
-from psr_hf.bench.offload import _cache_keyword
+from psr_hf.hf.inputs import cache_keyword
 from psr_hf.bench.workloads import default_texts, load_model, text_windows
 from psr_hf.engine.graphs import GraphDecoder
 
@@ -62,7 +62,7 @@ def main() -> None:
     config = model.config.get_text_config()
     E = int(getattr(config, "num_experts", None) or config.n_routed_experts)
     K = int(config.num_experts_per_tok)
-    keyword = _cache_keyword(model)
+    keyword = cache_keyword(model)
     record = {"model": a.model, "dtype": str(next(model.parameters()).dtype), "device":
               torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "windows": len(windows),
               "tokens": int(windows[0].numel()), "decode_windows": a.decode_windows, "policies": {}}

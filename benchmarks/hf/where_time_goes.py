@@ -1,81 +1,78 @@
-"""Host time per MoE layer inside the patched router, by part (decode, batch 1, OLMoE-1B-7B shape, random weights).
+"""Host time per token inside the patched model, by psr_hf function (decode, batch 1, OLMoE-1B-7B shape, random
+weights): cProfile over ``generate()``, so it names whatever functions the controller has and wraps nothing.
 
-Wraps the controller's parts with wall-clock timers (the device-to-host copy in ``_host`` includes waiting for
-the device). Run on a GPU: ``python benchmarks/hf/where_time_goes.py [--policy psr] [--new-tokens 128]``.
+The unpatched router is timed with a wall-clock wrapper around its forward, as the baseline. cProfile adds its
+own cost to every call; compare functions with each other, not with the bench's ms/token. Run on a GPU:
+``python benchmarks/hf/where_time_goes.py [--policy psr] [--new-tokens 128] [--top 25]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import cProfile
+import pstats
 import time
 
 import torch
 
 import psr_hf
-import importlib
-
-controller_module = importlib.import_module("psr_hf.hf.controller")
 from psr_hf.bench.workloads import build_random_model, olmoe_1b_7b_config, prompt_ids
 
-TOTALS: dict[str, list[float]] = collections.defaultdict(list)
+
+def _generate(model, ids, tokens: int) -> None:
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    torch.cuda.synchronize()
 
 
-def timed(name, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TOTALS[name].append(time.perf_counter() - start)
-    return wrapper
+def _unpatched_router_us(model, ids, tokens: int) -> float:
+    calls: list[float] = []
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    for router in routers:
+        forward = router.forward
+
+        def timed(*args, _forward=forward, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                calls.append(time.perf_counter() - start)
+        router.forward = timed
+    try:
+        _generate(model, ids, tokens)
+    finally:
+        for router in routers:
+            del router.forward
+    return 1e6 * sum(calls) / len(calls)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", default="psr")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--top", type=int, default=25, help="psr_hf functions listed, by own time")
     args = parser.parse_args()
     model = build_random_model(olmoe_1b_7b_config(), device="cuda", dtype=torch.bfloat16)
     ids = prompt_ids(model.config.vocab_size, 32, 0).cuda()
-    routers = [layer.mlp.gate for layer in model.model.layers]
-    # unpatched router time
-    hooks = []
-    for router in routers:
-        router.forward = timed("unpatched router", router.forward)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    for router in routers:
-        del router.forward
-    unpatched = TOTALS.pop("unpatched router")
-    TOTALS.clear()
-    config = psr_hf.RoutingConfig(policy=args.policy, residency=0.5)
-    psr_hf.patch(model, config)
-    ctl = psr_hf.controller(model)
-    controller_module._host = timed("_host (D2H + wait)", controller_module._host)
-    for name in ("_route_joint", "_route_own", "_execute", "_on_forward", "_stacked_weight", "_staging"):
-        setattr(ctl, name, timed(name, getattr(ctl, name)))
-    ctl.cache.step_io = timed("step_io", ctl.cache.step_io)
-    family = ctl.family
-    family.joint_scores = timed("joint_scores", family.joint_scores)
-    family.execution_weights = timed("execution_weights", family.execution_weights)
-    # the router forward closures were built at patch time and call ctl._route_*: re-patch to pick up wrappers
-    for layer in ctl.layers:
-        layer.router.forward = timed("patched router (total)", ctl._router_forward(layer, type(layer.router).forward.__get__(layer.router)))
-    with torch.no_grad():  # warm-up: kernel compilation, caches
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    TOTALS.clear()
+    unpatched = _unpatched_router_us(model, ids, args.new_tokens)
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy=args.policy, residency=0.5))
+    _generate(model, ids, 8)  # warm-up: kernel compilation, caches
+    profile = cProfile.Profile()
     start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    torch.cuda.synchronize()
+    profile.enable()
+    _generate(model, ids, args.new_tokens)
+    profile.disable()
     wall = (time.perf_counter() - start) / args.new_tokens * 1e3
     tokens = args.new_tokens + 1
-    print(f"unpatched router: {1e6 * sum(unpatched) / len(unpatched):.1f} us per call")
-    print(f"policy {args.policy}: {wall:.2f} ms/token wall (incl. prefill); per call mean us, calls per token:")
-    for name, values in sorted(TOTALS.items(), key=lambda kv: -sum(kv[1])):
-        print(f"  {name:<26} {1e6 * sum(values) / len(values):8.1f} us  x {len(values) / tokens:5.1f}/token "
-              f"= {1e3 * sum(values) / tokens:6.3f} ms/token")
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
+    ours = [(f"{file.rpartition('psr_hf/')[2]}:{name}", calls, own, cumulative)
+            for (file, _, name), (calls, _, own, cumulative, _) in stats.items() if "psr_hf/" in file]
+    print(f"unpatched router: {unpatched:.1f} us per call")
+    print(f"policy {args.policy}: {wall:.2f} ms/token wall under cProfile (incl. prefill); psr_hf functions by "
+          f"own time, per token:")
+    for name, calls, own, cumulative in sorted(ours, key=lambda row: -row[2])[:args.top]:
+        print(f"  {name:<58} own {1e3 * own / tokens:6.3f} ms  cum {1e3 * cumulative / tokens:6.3f} ms  "
+              f"x {calls / tokens:5.1f}/token")
 
 
 if __name__ == "__main__":
