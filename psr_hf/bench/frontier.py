@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 Point = Mapping[str, Any]
 
-POLICIES = tuple(POLICY_TABLE)
 REQUIRED_KEYS = ("name", "policy", "lam", "budget", "eviction", "top_j", "delta_mode", "residency", "capacity", "ms",
                  "ms_ci95", "p99_ms", "round_ms", "copies_per_token", "demand_per_token", "sg_pct", "sg_pct_ci95",
                  "selfgen_excess_nll", "selfgen_window_excess", "heldout_excess_nll", "heldout_excess_nll_ci95")
@@ -56,8 +55,9 @@ def family(point: Point) -> str:
     for a policy that is not in the table or an unknown eviction."""
     policy = point.get("policy")
     eviction = point.get("eviction")
-    if policy not in POLICIES:
-        raise ValueError(f"point {point.get('name')!r} has unknown policy {policy!r}: use one of {POLICIES}")
+    if policy not in POLICY_TABLE:
+        raise ValueError(f"point {point.get('name')!r} has unknown policy {policy!r}: use one of "
+                         f"{tuple(POLICY_TABLE)}")
     if policy == "spec":
         return "spec"
     if eviction not in ("lru", "score"):
