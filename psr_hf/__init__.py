@@ -6,8 +6,7 @@ one of its names, and the torch integration (``patch``, ``controller``, ...) loa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,28 +25,13 @@ _LAZY = {
     "controller": "psr_hf.hf.patching",
     "calibrate": "psr_hf.hf.calibrate",
     "OffloadConfig": "psr_hf.offload.config",
-    "OffloadStats": "psr_hf.offload.engine",
+    "OffloadStats": "psr_hf.offload.experts",
     "OffloadMemory": "psr_hf.offload.placement",
     "OffloadMemoryError": "psr_hf.offload.placement",
 }
 
-__all__ = ["RoutingConfig", "__version__", *_LAZY]
-
-
-#: subpackages reachable as attributes (``psr_hf.engine.compile(model)`` after ``import psr_hf``), imported on use
+#: subpackages reachable as attributes (``psr_hf.engine.attach(model)`` after ``import psr_hf``), imported on use
 _SUBPACKAGES = ("assets", "bench", "engine", "eval", "hf", "offload", "patches", "policy", "prefetch", "testing")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"psr_hf.{name}")  # the import sets the attribute on the package
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psr_hf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*__all__, *_SUBPACKAGES})
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=["RoutingConfig", "__version__"],
+                                             subpackages=_SUBPACKAGES)

@@ -18,6 +18,8 @@ ROOMS: dict[str, tuple[int, str]] = {
     "psr_hf._metadata": (0, "library: helpers"),
     "psr_hf._threads": (0, "library: helpers"),
     "psr_hf._progress": (0, "library: helpers"),
+    "psr_hf._lazy": (0, "library: helpers"),
+    "psr_hf._registry": (0, "library: helpers"),
     "psr_hf.policy": (0, "library: policy"),
     "psr_hf.assets": (1, "library: assets"),
     "psr_hf.patches": (1, "library: patches"),

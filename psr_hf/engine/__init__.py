@@ -13,8 +13,7 @@ nothing heavy (no torch); the names below load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_exports
 
 _LAZY = {
     "build_layers": "psr_hf.engine.layers",
@@ -34,15 +33,4 @@ _LAZY = {
     "attached": "psr_hf.engine.generate",
 }
 
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psr_hf.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=())

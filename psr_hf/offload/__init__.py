@@ -4,8 +4,7 @@ when first used."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_exports
 
 from .config import OffloadConfig
 
@@ -17,11 +16,4 @@ _LAZY = {
     "SlotScheduler": "psr_hf.offload.scheduler",
 }
 
-__all__ = ["OffloadConfig", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psr_hf.offload' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=["OffloadConfig"])

@@ -13,8 +13,7 @@ and numba until a policy is actually run.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_exports
 
 from .config import DEFAULT_WINDOW, DELTA_MODES, EVICTIONS, POLICIES, RoutingConfig
 from .policies import POLICY_TABLE, Policy
@@ -31,18 +30,5 @@ _LAZY = {
     "Recording": ".replaying",
 }
 
-__all__ = ["RoutingConfig", "POLICIES", "POLICY_TABLE", "Policy", "EVICTIONS", "DELTA_MODES", "DEFAULT_WINDOW",
-           *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psr_hf.policy' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=["RoutingConfig", "POLICIES", "POLICY_TABLE", "Policy", "EVICTIONS",
+                                                                   "DELTA_MODES", "DEFAULT_WINDOW"])

@@ -7,8 +7,7 @@ predictor=...)`` reads. The names below load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_exports
 
 _LAZY = {
     "Predictor": "psr_hf.prefetch.predictor",
@@ -28,15 +27,4 @@ _LAZY = {
     "WindowProfile": "psr_hf.prefetch.window",
 }
 
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'psr_hf.prefetch' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=())
