@@ -26,7 +26,7 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_every_page(tmp_path):
     home = (site / "index.html").read_text(encoding="utf-8")
     assert "make demo" in home and 'href="transformers/"' in home  # the README, its links made the site's
     api = re.sub(r"<[^>]+>", "", (site / "api" / "index.html").read_text(encoding="utf-8"))
-    for name in ("patch", "RoutingConfig", "OffloadConfig", "compile", "Predictor", "load_shipped"):
+    for name in ("patch", "RoutingConfig", "OffloadConfig", "attach", "Predictor", "load_shipped"):
         assert re.search(rf"\b{name}\b", api), name
     assert "Make model's MoE routing cache-aware" in api  # patch()'s docstring, rendered
     assert (site / "_repo" / "benchmarks" / "engine" / "h200" / "bench_engine.png").is_file()

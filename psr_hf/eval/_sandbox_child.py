@@ -1,23 +1,10 @@
-"""The child side of :mod:`psr_hf.eval.sandbox`; standard library only, run as a script (``python -s -P FILE``).
+"""The child side of :mod:`psr_hf.eval.sandbox` (docs/lm-eval.md, "Running generated code"); standard library
+only, run as a script (``python -s -P FILE``).
 
-Two roles, one file:
-
-- the *monitor* (``FILE MONITOR_CONFIG_JSON``): started by the parent in a new session. It tries to enter new
-  user, mount, network, PID and IPC namespaces (``unshare(2)`` through ctypes; Python 3.11 has no
-  ``os.unshare``), makes every mount read-only, puts empty tmpfs over ``/tmp``, ``/var/tmp``, ``/run`` and
-  ``/dev/shm`` (hiding Unix sockets there), binds the work directory back writable, reports what it contained on
-  the reply pipe, then forks the *worker* and waits. The worker is PID 1 of the new PID namespace: when it dies the
-  kernel kills everything in that namespace, detached or not. On SIGTERM (the parent's "done") the monitor kills
-  the worker and, without namespaces, every descendant it adopted as child subreaper, then exits. The monitor
-  never runs untrusted code.
-- the *worker* (``FILE --worker``): sets soft = hard resource limits (so they cannot be lifted), execs itself
-  (an exec as a non-root user of the namespace drops every capability the monitor held there), answers the
-  parent: defines the program, then calls the entry point with literal arguments and replies with literal values.
-
-Messages, one per line both ways, are Python literals written by :func:`encode` and read by
-``ast.literal_eval`` (never pickle, never eval): parent to worker ``("define", program, entry_point)`` and
-``("call", args, kwargs)``; worker to parent ``("defined",)``, ``("returned", value)``, ``("raised", type name,
-message)``, ``("unsendable", description)``. The monitor's first line is ``("hello", contained, not_contained)``.
+Two roles, one file: the *monitor* (``FILE MONITOR_CONFIG_JSON``, :func:`monitor`) contains itself as far as the
+machine allows, then starts the *worker* (``FILE --worker``, :func:`worker`) and waits; the worker defines the
+untrusted program and calls it for the parent, with arguments and replies as Python literals (:func:`encode`).
+The monitor never runs untrusted code.
 """
 
 from __future__ import annotations
@@ -96,7 +83,13 @@ def _raised(exc: BaseException) -> tuple:
 
 
 def worker(config: dict) -> None:
-    """Serve the parent on the two pipe descriptors; never returns normally."""
+    """Serve the parent on the two pipe descriptors; never returns normally.
+
+    Messages, one per line both ways, are Python literals written by :func:`encode` and read by
+    ``ast.literal_eval`` (never pickle, never eval): parent to worker ``("define", program, entry_point)`` and
+    ``("call", args, kwargs)``; worker to parent ``("defined",)``, ``("returned", value)``, ``("raised", type name,
+    message)``, ``("unsendable", description)``. The monitor's first line is ``("hello", contained,
+    not_contained)``."""
     requests, replies = config["fds"]
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # what the program prints goes nowhere (the replies have their own pipe)
@@ -297,6 +290,17 @@ def _reap_all(first: int) -> None:
 
 
 def monitor(config: dict) -> None:
+    """The monitor, started by the parent in a new session; never returns normally.
+
+    It tries to enter new user, mount, network, PID and IPC namespaces (:func:`enter_namespaces`: ``unshare(2)``
+    through ctypes, as Python 3.11 has no ``os.unshare``; every mount read-only, empty tmpfs over ``/tmp``,
+    ``/var/tmp``, ``/run`` and ``/dev/shm`` hiding the Unix sockets there, the work directory bound back
+    writable), reports what it contained on the reply pipe, then forks the worker and waits. The forked child sets
+    soft = hard resource limits (so they cannot be lifted) and execs the worker: an exec as a non-root user of the
+    namespace drops every capability the monitor held there. The worker is PID 1 of the new PID namespace: when it
+    dies the kernel kills everything in that namespace, detached or not. On SIGTERM (the parent's "done") the
+    monitor kills the worker and, without namespaces, every descendant it adopted as child subreaper, then exits.
+    """
     requests, replies = config["fds"]
     contained, not_contained = ["resource limits (soft = hard)", "own session"], []
     if config.get("cgroup"):  # first, while the file systems are writable: the worker and its tasks inherit it

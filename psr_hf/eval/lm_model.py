@@ -1,50 +1,16 @@
-"""The lm-evaluation-harness model ``psr_hf``: lm-eval's HF model with cache-aware expert routing.
+"""The lm-evaluation-harness model ``psr_hf``: lm-eval's HF model with cache-aware expert routing (docs/lm-eval.md).
 
 ::
 
     lm-eval --model psr_hf --tasks ... \\
         --model_args pretrained=PATH,policy=psr,lam=0.2,budget=1,residency=0.5,calibration=calib.safetensors
 
-:class:`PSRLM` is lm-eval's ``HFLM`` with the model patched (:func:`psr_hf.patch`) right after it is loaded. It
-has the shape of lm-eval's own ``steered`` model (``lm_eval/models/hf_steered.py``): ``__init__`` names the
-arguments it takes and passes the rest to ``HFLM.__init__``, and the values arrive already typed by lm-eval's
-parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int, ``true`` True, ``None``
-None). The model args are
-
-- the :class:`~psr_hf.RoutingConfig` fields (``policy``, ``capacity``, ``residency``, ``lam``, ``budget``,
-  ``window``, ``eviction``, ``top_j``, ``delta_mode``, ``decay_fast``, ``decay_slow``), which RoutingConfig
-  checks;
-- psr_hf's own: ``calibration`` (a calibration file), ``config`` (a RoutingConfig YAML file, which explicit
-  fields override), ``offload`` (a device such as ``cuda:0``, ``cuda`` or ``cpu``, to offload the experts to
-  host memory with :class:`~psr_hf.OffloadConfig`; ``true`` means ``cuda``), ``max_in_flight`` and
-  ``predictor`` (a SpecPrefetch predictor file from ``psr-hf train-predictor``, used with ``prefetch=predictor``:
-  it ranks the prefetches, the router still selects);
-- whatever ``HFLM.__init__`` names.
-
-Any other name raises ``ValueError`` with the allowed names before the model is loaded (``HFLM`` would pass it on
-to ``from_pretrained``), and so does ``trust_remote_code=True`` (psr_hf patches transformers' native classes only,
-and remote code would run while loading). ``pretrained`` goes through :func:`psr_hf.assets.resolve_model`, as in
-every ``psr-hf`` command: a typo, a missing directory or a model psr_hf cannot patch fails before loading, and the
-hub is not asked for a name that is not a hub id, nor when offline. ``pretrained=tiny-moe`` is the trained tiny
-OLMoE shipped in :mod:`psr_hf.assets`;
-without ``calibration=``, a ``calibration.safetensors`` in the ``pretrained`` directory is used (the shipped model
-has one).
-
-Every batch row has its own logical cache, reset at every request (each loglikelihood batch and each
-``generate()`` call starts with an empty KV cache). Padding never touches the routing state:
-
-- loglikelihood (and rolling) batches are right-padded with token id 0 and run **without** an attention mask;
-  the real length of each row is recovered from the requests and given to the controller
-  (:meth:`Controller.right_padded`), so the model computes exactly as lm-eval's ``hf`` model does;
-- generation batches are left-padded with an attention mask, which the patched model reads itself.
-
-So a request gets the same routing decisions at every batch size. The routing configuration and the statistics
-(:meth:`Controller.stats`, copies per token) go into lm-eval's results JSON under ``config.psr_hf``
-(through :meth:`PSRLM.get_model_info`) and into the log.
-
-Registration: ``@register_model("psr_hf")`` below, and a lazy placeholder that the start-up hook registers when
-lm-eval loads its registry (:mod:`psr_hf.eval.lm_eval_hook` says why a hook is needed), so ``lm-eval --model
-psr_hf`` finds this class, and processes that never use lm-eval import nothing of psr_hf.
+:class:`PSRLM` is lm-eval's ``HFLM`` with the model patched (:func:`psr_hf.patch`) right after it is loaded, in the
+shape of lm-eval's own ``steered`` model (``lm_eval/models/hf_steered.py``). Every batch row has its own logical
+cache, reset at every request, and padding never touches the routing state, so a request gets the same routing
+decisions at every batch size. ``@register_model("psr_hf")`` below registers the class, and the start-up hook
+(:mod:`psr_hf.eval.lm_eval_hook`) a lazy placeholder before it, so ``lm-eval --model psr_hf`` finds it and
+processes that never use lm-eval import nothing of psr_hf.
 """
 
 from __future__ import annotations
@@ -181,7 +147,7 @@ def _key(tokens: list[int]) -> tuple[int, int]:
 
 @register_model("psr_hf")
 class PSRLM(HFLM):
-    """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (see the module doc).
+    """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (docs/lm-eval.md).
 
     Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``; :meth:`routing_stats` gives the
     statistics so far.
@@ -190,8 +156,11 @@ class PSRLM(HFLM):
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
                  offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
                  **kwargs: Any) -> None:
-        """``pretrained`` and psr_hf's own args (see the module doc); ``kwargs``: the routing fields, and the rest
-        goes to ``HFLM.__init__``."""
+        """``pretrained`` and psr_hf's own args (:data:`PSR_ARGS`, docs/lm-eval.md); ``kwargs``: the routing fields,
+        and the rest goes to ``HFLM.__init__``. As in lm-eval's ``steered`` model, the values arrive already typed
+        by lm-eval's parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int,
+        ``true`` True, ``None`` None). Any other name, and ``trust_remote_code=True``, raise ``ValueError`` before
+        the model is loaded."""
         check_args(kwargs)  # before anything loads
         if kwargs.get("trust_remote_code"):
             raise ValueError("psr_hf model arg trust_remote_code=True: psr_hf patches transformers' native model "

@@ -1,19 +1,8 @@
-"""Did a model's routers specialise? Statistics of its exact routing on text windows.
+"""Did a model's routers specialise? Statistics of its exact routing on text windows (the routing tables of
+docs/models.md).
 
-Per MoE layer, from the router's own top-K (exact routing, recorded by the controller):
-
-- **usage entropy**: the entropy (nats) of how often each expert is in the top-K, against the uniform ``ln E``.
-  The load-balancing loss pushes it towards uniform, so on its own it says little;
-- **top-K reuse**: the mean share ``|S_t & S_t-1| / K`` of a token's top-K that the previous token also used; a
-  router that ignores its input gives about ``K / E``. This locality is what an expert cache exploits;
-- **pre-gate accuracy**: the mean share of layer ``l``'s top-K that its router, applied one layer early to layer
-  ``l-1``'s hidden state, also ranks in its top-K (what prefetching one layer ahead relies on);
-- **source information**: with a label per window (e.g. the text's source: prose, code, ...), the mutual
-  information ``I(expert; source)`` in nats between the experts a token uses and the source of its text, i.e.
-  how much the experts divide the work by domain. 0 when usage does not depend on the source.
-
-``recordings()`` runs the windows through the patched model; ``router_stats()`` computes the statistics from
-recordings (``psr_hf.Recording``), so recorded traces can be reused.
+:func:`recordings` runs the windows through the patched model; :func:`router_stats` computes the statistics
+(:class:`RouterStats`) from recordings (``psr_hf.Recording``), so recorded traces can be reused.
 """
 
 from __future__ import annotations
@@ -31,6 +20,19 @@ from ..policy.replaying import Recording
 
 @dataclass
 class RouterStats:
+    """Per MoE layer, from the router's own top-K (exact routing, recorded by the controller):
+
+    - **usage entropy**: the entropy (nats) of how often each expert is in the top-K, against the uniform ``ln E``.
+      The load-balancing loss pushes it towards uniform, so on its own it says little;
+    - **top-K reuse**: the mean share ``|S_t & S_t-1| / K`` of a token's top-K that the previous token also used; a
+      router that ignores its input gives about ``K / E``. This locality is what an expert cache exploits;
+    - **pre-gate accuracy**: the mean share of layer ``l``'s top-K that its router, applied one layer early to layer
+      ``l-1``'s hidden state, also ranks in its top-K (what prefetching one layer ahead relies on);
+    - **source information**: with a label per window (e.g. the text's source: prose, code, ...), the mutual
+      information ``I(expert; source)`` in nats between the experts a token uses and the source of its text, i.e.
+      how much the experts divide the work by domain. 0 when usage does not depend on the source.
+    """
+
     tokens: int
     num_experts: int
     top_k: int
@@ -79,7 +81,7 @@ def _entropy(p: np.ndarray) -> np.ndarray:
 
 
 def router_stats(recs: Sequence[Recording], labels: Sequence[Any] | None = None) -> RouterStats:
-    """The statistics of the module docstring over ``recs`` (``labels``: one per recording, e.g. its source)."""
+    """The :class:`RouterStats` of ``recs`` (``labels``: one per recording, e.g. its source)."""
     if not recs:
         raise ValueError("router_stats needs at least one recording")
     if labels is not None and len(labels) != len(recs):

@@ -1,32 +1,18 @@
-"""Run untrusted Python (model-generated code) in a contained child process and call its functions.
+"""Run untrusted Python (model-generated code) in a contained child process and call its functions
+(docs/lm-eval.md, "Running generated code"; what is contained, in full: eval_configs/README.md, "Scoring").
 
-The trusted side, for example a HumanEval test, runs in *this* process; the untrusted program runs in a child
-and is reached through :class:`Sandbox` ``.define(program, entry_point)``, which returns a callable. Each call
-sends the arguments and gets back the return value (or the name and message of the exception it raised), both as
-Python literals (``ast.literal_eval``; never pickle). The verdict is therefore whatever the trusted code decides
-from those values: the child holds no secret and no verdict it could print, forge or exit early with.
+The trusted side (e.g. a HumanEval test) runs in *this* process and reaches the untrusted program in a child
+through :class:`Sandbox` ``.define(program, entry_point)``, a callable: arguments out, the return value (or the
+raised exception's name and message) back, both as Python literals (``ast.literal_eval``; never pickle). The
+verdict is whatever the trusted code decides from those values: the child holds no secret and no verdict it
+could print, forge or exit early with.
 
-The child (``_sandbox_child.py``, standard library only) is contained as far as the machine allows:
-
-- always: its own session and process group; soft = hard resource limits (address space, CPU time, file size,
-  open files, processes, no core files), which it cannot lift; its own empty work directory as cwd, HOME and
-  TMPDIR, removed afterwards; stdout and stderr discarded; a deadline after which it is killed; the calling
-  process unreachable except through the literal replies.
-- where unprivileged user namespaces are allowed (``unshare(CLONE_NEWUSER)``; most Linux desktops and servers,
-  not all CI runners or containers): a new network namespace (no interface up: no loopback, no network), a
-  read-only view of every file system with empty tmpfs over /tmp, /var/tmp, /run and /dev/shm (hiding the Unix
-  sockets there; an interpreter or checkout under them is bound back read-only, nothing else of them) and only
-  the work directory writable, a new PID namespace (other processes invisible; the whole
-  tree, detached descendants included, dies with its first process), and no capabilities (it runs as a
-  non-root user of the namespace, uid 65534 there).
-- as root, where the kernel does not enforce RLIMIT_NPROC: a pids cgroup with the same process limit
-  (:mod:`psr_hf.eval.pids_cgroup`), or, where none can be made, an entry in :attr:`Sandbox.not_contained`.
-- without them: :attr:`Sandbox.not_contained` lists what is then open (network; writes wherever the user may
-  write; the user's other processes; a descendant that kills the monitor may outlive the scorer), and callers log
-  it. Descendants are still killed at the end through the monitor, which is their child subreaper.
-
-Never contained: reading files the user can read (through the read-only view), and CPU and memory up to the
-limits. Use a container or VM for hostile input at scale.
+The child (``_sandbox_child.py``, standard library only) always has its own session, soft = hard resource limits
+(:class:`Limits`), an empty work directory, no output and a deadline; where unprivileged user namespaces are
+allowed, also no network, a read-only file system but its work directory, its own PID namespace and no
+capabilities; as root, a pids cgroup (:mod:`psr_hf.eval.pids_cgroup`) caps its processes. What the machine does
+not allow is listed in :attr:`Sandbox.not_contained`, and callers log it. Never contained: reading files the user
+can read. Use a container or VM for hostile input at scale.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
-"""The slot cache and the copy scheduler (``docs/ALGORITHM.md``, "Physical scheduling"; paper Section 4.2).
+"""The slot cache and the copy scheduler of the offload path (docs/offloading.md; the rules: docs/ALGORITHM.md,
+"Physical scheduling"; paper Section 4.2).
 
-Each MoE layer has ``C`` device slots. The scheduler keeps a map expert -> slot per layer in step with the logical
-cache and turns logical insertions into copies:
+Each MoE layer has ``C`` device slots. :class:`SlotScheduler` keeps a map expert -> slot per layer in step with
+the logical cache and turns its insertions into copies: demand copies at once, prefetch copies queued and issued
+at layer boundaries, all through one ordered copy stream (a link: :class:`CudaLink`, :class:`ThreadLink` on the
+CPU path, or :class:`~psr_hf.offload.runtime_link.RuntimeLink`). Nothing here is read by the policy: which slot
+an expert occupies and when its copy completes change latency only.
 
-- a demand insertion is copied at once, into the slot of the expert it evicted;
-- a prefetch insertion is assigned its slot at once and its copy is queued; the queue is issued at layer
-  boundaries with at most ``max_in_flight`` prefetch copies in flight; a queued prefetch whose slot is reassigned
-  before it was issued is dropped;
-- every copy goes through one ordered copy stream (a CUDA stream, or one copy thread on the CPU path), and each
-  slot keeps its latest copy, whose completion the layer that executes the slot waits for, and for nothing else;
-- at the start of a sequence the warm set is copied into place before the prompt runs.
-
-Nothing here is read by the policy: which slot an expert occupies and when its copy completes change latency only.
-
-With one batch row and one position (decoding) the slots mirror the row's logical cache exactly. Blocks of
-positions (a prompt) and batches of several rows (each row has its own logical cache, but the layer has one set of
-slots) load the experts the block executes on demand, in groups of at most ``C`` (:meth:`SlotScheduler.groups`),
-so each expert is copied at most once per block; afterwards a single row's slots are brought back in line with its
-logical cache by prefetches (:meth:`SlotScheduler.reconcile`).
+Decoding (one row, one position) keeps the slots equal to the row's logical cache. A block (a prompt, or several
+rows, each with its own logical cache but sharing the layer's slots) loads the experts it executes in groups of
+at most ``C`` (:meth:`SlotScheduler.groups`); after a block of one row, :meth:`SlotScheduler.reconcile` brings
+the slots back in line with its logical cache.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The slot scheduler's bookkeeping as numba kernels over preallocated arrays (``docs/ALGORITHM.md``,
-"Physical scheduling"), so that following a layer's plan costs the host one compiled call instead of a Python
-loop per expert and an object per copy. :class:`~psr_hf.offload.scheduler.SlotScheduler` owns the arrays and
-issues the copies these kernels decide, in their order, through its link.
-
-Arrays (few, because numba's per-call cost grows with the number of arguments):
-
-- ``slots`` int64 ``[L, N_SLOT_FIELDS, C]``: per slot its expert and the clock of its latest execution, and its
-  latest copy (a *job*): kind (-1: none), state, used flag, issue number (-1: not issued), expert, job id;
-- ``experts`` int64 ``[L, E + 2]``: the slot of each expert (-1: none), then the layer's DIRTY flag (its device
-  copy of the map is stale) and PENDING (the highest issue number its next computation must wait for, -1: none);
-- ``misc`` int64 ``[M_SIZE]``: the counters, the clocks, the rings' heads and tails, settings, the plan's columns;
-- ``queue`` int64 ``[Q, 3]``: queued prefetches ``(layer, slot, job id)`` in order (a ring; an entry whose slot
-  holds another job now was dropped);
-- ``flying`` int64 ``[F]``: issue numbers of the prefetch copies issued and not yet seen complete (a ring);
-- ``actions`` int64 ``[A, 4]``: the copies a kernel issued, ``(layer, slot, expert, issue number)``, in order.
+"""The slot scheduler's bookkeeping as numba kernels over preallocated arrays (docs/offloading.md; the rules:
+docs/ALGORITHM.md, "Physical scheduling"), so that following a layer's plan costs the host one compiled call
+instead of a Python loop per expert and an object per copy. :class:`~psr_hf.offload.scheduler.SlotScheduler` owns
+the arrays (:func:`new_book` makes them and gives their layout) and issues the copies these kernels decide, in
+their order, through its link.
 
 A copy's issue number orders it on the one copy stream; ``misc[COMPLETE]`` is the highest one the link has
 reported complete, which the caller refreshes before a kernel that asks (every earlier copy is complete too).
@@ -49,7 +38,22 @@ ACTIONS_SHIFT = 2
 
 def new_book(num_layers: int, num_experts: int, capacity: int, max_in_flight: int,
              bytes_per_expert: int) -> dict[str, np.ndarray]:
-    """Empty slots, no jobs, zero counters; rings sized for ``capacity`` (grown by the caller when needed)."""
+    """Empty slots, no jobs, zero counters; rings sized for ``capacity`` (grown by the caller when needed).
+
+    The arrays (few, because numba's per-call cost grows with the number of arguments):
+
+    - ``slots`` int64 ``[L, N_SLOT_FIELDS, C]``: per slot its expert and the clock of its latest execution, and
+      its latest copy (a *job*): kind (-1: none), state, used flag, issue number (-1: not issued), expert, job id;
+    - ``experts`` int64 ``[L, E + 2]``: the slot of each expert (-1: none), then the layer's DIRTY flag (its
+      device copy of the map is stale) and PENDING (the highest issue number its next computation must wait for,
+      -1: none);
+    - ``misc`` int64 ``[M_SIZE]``: the counters, the clocks, the rings' heads and tails, settings, the plan's
+      columns;
+    - ``queue`` int64 ``[Q, 3]``: queued prefetches ``(layer, slot, job id)`` in order (a ring; an entry is
+      dropped when its slot holds another job);
+    - ``flying`` int64 ``[F]``: issue numbers of the prefetch copies issued and not yet seen complete (a ring);
+    - ``actions`` int64 ``[A, 4]``: the copies a kernel issued, ``(layer, slot, expert, issue number)``, in order.
+    """
     L, E, C = num_layers, num_experts, capacity
     slots = np.zeros((L, N_SLOT_FIELDS, C), dtype=np.int64)
     slots[:, S_EXPERT] = -1

@@ -1,34 +1,17 @@
-"""numba kernels of the logical cache (ALGORITHM.md, parts 1 and 2). Private and array-only.
+"""numba kernels of the logical cache: the rules of docs/ALGORITHM.md, parts 1 and 2. Private and array-only.
 
 Everything here is called through :class:`psr_hf.policy.LogicalCache`, which validates shapes and dtypes and
 turns error codes into ``ValueError``. The kernels validate the values they read (NaN scores, token ids) before
-touching any state, so a bad block leaves the state as it was.
-
-Arrays (few of them, because numba's per-call cost grows with the number of arguments):
-
-- ``state          float64 [L, R, 6, E]``: per layer and row the planes ``S_FAST``, ``S_SLOW``, ``LAST_USE``,
-  ``RESIDENT`` (0/1), ``PROTECTED`` (in B, 0/1), ``INSERTED`` (prefetch-inserted this step, 0/1). float64 holds
-  the integer planes exactly.
-- ``counters       float64 [L, R, 8]``: running range sum and count, step counter, part-1-pending flag, and the
-  counters steps / prefetch insertions / demand insertions / replaced router slots (``R_*``).
-- ``config_ints    int64   [MI_SIZE + V]``: config integers (``MI_*``), then the token-seen flags of the prior.
-- ``config_floats  float64 [MF_SIZE + L + L * E]``: config floats (``MF_*``), then ``delta [L]``, then the
-  fallback prior ``[L, E]``.
-- ``prior_indptr int64 [V * L + 1]``, ``prior_experts uint16 [nnz]``, ``prior_values float32 [nnz]``: the token
-  prior (CSR, row ``token * L + layer``).
-- ``plan           int64   [B, S, W]``: the copy plan of every position, columns in :func:`plan_layout`.
+touching any state, so a bad block leaves the state as it was. State and config travel as a few flat arrays
+(numba's per-call cost grows with the number of arguments), laid out in :func:`_step_layer_checked`.
 
 The policy reaches the kernels as behaviour flags (``MI_INSERTS``, ``MI_BIASED``, ``MI_EXECUTES_PREGATE``, from
-:mod:`.policies`), never as a name: the kernels branch on what a policy does. ``MI_POLICY`` holds the policy's
-code from the same table, so a config array names its policy.
+:mod:`.policies`), never as a name: the kernels branch on what a policy does (``MI_POLICY`` only names it).
 
-One step of one position (:func:`_step_layer_checked`) is the helpers below, in ALGORITHM.md's order:
-:func:`_insert_predicted` (part 1), the selection (:func:`_top_k_of` for the router's own or the pre-gate's top-K,
-:func:`_bonus_scale` and :func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and
-:func:`_update_statistics`. Per-step work is a handful of passes over the E experts: the router's top-K, the
-pre-gate ranking, the biased top-K (bonus computed on the fly), the moving averages, and one priority pass per
-eviction; the priority is computed lazily at the first eviction, which gives the same values as computing it first
-(nothing it reads changes before step 7).
+One position of one layer (:func:`_step_layer_checked`) runs, in ALGORITHM.md's order: :func:`_insert_predicted`
+(part 1), the selection (:func:`_top_k_of` of the router or the pre-gate, or :func:`_bonus_scale` and
+:func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and :func:`_update_statistics`. Every kernel
+is tested against the slow reference :mod:`psr_hf.policy.reference` (docs/policy.md).
 """
 
 from __future__ import annotations
@@ -208,7 +191,7 @@ def _top_k_of(values, k, as_f64, out, select_buf, select_idx):
 Eviction = namedtuple(
     "Eviction", "rule layer num_layers config_ints config_floats prior_indptr prior_experts prior_values")
 Eviction.__doc__ = """The eviction rule (EVICT_SCORE or EVICT_LRU), the MoE layer and layer count, and the arrays
-the score priority reads (config arrays and token prior CSR, see the module docstring)."""
+the score priority reads (config arrays and token prior CSR, see :func:`_step_layer_checked`)."""
 
 
 @njit(cache=True, nogil=True)
@@ -262,8 +245,11 @@ def _evict(row, excluded, priority, use_protected):
 
 @njit(cache=True, nogil=True)
 def _victim(row, excluded, use_protected, eviction, token, priority, have_priority):
-    """The expert to evict (:func:`_evict`), computing ``priority`` first if ``have_priority`` is False (the
-    lazy priority of the module docstring). Returns ``(victim or -1, True)``: the new ``have_priority``."""
+    """The expert to evict (:func:`_evict`), computing ``priority`` first if ``have_priority`` is False.
+    Returns ``(victim or -1, True)``: the new ``have_priority``.
+
+    The priority is computed at a position's first eviction, not before part 1 as in ALGORITHM.md step 1: nothing
+    it reads changes before step 7, so the values are the same, and a position without evictions skips the pass."""
     if not have_priority:
         _priority(eviction, token, row, priority)
     return _evict(row, excluded, priority, use_protected), True
@@ -457,7 +443,7 @@ def _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags,
     for e in range(s_fast.shape[0]):
         sf = decay_fast * s_fast[e] + (1.0 - decay_fast) * flags[e]
         ss = decay_slow * s_slow[e] + (1.0 - decay_slow) * flags[e]
-        # A fast average far below half an ulp of the slow one (and of 1 - decay_fast) can no longer change a
+        # A fast average far below half an ulp of the slow one (and of 1 - decay_fast) cannot change a
         # priority (s_fast + s_slow) or a later average, so zero is the same value to every decision; it keeps
         # the fast average out of the subnormal range, where arithmetic is slow.
         s_fast[e] = sf if sf >= ss * flush else 0.0
@@ -546,8 +532,16 @@ def _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate
         layer: MoE-layer index.
         mode: MODE_BOTH runs part 1 then part 2 per position; MODE_INSERT runs part 1 only (S == 1), leaving B
             pending in the PROTECTED plane; MODE_SELECT runs part 2 only, consuming it.
-        config_ints, config_floats, state, counters, prior_indptr, prior_experts, prior_values: the cache's
-            arrays (module docstring).
+        config_ints: int64 ``[MI_SIZE + V]``: the ``MI_*`` fields, then the token-seen flags of the prior.
+        config_floats: float64 ``[MF_SIZE + L + L * E]``: the ``MF_*`` fields, then ``delta [L]``, then the
+            fallback prior ``[L, E]``.
+        state: float64 ``[L, R, N_PLANES, E]``: per layer and row the planes ``S_FAST``, ``S_SLOW``,
+            ``LAST_USE``, ``RESIDENT`` (0/1), ``PROTECTED`` (in B, 0/1), ``INSERTED`` (prefetch-inserted this
+            step, 0/1); float64 holds the integer planes exactly.
+        counters: float64 ``[L, R, R_SIZE]``: running range sum and count, step counter, part-1-pending flag,
+            and the counters steps / prefetch insertions / demand insertions / replaced router slots (``R_*``).
+        prior_indptr, prior_experts, prior_values: the token prior as CSR (int64 ``[V * L + 1]``, uint16
+            ``[nnz]``, float32 ``[nnz]``), row ``token * L + layer``.
         scores: float32 ``[B, S, E]`` selection scores z; pregate: float32 ``[B, S, E]`` (read at layers >= 1
             when part 1 runs or the policy executes the pre-gate; else any array).
         tokens: int64 ``[B, S]``; valid: uint8 ``[B, S]`` (0 = padding), or shape (0, 0) for all real.
@@ -555,7 +549,9 @@ def _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate
             -1).
         float_scratch, int_scratch: zeroed buffers of :func:`scratch_sizes`; left as they were found.
 
-    The block must have passed :func:`_validate`; returns OK.
+    The block must have passed :func:`_validate`; returns OK. Per position the work is a handful of passes over
+    the E experts (the router's top-K, the pre-gate ranking, the biased top-K with the bonus computed on the fly,
+    the moving averages) and one priority pass per eviction (:func:`_victim`).
     """
     B, S = tokens.shape
     E = state.shape[3]
@@ -714,8 +710,8 @@ def _voidptr(typingctx, address):
 
 def make_table(config_ints, config_floats, state, counters, prior_indptr, prior_experts, prior_values,
                float_scratch, int_scratch) -> np.ndarray:
-    """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes; see the module
-    docstring and :func:`scratch_sizes`)."""
+    """The address table of a cache's arrays (all C-contiguous, of the kernel's dtypes; see
+    :func:`_step_layer_checked` and :func:`scratch_sizes`)."""
     for a, dt in ((config_ints, np.int64), (config_floats, np.float64), (state, np.float64),
                   (counters, np.float64), (prior_indptr, np.int64), (prior_experts, np.uint16),
                   (prior_values, np.float32), (float_scratch, np.float64), (int_scratch, np.int64)):

@@ -2,18 +2,12 @@
 
 This module transcribes ``docs/ALGORITHM.md`` rule by rule, with plain loops, sets and ``sorted()`` with explicit
 keys, so that it can be read against the spec line by line. The jitted kernels are tested against it on random
-traces; speed is not a goal here.
+traces (docs/policy.md); speed is not a goal here. :class:`ReferenceLayerState` is one (row, layer) and its
+:meth:`~ReferenceLayerState.step`; :func:`reference_replay` gives every decision of one batch row.
 
 All policy arithmetic is done in Python floats (float64). numpy inputs are accepted only at the boundary: they
 are converted with ``.tolist()`` / ``float()`` before any rule runs, so float32 scores become the exactly equal
 float64 values.
-
-Public API:
-
-- :data:`POLICIES`
-- :class:`ReferenceStep`: one (token, layer) decision
-- :class:`ReferenceLayerState`: the state of one (row, layer) and its :meth:`~ReferenceLayerState.step`
-- :class:`ReferenceReplay` and :func:`reference_replay`: every decision of one batch row
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""ExpertRecall@M of next-layer expert predictors (the SpecPrefetch paper, Section 4 "Evaluation Metrics",
-Tables 1-3).
+"""ExpertRecall@M of next-layer expert predictors (docs/prefetch.md; the SpecPrefetch paper, Section 4
+"Evaluation Metrics", Tables 1-3): the share of the next MoE layer's native top-K that a method's top-M
+candidates hold, for every method the paper compares.
 
-For each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each evaluated token, ``T`` is the native top-``K`` of
-layer ``l + 1`` (``topk`` of the family's selection scores -- softmax routers: the logits; DeepSeek-V3: sigmoid
-plus bias under the group mask -- of router ``l + 1`` on its own input ``x[l + 1]``) and ``C_M`` the top-``M``
-candidates of a method that saw only layer ``l``'s router input ``x[l]`` (batch-1 decoding: the token's own
-priorities). ``ExpertRecall@M = mean over tokens of |T & C_M| / K``, reported per pair and averaged over pairs.
-
-Evaluated tokens: every valid token except the first of each window. The naive previous-token method has no
-candidates for a window's first token, so that position is left out for *every* method, and all methods are
-scored on the same tokens.
-
-Methods (:func:`recall_table`): ``pre-gate (FATE)`` (router ``l + 1`` applied to ``x[l]``, no training),
-``naive (previous token)`` (the previous token's layer-``l + 1`` selection scores), ``single MLP``,
-``ProMoE-style MLP`` and ``SpecPrefetch (rank r)``, the learned ones trained with the same supervision by
-:mod:`psr_hf.prefetch.train`.
+:func:`expert_recall` scores one method on recorded router inputs; :func:`recall_table` trains the learned methods
+(:mod:`psr_hf.prefetch.train`) and scores them beside the untrained ones (:class:`PreGate`, :class:`PreviousToken`)
+on the same held-out tokens; :func:`format_recall_table` writes the record as the paper's table.
 """
 
 from __future__ import annotations
@@ -102,8 +92,15 @@ def expert_recall(model: nn.Module, router_inputs: Sequence[torch.Tensor], metho
     ``method``: anything with ``logits(pair, x)`` (a :class:`~psr_hf.prefetch.predictor.Predictor`, a trained
     module, :class:`PreGate`) ranking layer ``pair + 1``'s experts from ``x[pair]``, or with
     ``scores(pair, router_inputs, positions)`` (:class:`PreviousToken`). ``positions`` ``[N]``: each token's
-    position in its window; tokens at position 0 are not evaluated (None: all tokens are, and a method that
-    needs positions raises). ``top_k``: K (default: the model's).
+    position in its window; tokens at position 0 are not evaluated, for every method, because the previous-token
+    method has no candidates there and all methods are scored on the same tokens (None: all tokens are, and a
+    method that needs positions raises). ``top_k``: K (default: the model's).
+
+    For each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each evaluated token, ``T`` is the native top-``K``
+    of layer ``l + 1`` (``topk`` of the family's selection scores -- softmax routers: the logits; DeepSeek-V3:
+    sigmoid plus bias under the group mask -- of router ``l + 1`` on its own input ``x[l + 1]``) and ``C_M`` the
+    top-``M`` candidates of the method, which saw only ``x[l]`` (batch-1 decoding: the token's own priorities).
+    ``ExpertRecall@M = mean over tokens of |T & C_M| / K``, per pair and averaged over pairs.
 
     Returns ``{"recall": {M: mean over pairs}, "per_pair": {M: [recall of pair l]}, "tokens": evaluated tokens}``
     with recalls as fractions in [0, 1]."""

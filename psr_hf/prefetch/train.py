@@ -1,23 +1,12 @@
-"""Training SpecPrefetch's next-layer predictors (the SpecPrefetch paper, Sections 3.2 and 3.4) and the
-baselines trained with the same supervision (the paper's Tables 1-3).
-
-Supervision: for each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each valid token, the frozen native router
-of layer ``l + 1`` on its own input gives the target ``pi = softmax(W[l + 1] x[l + 1])`` (for routers that select by
-other scores, DeepSeek-V3's sigmoid plus bias, those scores scaled: :class:`RouterTargets`); a predictor sees only
-layer ``l``'s router input ``x[l]`` and is trained to minimise
-
-    L_pred = 1 / (L - 1) sum_l  1 / |Omega| sum_tokens  KL(pi || softmax(predicted logits of layer l + 1)).
+"""Training SpecPrefetch's next-layer predictors (docs/prefetch.md; the SpecPrefetch paper, Sections 3.2 and 3.4)
+and the baselines trained with the same supervision (the paper's Tables 1-3).
 
 The model is never changed: its router inputs are recorded once (:func:`record_router_inputs`, forward pre-hooks
-on the routers, no grad) and every predictor trains on the recording. Any module with ``logits(pair, x)`` trains
-through the one loop :func:`fit`: :class:`LowRankAdapters` (SpecPrefetch, turned into a
-:class:`~psr_hf.prefetch.predictor.Predictor` by :func:`train_predictor`), :class:`SingleMLP` (one MLP shared by
-all pairs) and :class:`PairMLP` (a larger MLP per pair, "ProMoE-style").
-
-Optimisation as the paper's Implementation Details: AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), cosine
-schedule after a linear warm-up over the first 3% of steps, gradient clipping at norm 0.5, one epoch, bf16
-precision -- here as bf16 autocast of the forward matmuls over float32 master weights (the loss, softmaxes and
-optimiser state stay float32); ``dtype=torch.float32`` trains entirely in float32.
+on the routers, no grad), the frozen router of each next MoE layer gives the targets (:class:`RouterTargets`), and
+every predictor trains on the recording to match them by KL (:func:`distillation_loss`). Any module with
+``logits(pair, x)`` trains through the one loop :func:`fit`: :class:`LowRankAdapters` (SpecPrefetch, turned into
+a :class:`~psr_hf.prefetch.predictor.Predictor` by :func:`train_predictor`), :class:`SingleMLP` (one MLP shared
+by all pairs) and :class:`PairMLP` (a larger MLP per pair, "ProMoE-style").
 """
 
 from __future__ import annotations
@@ -353,7 +342,14 @@ def distillation_loss(model_or_weights: Any, router_inputs: Sequence[torch.Tenso
                       chunk: int = 8192) -> dict[str, Any]:
     """The objective ``L_pred`` of ``module`` (anything with ``logits(pair, x)``, a :class:`Predictor` included)
     on recorded router inputs, in float32: ``{"loss": mean over pairs, "per_pair": [...]}`` (nats).
-    ``model_or_weights``: the model (its :func:`router_targets`), :class:`RouterTargets`, or router weights."""
+    ``model_or_weights``: the model (its :func:`router_targets`), :class:`RouterTargets`, or router weights.
+
+    For each adjacent MoE-layer pair ``l`` (``0 .. L - 2``) and each valid token, the target is the router of layer
+    ``l + 1`` on its own input, ``pi = softmax(W[l + 1] x[l + 1])`` (or the scaled selection scores of
+    :class:`RouterTargets`); the predictor sees only layer ``l``'s router input ``x[l]``::
+
+        L_pred = 1 / (L - 1) sum_l  1 / |Omega| sum_tokens  KL(pi || softmax(predicted logits of layer l + 1))
+    """
     weights = router_targets(model_or_weights, router_inputs) if isinstance(model_or_weights, nn.Module) else \
         _as_targets(model_or_weights)
     _check_inputs(router_inputs, weights)
@@ -373,8 +369,14 @@ def fit(module: nn.Module, weights: Sequence[torch.Tensor], router_inputs: Seque
         epochs: int = 1, lr: float = 1e-4, batch_size: int = 256, warmup: float = 0.03, clip: float = 0.5,
         dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = False,
         desc: str = "train") -> dict[str, Any]:
-    """Train ``module`` (an ``nn.Module`` with ``logits(pair, x)``) in place on the objective of the module
-    docstring: each step a minibatch of ``batch_size`` recorded tokens, the loss averaged over all pairs.
+    """Train ``module`` (an ``nn.Module`` with ``logits(pair, x)``) in place on the objective of
+    :func:`distillation_loss`: each step a minibatch of ``batch_size`` recorded tokens, the loss averaged over all
+    pairs.
+
+    Optimisation as the paper's Implementation Details: AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), cosine
+    schedule after a linear warm-up over the first ``warmup`` (3%) of steps, gradient clipping at norm ``clip``
+    (0.5), one epoch, bf16 precision -- here as bf16 autocast of the forward matmuls over float32 master weights
+    (the loss, softmaxes and optimiser state stay float32); ``dtype=torch.float32`` trains entirely in float32.
 
     ``weights``: the supervision, :class:`RouterTargets` (:func:`router_targets`) or the routers' weights (plain
     softmax targets). Returns the training facts: ``steps``, ``tokens``, ``initial_loss`` and ``final_loss`` (the
@@ -457,7 +459,7 @@ def train_predictor(model: nn.Module, windows: Any = None, *, rank: int, epochs:
     (or on ``router_inputs`` already recorded by :func:`record_router_inputs`).
 
     Initialisation: :class:`LowRankAdapters` (``init="svd"``: a truncated SVD of the next router's weight;
-    ``"random"``: small random ``A``, zero ``B``). Optimisation: the module docstring (``dtype=torch.bfloat16``:
+    ``"random"``: small random ``A``, zero ``B``). Optimisation: :func:`fit`'s (``dtype=torch.bfloat16``:
     bf16 autocast over float32 master weights; ``torch.float32``: float32 throughout). ``batch_size`` counts
     tokens per step. The metadata records ``model_type``, ``top_k``, ``rank``, ``init``, the tokens, steps, KL
     before and after training and the settings."""
