@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .bench.workloads import byte_tokenizer
+from .assets.loading import byte_tokenizer
 from .patches import get_patch, supported_model_types
 
 #: the tiny families: every supported ``model_type`` (sorted), each with the tiny config of its patch module

@@ -4,7 +4,7 @@ Threads: every test runs tiny models, whose matrix products take microseconds: t
 nothing and, on a machine that other processes share, each parallel region waits for a descheduled OpenMP worker
 (many times slower). So the whole session runs torch with one intra-op thread, and subprocesses the tests start
 inherit ``OMP_NUM_THREADS=1`` unless the environment sets it (the same decision as ``psr-hf``'s, see
-``psr_hf/cli.py``). A test of thread handling sets what it needs itself.
+``psr_hf/_threads.py``). A test of thread handling sets what it needs itself.
 """
 
 from __future__ import annotations

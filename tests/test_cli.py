@@ -14,7 +14,8 @@ import torch
 
 import psr_hf
 from psr_hf.assets import TINY_MOE, resolve_model
-from psr_hf.cli import SMALL_HIDDEN, build_parser, main
+from psr_hf._threads import SMALL_HIDDEN
+from psr_hf.cli import build_parser, main
 from psr_hf.testing import save_tiny, tiny_model
 
 pytestmark = pytest.mark.usefixtures("quiet_psr_hf")
@@ -108,7 +109,7 @@ def test_offline_a_hub_id_is_looked_up_in_the_local_cache_only(monkeypatch, tmp_
 @pytest.mark.parametrize("command", [
     ["calibrate", "--text", "x.txt", "--out", "c.safetensors", "--model"],
     ["demo", "--model"],
-    ["kl", "--model"],
+    ["excess-nll", "--model"],
     ["bench", "--device", "cpu", "--model"],
 ])
 def test_every_command_resolves_names_the_same_way_and_fails_fast(command, monkeypatch, capsys, gpt2_dir,
@@ -128,9 +129,9 @@ def test_every_command_resolves_names_the_same_way_and_fails_fast(command, monke
 
 
 def test_a_typo_names_the_nearest_model_on_stderr(capsys, no_network):
-    assert main(["kl", "--model", "tiny_moe"]) == 2
+    assert main(["excess-nll", "--model", "tiny_moe"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("psr-hf kl: error: no model 'tiny_moe'") and "did you mean tiny-moe?" in err
+    assert err.startswith("psr-hf excess-nll: error: no model 'tiny_moe'") and "did you mean tiny-moe?" in err
 
 
 # ---------------------------------------------------------------------------------------------------- help
@@ -153,6 +154,27 @@ def test_the_top_level_help_describes_the_tool(capsys):
     out = capsys.readouterr().out
     assert "The library logs" not in out
     assert "Mixture-of-Experts" in out and "tiny-moe" in out
+
+
+def test_kl_is_another_name_of_excess_nll(capsys):
+    commands = _subcommands()
+    assert commands["kl"] is commands["excess-nll"]
+    assert main(["kl", "--residencies", "1.5"]) == 2
+    assert capsys.readouterr().err.startswith("psr-hf kl: error: residency=1.5 must be a number in (0, 1]")
+
+
+def test_the_shared_options_say_the_same_on_every_command():
+    from psr_hf.cli.options import THREADS_HELP
+
+    helps: dict[str, set[str]] = {"--model": set(), "--device": set(), "--threads": set()}
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            for option in set(action.option_strings) & set(helps):
+                if not (option == "--threads" and name == "bench-policy"):  # its own: numba's replay threads
+                    helps[option].add(action.help)
+    assert helps["--threads"] == {THREADS_HELP}
+    assert all("a model directory or a hub id owner/name (docs/models.md)" in h for h in helps["--model"])
+    assert all(h.startswith("torch device") for h in helps["--device"])
 
 
 def test_bench_help_lists_the_shipped_model(capsys):
@@ -190,9 +212,9 @@ def _is_png(path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
 
 
-def test_kl_shows_progress_on_stderr_and_writes_its_plot(tmp_path, capsys):
-    plot = tmp_path / "kl.png"
-    assert main(["kl", "--windows", "2", "--tokens", "32", "--residencies", "0.5,0.25", "--lams", "0.1,0.3",
+def test_excess_nll_shows_progress_on_stderr_and_writes_its_plot(tmp_path, capsys):
+    plot = tmp_path / "excess-nll.png"
+    assert main(["excess-nll", "--windows", "2", "--tokens", "32", "--residencies", "0.5,0.25", "--lams", "0.1,0.3",
                  "--plot", str(plot)]) == 0
     captured = capsys.readouterr()
     assert "excess NLL: 100%" in captured.err and "window" in captured.err  # the tqdm bar, finished

@@ -29,14 +29,15 @@ def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_loads(tm
                                            ("grown-olmoe-routing", "cuda:0")])
 @pytest.mark.parametrize("command", ["sweep", "bench", "profile-window"])
 def test_small_models_run_on_the_cpu_unless_told_otherwise(command, model, device):
-    from psr_hf.cli import _check_device, build_parser
+    from psr_hf.cli import build_parser
+    from psr_hf.cli.options import check_device
 
     args = build_parser().parse_args([command, "--model", model])
     if device.startswith("cuda") and not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA device"):
-            _check_device(args)
+            check_device(args)
     else:
-        _check_device(args)
+        check_device(args)
         assert args.device == device
 
 
@@ -52,7 +53,7 @@ def test_grow_help_names_the_shipped_models(capsys):
 def test_import_psr_hf_makes_every_subpackage_an_attribute():
     import psr_hf
 
-    assert psr_hf.engine.__name__ == "psr_hf.engine" and hasattr(psr_hf.engine, "compile")
+    assert psr_hf.engine.__name__ == "psr_hf.engine" and hasattr(psr_hf.engine, "attach")
     assert psr_hf.prefetch.__name__ == "psr_hf.prefetch" and psr_hf.eval.__name__ == "psr_hf.eval"
     assert {"engine", "prefetch", "eval"} <= set(dir(psr_hf))
     with pytest.raises(AttributeError):

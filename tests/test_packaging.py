@@ -158,7 +158,8 @@ def test_wheel_ships_patches_and_the_tiny_model_inside_psr_hf_with_the_cli_entry
     # every family module in patches/ ships as psr_hf.patches.<name> with no list to update (one file per family)
     families = [f"psr_hf/patches/{p.name}" for p in sorted((REPO / "patches").glob("*.py"))]
     assert {"psr_hf/patches/__init__.py", "psr_hf/patches/base.py", "psr_hf/patches/olmoe.py"} <= set(families)
-    for required in ("psr_hf/policy/_kernels.py", "psr_hf/cli.py", "psr_hf/hf/controller.py",
+    for required in ("psr_hf/policy/_kernels.py", "psr_hf/cli/__init__.py", "psr_hf/cli/__main__.py",
+                     "psr_hf/hf/controller.py",
                      "psr_hf/policy/_mass.py", *families):
         assert required in names, sorted(names)
     shipped = sorted(p.name for p in (REPO / "psr_hf" / "assets" / "tiny_moe").iterdir())

@@ -249,7 +249,7 @@ def test_cli_kl_and_bench_take_a_predictor(tmp_path, capsys, shipped):
     model, _, _ = shipped
     path = _predictor(model, 2, 6, 2.0).save(tmp_path / "p.safetensors")
     record = tmp_path / "kl.json"
-    assert main(["kl", "--model", "tiny-moe", "--windows", "2", "--tokens", "24", "--residencies", "0.5", "--lams",
+    assert main(["excess-nll", "--model", "tiny-moe", "--windows", "2", "--tokens", "24", "--residencies", "0.5", "--lams",
                  "0.3", "--predictor", str(path), "--json", str(record)]) == 0
     text = capsys.readouterr().out
     assert "psr_lam0.3_n1_pred_res50 - psr_lam0.3_n1_res50: excess NLL" in text

@@ -81,8 +81,8 @@ def test_grown_to_a_reduced_real_size_it_computes_the_same_logits_and_routing(sh
         assert ss["copies_per_token"] == sb["copies_per_token"], fields
 
 
-def test_psr_hf_kl_accepts_the_name_and_uses_held_out_text(capsys):
-    assert main(["kl", "--model", OLMOE_ROUTING_NAME, "--windows", "1", "--tokens", "32", "--residencies", "0.5",
+def test_psr_hf_excess_nll_accepts_the_name_and_uses_held_out_text(capsys):
+    assert main(["excess-nll", "--model", OLMOE_ROUTING_NAME, "--windows", "1", "--tokens", "32", "--residencies", "0.5",
                  "--lams", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "persuasion_vol1.txt" in out and "psr" in out

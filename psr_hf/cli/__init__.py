@@ -1,0 +1,52 @@
+"""The ``psr-hf`` command (docs/cli.md), the one part of psr_hf that prints. Each command group is a module that
+registers its sub-commands (``register``) and runs them; the options they share are defined once in
+:mod:`.options`. :func:`main` parses, checks devices and output paths before any work, and prints an error in what
+was given as one line on stderr (exit status 2) without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import bench, demo, evaluation, excess_nll, models, prefetch, sweep
+from .options import check_device, check_outputs
+
+DESCRIPTION = (
+    "Cache-aware expert routing for transformers Mixture-of-Experts models: run the demo, measure how far a routing "
+    "policy moves a model from exact routing (excess-nll) and how many expert copies it needs, calibrate a model, "
+    "grow a small trained model to real-size dimensions with the same routing (grow), benchmark "
+    "the policy kernels and offloaded decoding, train a learned next-layer prefetch predictor and measure its expert "
+    "recall (train-predictor, recall), compare lm-eval runs, or run lm-eval with --model psr_hf (eval). "
+    "Models are named the same way everywhere: tiny-moe (shipped), a local model directory, or a hub id "
+    "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
+)
+GROUPS = (demo, models, bench, sweep, excess_nll, prefetch, evaluation)  # the order of the commands in --help
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="psr-hf", description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for group in GROUPS:
+        group.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # argparse cannot pass on arguments that look like options: lm-eval gets them all
+        args = argparse.Namespace(command="eval", verbose=False, func=evaluation.run_lm_eval, lm_eval_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        check_device(args)
+        check_outputs(args)
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"psr-hf {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,54 @@
+"""What the commands write besides their tables: lines on stderr that leave progress bars intact, the notice that
+numba is compiling, and the JSON records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def err(message: str) -> None:
+    """A line on stderr that does not break a progress bar."""
+    from .._progress import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def progress_line(message: str) -> None:
+    """A benchmark's progress message, indented, on stderr."""
+    err("  " + message)
+
+
+def write_json(path: str, record: Any, **dumps: Any) -> None:
+    """Write ``record`` to ``path`` (indented JSON; ``dumps`` go to ``json.dumps``) and say where."""
+    Path(path).write_text(json.dumps(record, indent=2, **dumps))
+    print(f"JSON record: {path}")
+
+
+@contextlib.contextmanager
+def compile_notice() -> Iterator[None]:
+    """Say once on stderr when numba compiles the policy kernels (the first run after installation: it caches
+    them), so a long first run is explained."""
+    from numba.core import event
+
+    class Notice(event.Listener):
+        shown = False
+
+        def on_start(self, ev: Any) -> None:
+            if not self.shown:
+                self.shown = True
+                err("psr-hf: compiling the policy kernels with numba (first run only: they are cached after; "
+                    "about 15 s on a 2-core machine; `psr-hf warm-up`, which make install runs, does it ahead)")
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    listener = Notice()
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)
