@@ -1,6 +1,6 @@
 """The slot scheduler as it was written in Python, one object per copy, before its bookkeeping moved to numba
-kernels over arrays (:mod:`psr_hf.offload.slot_book`): the reference that ``tests/test_slot_book.py`` checks the
-package's scheduler against, decision by decision. Its links take a copy object (``job``)."""
+kernels over arrays (:mod:`psr_hf.offload.slot_book`): the reference that ``tests/test_offload_slot_book.py`` checks
+the package's scheduler against, decision by decision. Its links take a copy object (``job``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The ``psr-hf`` command as a first user meets it: one model-name resolver for every command (shipped names, local
-directories, hub ids, typos, non-MoE models, offline), help texts, progress on stderr, the plots, the thread choice,
-and short reprs of the result objects."""
+directories, hub ids, typos, non-MoE models, offline), help texts, devices and outputs checked before any work,
+progress on stderr, the plots, the thread choice, and short reprs of the result objects."""
 
 from __future__ import annotations
 
@@ -181,6 +181,93 @@ def test_bench_help_lists_the_shipped_model(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert "tiny-moe" in capsys.readouterr().out
+
+
+def test_grow_help_names_the_shipped_models(capsys):
+    from psr_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["grow", "--help"])
+    out = capsys.readouterr().out
+    assert "tiny-moe" in out and "olmoe-routing" in out
+
+
+# ---------------------------------------------------------------------------------------------------- devices, outputs
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+@pytest.mark.parametrize("argv", [["grow", "--model", "tiny-moe", "--device", "cuda"],
+                                  ["sweep", "--model", "grown-olmoe-routing"],
+                                  ["bench", "--model", "tiny", "--device", "cuda:0"]])
+def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_loads(tmp_path, capsys, argv):
+    import time
+
+    from psr_hf.cli import main
+
+    if argv[0] == "grow":
+        argv = argv + ["--out", str(tmp_path / "grown")]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "torch sees no CUDA device" in err and "use --device cpu" in err and "Traceback" not in err
+    assert time.perf_counter() - started < 5.0
+
+
+@pytest.mark.parametrize("model, device", [("tiny-moe", "cpu"), ("olmoe-routing", "cpu"), ("tiny", "cpu"),
+                                           ("grown-olmoe-routing", "cuda:0")])
+@pytest.mark.parametrize("command", ["sweep", "bench", "profile-window"])
+def test_small_models_run_on_the_cpu_unless_told_otherwise(command, model, device):
+    from psr_hf.cli import build_parser
+    from psr_hf.cli.options import check_device
+
+    args = build_parser().parse_args([command, "--model", model])
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            check_device(args)
+    else:
+        check_device(args)
+        assert args.device == device
+
+
+def _cli(argv):
+    import time as _time
+
+    from psr_hf.cli import main
+
+    started = _time.perf_counter()
+    code = main(argv)
+    return code, _time.perf_counter() - started
+
+
+@pytest.mark.parametrize("case", ["calibrate-missing-folder", "calibrate-folder", "train-predictor-under-a-file",
+                                  "grow-dangling-link", "kl-json-missing-folder", "kl-plot-missing-folder",
+                                  "kl-text-folder", "kl-residency"])
+def test_outputs_and_inputs_are_checked_before_the_work(tmp_path, capsys, case):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    text = tmp_path / "text.txt"
+    text.write_text("def f():\n    return 1\n" * 50)
+    argv, expected = {
+        "calibrate-missing-folder": (["calibrate", "--model", "tiny-moe", "--text", str(text), "--out",
+                                      str(tmp_path / "no" / "c.safetensors")], "does not exist; create it first"),
+        "calibrate-folder": (["calibrate", "--model", "tiny-moe", "--text", str(text), "--out", str(tmp_path)],
+                             "is a folder; give the file to write"),
+        "train-predictor-under-a-file": (["train-predictor", "--model", "tiny-moe", "--out",
+                                          str(tmp_path / "a_file" / "p.safetensors")], "does not exist"),
+        "grow-dangling-link": (["grow", "--model", "tiny-moe", "--out", str(tmp_path / "dangling")],
+                               "a symbolic link to nothing"),
+        "kl-json-missing-folder": (["excess-nll", "--model", "tiny-moe", "--json", str(tmp_path / "no" / "kl.json")],
+                                   "does not exist; create it first"),
+        "kl-plot-missing-folder": (["excess-nll", "--model", "tiny-moe", "--plot", str(tmp_path / "no" / "kl.png")],
+                                   "does not exist; create it first"),
+        "kl-text-folder": (["excess-nll", "--model", "tiny-moe", "--text", str(tmp_path)], "--text .*: no such file"),
+        "kl-residency": (["excess-nll", "--model", "tiny-moe", "--residencies", "1.5"], "residency=1.5"),
+    }[case]
+    code, seconds = _cli(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    import re
+
+    assert re.search(expected, err), err
+    assert seconds < 5.0  # before loading a model or running anything
 
 
 # ---------------------------------------------------------------------------------------------------- threads

@@ -1,7 +1,9 @@
-"""calibrate() and the psr-hf calibrate / demo commands on tiny models (CPU, offline)."""
+"""calibrate(), the calibration patch() and reconfigure() use, and the psr-hf calibrate / demo commands on tiny
+models (CPU, offline)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -10,11 +12,15 @@ import torch
 
 import psr_hf
 import transformers
+from psr_hf import RoutingConfig
 from psr_hf.cli import main
 from psr_hf.testing import tiny_model
+from test_offload import _ids
+from test_offload_faults import _generate as _generate_tokens
 
 RNG = np.random.default_rng(7)
 DOCS = [RNG.integers(3, 256, size=n) for n in (300, 170, 90)]
+_generate = functools.partial(_generate_tokens, new=6)  # (tokens, step logits) of six new tokens unless told
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +104,47 @@ def test_calibrated_patch_warm_set_is_the_most_used_experts(deepseek):
         ctl.reset()
         for layer in range(ctl.num_layers):
             np.testing.assert_array_equal(ctl.cache.resident(layer), np.sort(cal.warm_set(layer, ctl.capacity)))
+
+
+def test_patch_uses_the_calibration_beside_a_model_loaded_from_its_folder(caplog):
+    import logging
+
+    import psr_hf
+    from psr_hf.assets import TINY_MOE, load_shipped
+
+    model, _, shipped = load_shipped("tiny-moe")
+    assert model.config._name_or_path and psr_hf.Calibration.load(TINY_MOE / "calibration.safetensors")
+    with caplog.at_level(logging.INFO, logger="psr_hf"):
+        psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5))
+    ctl = psr_hf.controller(model)
+    assert (ctl.calibration.expert_counts == shipped.expert_counts).all()
+    assert "using the calibration beside the model" in caplog.text and "no calibration" not in caplog.text
+    psr_hf.unpatch(model)
+    psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5), calibration=False)
+    assert not (psr_hf.controller(model).calibration.expert_counts == shipped.expert_counts).all()
+    psr_hf.unpatch(model)
+
+
+def test_reconfigure_without_a_calibration_keeps_the_models_and_false_drops_it():
+    model = tiny_model("olmoe")
+    calibration = psr_hf.calibrate(model, _ids(0, 4, 24), progress=False)
+    psr = RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5)
+    exact = RoutingConfig(policy="exact", eviction="score", budget=1, residency=0.25)
+    ids = _ids(1, 1, 5)
+    with psr_hf.patched(model, exact, calibration=calibration):
+        want = _generate(model, ids), psr_hf.controller(model).stats().total
+    with psr_hf.patched(model, psr, calibration=calibration):
+        ctl = psr_hf.controller(model)
+        ctl.reconfigure(exact)  # no calibration=: the model's own
+        assert ctl.calibration is not None and np.array_equal(ctl.calibration.expert_counts,
+                                                              calibration.expert_counts)
+        got = _generate(model, ids), ctl.stats().total
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+        assert got[1] == want[1]
+        ctl.reconfigure(exact, calibration=False)  # explicitly uncalibrated
+        assert not np.array_equal(ctl.calibration.expert_counts, calibration.expert_counts)
+        ctl.reconfigure(exact)  # uncalibrated stays uncalibrated
+        assert not np.array_equal(ctl.calibration.expert_counts, calibration.expert_counts)
 
 
 def _byte_tokenizer(path):

@@ -153,6 +153,17 @@ def test_a_bad_offload_argument_leaves_the_model_untouched(model):
     _assert_clean(model, before)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=17), r"budget=17 exceeds the model's 16 experts per MoE layer"),
+    (dict(top_j=17), r"top_j=17 exceeds"),
+], ids=["budget", "top_j"])
+def test_sizes_beyond_the_models_experts_are_refused_at_patch(kwargs, message):
+    model = tiny_model("olmoe")
+    with pytest.raises(ValueError, match=message):
+        psr_hf.patch(model, RoutingConfig(policy="psr", residency=0.5, **kwargs))
+    assert not hasattr(model, "_psr_hf_controller")
+
+
 # ---------------------------------------------------------------------------------------------- calls
 def test_an_attention_mask_it_cannot_read_raises(model):
     """2D and 4D masks (and dicts of them) are read (tests/test_hf_masks.py); a 3D one names what is accepted."""

@@ -352,6 +352,13 @@ def test_bad_offload_configs_name_the_field(kwargs, message):
         OffloadConfig(**kwargs)
 
 
+def test_absurd_offload_numbers_are_refused():
+    with pytest.raises(ValueError, match=r"max_in_flight=1000000000 must be an int >= 1 and <= 65536"):
+        OffloadConfig(device="cpu", max_in_flight=10**9)
+    with pytest.raises(ValueError, match=r"copy_delay_ms=1000000000.0 must be a finite number >= 0 and <= 60000"):
+        OffloadConfig(device="cpu", copy_delay_ms=1e9)
+
+
 def test_bad_offload_arguments_fail_before_anything_moves():
     model = tiny_model("olmoe")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,4 +1,5 @@
-"""The numba kernels against the pure-Python reference, decision for decision, on many random traces."""
+"""The numba kernels against the pure-Python reference, decision for decision, on many random traces; a parallel
+replay leaves torch's thread count as it was."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
+import psr_hf
 from psr_hf.policy import Calibration, LogicalCache, RoutingConfig, replay
 from psr_hf.policy.reference import reference_replay
 from psr_hf.policy.traces import calibration_from_trace, synthetic_trace
@@ -212,3 +215,22 @@ def test_step_io_split_mode_and_errors():
         cache.step_io(0)
     cache.resize(3)
     assert cache.io.scores.shape == (3, 1, 8)
+
+
+def test_a_parallel_replay_leaves_torchs_thread_count_as_it_was():
+    """numba's OpenMP layer sets the process's OpenMP thread count; torch reads it as its own, so a parallel replay
+    would silently move a one-thread CLI run onto every core."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one core: numba runs one thread and cannot change torch's count")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rng = np.random.default_rng(0)
+        scores = rng.standard_normal((16, 4, 16)).astype(np.float32)
+        psr_hf.replay(psr_hf.RoutingConfig(policy="exact", capacity=8), scores,
+                      tokens=np.zeros(16, dtype=np.int64), top_k=2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -4,7 +4,7 @@ maps the family's attention and config fields exactly and names its preset targe
 
 The modules of this package are found on its path and imported on the first lookup (:mod:`psr_hf._registry`), so
 a family :func:`psr_hf.assets.grow.grow` should grow is one file here and nothing else lists it
-(``tests/test_family_discovery.py`` proves it). Importing this package imports neither torch nor a family.
+(``tests/test_patches_family_discovery.py`` proves it). Importing this package imports neither torch nor a family.
 """
 
 from __future__ import annotations

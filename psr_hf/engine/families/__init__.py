@@ -4,7 +4,7 @@ the family's attention function and KV cache layout, registered for its ``config
 
 The modules of this package are found on its path and imported on the first lookup (:mod:`psr_hf._registry`), so
 a family the engine should decode is one file here and nothing else lists it (docs/engine.md, "Adding a family";
-``tests/test_family_discovery.py`` proves it). Importing this package imports neither torch nor a family.
+``tests/test_patches_family_discovery.py`` proves it). Importing this package imports neither torch nor a family.
 """
 
 from __future__ import annotations

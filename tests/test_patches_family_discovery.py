@@ -28,7 +28,7 @@ from psr_hf.assets.grow_families import grow_model_types
 from psr_hf.engine.families import supported_model_types
 from psr_hf.engine.layers import build_layers
 from psr_hf.testing import tiny_model
-from test_patch_discovery import MIXTRAL_MODULE  # the patch module of the transformers path's own test
+from test_patches_discovery import MIXTRAL_MODULE  # the patch module of the transformers path's own test
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 

@@ -517,6 +517,15 @@ def test_model_args_become_a_routing_config(lm_eval_api, tiny):
     assert calibration == str(Path(path) / "calibration.safetensors")
 
 
+@pytest.mark.parametrize("name, hint", [("calibration", "make one with psr-hf calibrate"),
+                                        ("predictor", "train one with psr-hf train-predictor")])
+def test_a_missing_lm_eval_file_says_how_to_make_one(name, hint):
+    from psr_hf.eval.lm_model import _existing_file
+
+    with pytest.raises(ValueError, match=rf"{name}='nowhere.safetensors': no such file; {hint}"):
+        _existing_file(name, "nowhere.safetensors")
+
+
 # ---------------------------------------------------------------------------------------------- the controller API
 def test_right_padded_rows_route_like_the_unpadded_rows():
     model = tiny_model("olmoe")
@@ -609,7 +618,7 @@ def test_the_wheel_ships_the_startup_hook(tmp_path):
         names = set(archive.namelist())
         line = archive.read("psr_hf_lm_eval.pth").decode()
         # one import line (Python runs .pth lines that start with "import"), guarded so that a partial uninstall
-        # leaves it silent (tests/test_packaging.py runs it with the module removed)
+        # leaves it silent (tests/test_package_wheel.py runs it with the module removed)
         assert line.startswith("import ") and line.count("\n") == 1 and "_psr_hf_lm_eval" in line, line
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
         assert "psr_hf_lm_eval.pth," in archive.read(record).decode()  # so pip uninstall removes it

@@ -1,8 +1,8 @@
 """The shipped trained model with OLMoE-1B-7B's routing geometry (``olmoe-routing``): loadable offline by name
 everywhere a model is named, with the geometry its card states, a calibration that fits it, and exact growth to a
 reduced real-size target (the same code path as the full size) with identical routing under every policy.
-``moonlight-routing`` is built, not shipped: tests/test_train_tiny_moe.py builds one with the same command and
-loads it by name; tests/test_grow.py grows DeepSeek-V3 models."""
+``moonlight-routing`` is built, not shipped: tests/test_examples_train_tiny_moe.py builds one with the same command
+and loads it by name; tests/test_assets_grow.py grows DeepSeek-V3 models."""
 
 from __future__ import annotations
 

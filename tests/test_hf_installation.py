@@ -1,6 +1,7 @@
 """One owner of install and uninstall: the Controller installs everything, wraps what it replaces so that it still
-looks like the original, and removes all of it in reverse order, also when an install step fails halfway. Its
-counters travel as named dataclasses into the public statistics."""
+looks like the original, and removes all of it in reverse order, also when an install step fails halfway. A patched
+model refuses to be copied or pickled, naming what to do. Its counters travel as named dataclasses into the public
+statistics."""
 
 from __future__ import annotations
 
@@ -120,6 +121,24 @@ def test_unpatch_leaves_the_model_as_before(offload):
         assert "forward" not in vars(layer.router)
     _assert_as_before(model, before, logits)
     ctl.uninstall()  # a second uninstall has nothing left to do
+
+
+# ---------------------------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("offload", [None, OffloadConfig(device="cpu")], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copying_a_patched_model_fails_naming_psr_hf_and_what_to_do(tmp_path, offload, how):
+    import copy
+    import pickle
+
+    model = tiny_model("olmoe")
+    psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5), offload=offload)
+    copies = {"deepcopy": lambda: copy.deepcopy(model), "pickle": lambda: pickle.dumps(model),
+              "torch.save": lambda: torch.save(model, tmp_path / "m.pt")}
+    with pytest.raises(TypeError, match=r"psr_hf: a patched model cannot be deep-copied or pickled.*unpatch"):
+        copies[how]()
+    torch.save(model.state_dict(), tmp_path / "state.pt")  # what the message offers works
+    psr_hf.unpatch(model)
+    copies[how]()  # and the unpatched model copies as before
 
 
 # ---------------------------------------------------------------------------------------------- a failed install

@@ -7,7 +7,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import psr_hf
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
+from psr_hf.testing import tiny_model
+from test_offload import _ids
 
 ARRAY_NAMES = ("delta", "expert_counts", "prior_indptr", "prior_experts", "prior_values", "token_counts")
 BASE_TENSORS = {"delta", "expert_counts", "prior_indptr", "prior_experts", "prior_values"}
@@ -409,6 +412,22 @@ def test_load_of_a_newer_format_version_is_rejected(tmp_path, small_calibration)
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(ValueError, match=_pattern("version 99", "upgrade psr_hf")):
         Calibration.load(path)
+
+
+@pytest.mark.parametrize("user, message", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                                           ("[1]", "must be a JSON object")])
+def test_calibration_load_refuses_hostile_user_metadata(tmp_path, user, message):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("olmoe")
+    path = tmp_path / "c.safetensors"
+    psr_hf.calibrate(model, _ids(0, 2, 12), progress=False).save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, "user": user})
+    with pytest.raises(ValueError, match=message):
+        psr_hf.Calibration.load(path)
 
 
 # ---------------------------------------------------------------------------------------------- coerce

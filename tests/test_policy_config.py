@@ -1,4 +1,5 @@
-"""RoutingConfig: per-policy defaults, validation messages, derived values, YAML round trip, replace()."""
+"""RoutingConfig: per-policy defaults, validation messages, derived values, YAML round trip and hostile YAML files,
+replace()."""
 
 import dataclasses
 import math
@@ -168,6 +169,27 @@ def test_valid_boundary_combinations_are_accepted(kwargs):
         assert getattr(config, name) == value
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=10**7), r"budget=10000000 must be an int >= 0 and <= 65536"),
+    (dict(budget=10**11), r"budget=100000000000 must be an int >= 0 and <= 65536"),
+    (dict(window=10**9), r"window=1000000000 must be an int >= 1 and <= 65536"),
+    (dict(top_j=10**9), r"top_j=1000000000 must be an int >= 0 and <= 65536"),
+    (dict(capacity=10**9, residency=None), r"capacity=1000000000 must be an int >= 1 and <= 65536"),
+])
+def test_absurd_sizes_are_refused_when_the_config_is_made(kwargs, message):
+    values = dict(policy="psr", residency=0.5)
+    values.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig(**values)
+
+
+def test_a_misspelled_policy_gets_a_suggestion():
+    import psr_hf
+
+    with pytest.raises(ValueError, match=r"policy='pssr' is not supported; allowed: .*did you mean 'psr'\?"):
+        psr_hf.RoutingConfig(policy="pssr", residency=0.5)
+
+
 # ---------------------------------------------------------------------------------------------- capacity_for
 @pytest.mark.parametrize("residency", [0.5, 0.25, 0.375, 0.125, 1.0])
 def test_capacity_for_rounds_residency_times_num_experts(residency):
@@ -319,6 +341,42 @@ def test_yaml_file_with_invalid_values_is_rejected_like_the_constructor(tmp_path
     path.write_text("policy: cache_prior\ncapacity: 16\nbudget: 2\n")
     with pytest.raises(ValueError, match=_pattern("budget=2", "policy='cache_prior'")):
         RoutingConfig.load_yaml(path)
+
+
+def test_a_yaml_with_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / "routing.yaml"
+    path.write_text("policy: psr\nresidency: 0.5\nbudget: 1\nbudget: 3\n")
+    with pytest.raises(ValueError, match=r"routing.yaml: key 'budget' appears more than once \(line 4\)"):
+        RoutingConfig.load_yaml(path)
+    path.write_text("base: &base {policy: psr, residency: 0.5}\n")  # anchors and plain files still load
+    with pytest.raises(ValueError, match="unknown RoutingConfig field"):
+        RoutingConfig.load_yaml(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("policy: [psr]\nresidency: 0.5\n", r"policy=\['psr'\] is not supported; allowed: .*\(a policy name, as a string\)"),
+    ("policy: !!python/object/apply:os.system ['true']\n", r"YAML tags that build objects are refused"),
+    ("policy: psr\n  residency: [0.5\n", r"not valid YAML"),
+])
+def test_a_hostile_routing_yaml_is_a_value_error_naming_the_problem(tmp_path, text, message):
+    path = tmp_path / "routing.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig.load_yaml(path)
+
+
+@pytest.mark.parametrize("name", ["routing.YAML", "routing.Yml", "routing.yml"])
+def test_yaml_suffixes_in_any_case_are_read(tmp_path, name):
+    path = tmp_path / name
+    RoutingConfig(policy="psr", residency=0.25, budget=2).save_yaml(path)
+    assert RoutingConfig.coerce(path) == RoutingConfig(policy="psr", residency=0.25, budget=2)
+    assert RoutingConfig.coerce(str(path)) == RoutingConfig(policy="psr", residency=0.25, budget=2)
+
+
+def test_a_path_without_a_yaml_suffix_gets_an_accurate_error(tmp_path):
+    with pytest.raises(ValueError, match=r"path to its YAML file, whose name ends in \.yaml or \.yml \(any case\); "
+                                         r"got str '.*routing.json', which does not"):
+        RoutingConfig.coerce(str(tmp_path / "routing.json"))
 
 
 # ---------------------------------------------------------------------------------------------- replace / frozen
