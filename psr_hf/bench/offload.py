@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 # the record's description of the engine rows' decoding
 ENGINE_DECODING = ("psr_hf.engine.graphs.GraphDecoder (CUDA graphs on CUDA, the same step eagerly elsewhere), a new "
                    "sequence per window, one step per position, the device synchronised after each; position 0 "
-                   "starts the sequence and is not timed; no copies-skipped row (the decoders have no such mode)")
+                   "starts the sequence and is not timed; an engine_*_nocopy row decodes the same routing on the "
+                   "all-resident copy (nothing is copied)")
 
 
 def _copy_calls(device: torch.device) -> str:
