@@ -7,7 +7,8 @@
   :mod:`.accelerate_baseline` (the models the rows run on), :mod:`.decode` (the decode loops), :mod:`.summary` (a
   row's record), :mod:`.goals` (ratios and goals), :mod:`.report` (its text), :mod:`.plot` (its figure);
 - :mod:`.sweep` (``psr-hf sweep``) and :mod:`.frontier` (its Pareto front, Figure 1, Table 2, orderings);
-- :mod:`.common` (what they share) and :mod:`.workloads` (the models and text windows they run).
+- :mod:`.common` (what they share) and :mod:`.workloads` (the seeded prompts of the ``generate()`` benchmarks;
+  the models and text windows come from :mod:`psr_hf.assets.loading` and :mod:`psr_hf.assets.texts`).
 
 A module imports another's public names, never its private ones. This room may import every library room and
 :mod:`psr_hf.eval`; nothing below it imports it.

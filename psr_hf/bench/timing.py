@@ -49,7 +49,7 @@ def bench_latency(
     Args:
         model: an unpatched transformers MoE model with every expert on its device (the ``resident`` row runs it
             as it is); the routed rows run a patched copy of it, the ``accelerate`` row a dispatched copy.
-        windows: ``[1, T + 1]`` token ids each (:func:`~psr_hf.bench.workloads.text_windows`); position 0 of each
+        windows: ``[1, T + 1]`` token ids each (:func:`~psr_hf.assets.texts.text_windows`); position 0 of each
             is not timed.
         configs: the :class:`~psr_hf.bench.rows.Row` s (:func:`~psr_hf.bench.rows.latency_rows` by default);
             ``resident`` must be one of them.

@@ -145,7 +145,7 @@ def _as_windows(windows: Any) -> list[torch.Tensor]:
                              f"{tuple(w.shape)} dtype {w.dtype}")
         out.append(w.long())
     if not out:
-        raise ValueError("no token windows given; cut some with psr_hf.bench.workloads.text_windows or the CLI")
+        raise ValueError("no token windows given; cut some with psr_hf.assets.texts.text_windows or the CLI")
     return out
 
 
