@@ -13,6 +13,7 @@ A runner notes each row's capacity and memory the first time the row runs; ``clo
 
 from __future__ import annotations
 
+import abc
 import copy
 import gc
 from collections.abc import Sequence
@@ -92,7 +93,7 @@ class _SharedCopy:
             release(self.device)
 
 
-class Runner:
+class Runner(abc.ABC):
     """Decodes the windows of the rows of its kinds; ``capacity`` and ``memory`` (name -> value) note each row's
     cache slots per layer and offload memory when it first runs."""
 
@@ -101,8 +102,9 @@ class Runner:
         self.capacity: dict[str, int] = {}
         self.memory: dict[str, Any] = {}
 
+    @abc.abstractmethod
     def run(self, row: Row, windows: Sequence[torch.Tensor]) -> list[WindowRun]:
-        raise NotImplementedError
+        """One decode of each of ``windows`` under ``row``."""
 
     def close(self) -> None:
         """Drop the runner's model copies (the caller then calls :func:`release`)."""
