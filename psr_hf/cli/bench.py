@@ -1,5 +1,5 @@
 """The benchmark commands (docs/results.md): ``psr-hf bench-policy`` (the policy kernels), ``psr-hf
-bench-patch`` (``generate()`` patched and unpatched), ``psr-hf bench`` (offloaded decode latency) and ``psr-hf
+bench-patch`` (``generate()`` patched and unpatched), ``psr-hf bench`` (offloaded decode latency), ``psr-hf bench-generate`` (what ``generate()`` users wait for) and ``psr-hf
 bench-plot`` (the plot of a bench record)."""
 
 from __future__ import annotations
@@ -87,6 +87,24 @@ def register(subparsers: Any) -> None:
     add_threads(p)
     p.set_defaults(func=bench)
 
+    p = subparsers.add_parser("bench-generate", help="what generate() users wait for: time to first token and "
+                                                     "decode ms/token, transformers and the engine, resident and "
+                                                     "offloaded, beside the engine's own step")
+    add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU; the shipped models run in float32)")
+    add_device(p, None)
+    add_rounds(p, 3, "interleaved rounds, at least 2")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, from held-out text (default 512)")
+    p.add_argument("--new-tokens", type=int, default=64, help="timed decode tokens (default 64)")
+    p.add_argument("--residency", type=float, default=0.5, help="residency of the offloaded setups (default 0.5)")
+    p.add_argument("--routing", default="psr_lam0.3_n1", help="routing of the offloaded setups (default psr_lam0.3_n1)")
+    p.add_argument("--no-by-token", action="store_true", help="skip timing the engine's token-by-token prefill")
+    p.add_argument("--no-profile", action="store_true", help="skip the cProfile of one engine generate()")
+    add_calibration(p)
+    add_texts(p, "text file to cut the prompt from (default: the model's held-out text)")
+    add_json(p)
+    add_threads(p)
+    p.set_defaults(func=bench_generate)
+
     p = subparsers.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
     p.add_argument("record", help="JSON record written by psr-hf bench --json")
     add_out(p, "PNG file to write")
@@ -168,6 +186,30 @@ def bench(args: argparse.Namespace) -> int:
         write_json(args.json, record)
     if args.plot:
         print(f"plot: {plot(record, args.plot)}")
+    return 0
+
+
+def bench_generate(args: argparse.Namespace) -> int:
+    from ..bench.generate_latency import GENERATE_HEADER, GenerateBenchConfig, bench_generate as run, generate_rows
+
+    config = GenerateBenchConfig(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds,
+                                 residency=args.residency, routing=args.routing, by_token=not args.no_by_token,
+                                 profile=not args.no_profile)
+    set_threads_for_model(args)
+    print(f"psr-hf bench-generate: {args.model}, a {args.prompt_tokens}-token prompt, {args.new_tokens} decoded "
+          f"tokens, {args.rounds} interleaved rounds (medians; ratios paired by round, 95% intervals)")
+    record = run(args.model, args.device, config, calibration=args.calibration,
+                 calibration_tokens=args.calibration_tokens, texts=args.text or (), progress=progress_line)
+    print(text_table(generate_rows(record), GENERATE_HEADER))
+    for name, setup in record["setups"].items():
+        for key in ("ttft_goal", "generate_goal"):
+            goal = setup.get(key)
+            if goal is not None:
+                target = f"{goal['goal_ms']:.0f} ms" if key == "ttft_goal" else f"x{goal['goal_ratio']:.2f}"
+                what = "time to first token" if key == "ttft_goal" else "generate/step"
+                print(f"goal {name} {what} <= {target}: {'met' if goal['met'] else 'not shown'}")
+    if args.json:
+        write_json(args.json, record)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 
 from psr_hf.hf.patching import controller as _controller
 from .layers import DecodeLayers, build_layers
+from .prefill import prefill_block
 from .moe import check_experts_module, check_shapes, moe_slots
 
 logger = logging.getLogger(__name__)
@@ -73,28 +74,47 @@ class DecoderBase(abc.ABC):
         """One token at the next position; returns the ``[1, V]`` logits buffer."""
 
     # ------------------------------------------------------------------ sequences of steps
+    position: int
+
+    def check_sequence_start(self) -> None:
+        """What a new sequence checks before its first position: the prefetch ranking the router stacks were built
+        for, and that the model tensors the engine reads have not moved (``RuntimeError`` otherwise)."""
+        self.layers.check_prefetch_source(self.controller)
+        self.layers.check_references(self.controller)
+
     @torch.no_grad()
-    def prefill(self, input_ids: Any) -> torch.Tensor:
-        """Start a new sequence and run the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) through
-        :meth:`step` token by token (exact; the batched prefill is to come). Returns the last position's ``[1, V]``
-        logits buffer."""
+    def prefill(self, input_ids: Any, *, batched: bool | None = None) -> torch.Tensor:
+        """Start a new sequence with the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) and return the last
+        position's ``[1, V]`` logits buffer. ``batched`` (default: for more than one token) runs the prompt as one
+        block through the patched model's forward, filling the engine's KV cache on the way
+        (:mod:`psr_hf.engine.prefill`): the same routing decisions as ``batched=False``, which runs :meth:`step`
+        token by token."""
         ids = _token_list(input_ids)
         if not ids:
             raise ValueError("prefill needs at least one token")
         self.reset()
-        logits = None
-        for token in ids:
-            logits = self.step(token)
-        return logits
+        if batched is None:
+            batched = len(ids) > 1
+        if not batched:
+            logits = None
+            for token in ids:
+                logits = self.step(token)
+            return logits
+        self.layers.check_position(len(ids) - 1)
+        self.check_sequence_start()
+        prefill_block(self.layers, self.model, ids, self.layers.buffers.logits)
+        self.position = len(ids)
+        return self.layers.buffers.logits
 
     @torch.no_grad()
     def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
-                        return_logits: bool = False) -> Any:
+                        return_logits: bool = False, batched: bool | None = None) -> Any:
         """Greedy decoding of a new sequence, as ``model.generate(input_ids, do_sample=False,
         max_new_tokens=...)`` for one row without logits processors: returns the ``[1, S + n]`` int64 sequence
         (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
         fed back, nor is the last token). ``eos_token_id``: default the model's generation config's.
-        ``return_logits``: also the ``[n, V]`` float32 logits of every new token."""
+        ``return_logits``: also the ``[n, V]`` float32 logits of every new token. ``batched``: the prompt's
+        prefill (:meth:`prefill`)."""
         ids = _token_list(input_ids)
         if eos_token_id is None:
             config = getattr(self.model, "generation_config", None)
@@ -104,7 +124,7 @@ class DecoderBase(abc.ABC):
         new: list[int] = []
         scores: list[torch.Tensor] = []
         if max_new_tokens > 0:
-            logits = self.prefill(ids)
+            logits = self.prefill(ids, batched=batched)
             while True:
                 if return_logits:
                     scores.append(logits[0].float().cpu().clone())
@@ -165,10 +185,11 @@ class Decoder(DecoderBase):
         L, b, ctl = self.layers, self.layers.buffers, self.controller
         position = self.position
         L.check_position(position)
-        L.check_prefetch_source(ctl)
-        L.sync_routers(ctl)
         if position == 0:
-            L.check_references(ctl)
+            self.check_sequence_start()
+        else:
+            L.check_prefetch_source(ctl)
+        L.sync_routers(ctl)
         token = int(token)
         b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
         b.position.fill_(position)

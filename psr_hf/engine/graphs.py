@@ -323,6 +323,15 @@ class GraphDecoder(DecoderBase):
         """Start a new sequence: the next step decodes position 0 (which starts the controller's new sequence)."""
         self.position = 0
 
+    def _check_slot_buffers(self) -> None:
+        if self.offloaded and self._addresses() != self._slot_addresses:
+            raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
+                               "changed dtype or device); build a new GraphDecoder")
+
+    def check_sequence_start(self) -> None:
+        self._check_slot_buffers()
+        super().check_sequence_start()
+
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self, token: Any) -> torch.Tensor:
@@ -335,13 +344,12 @@ class GraphDecoder(DecoderBase):
         b.token.fill_(token)  # before graph A_0; device memory the graphs read, not a captured constant
         b.position.fill_(position)
         with ctl.step(token, position):
-            if self.offloaded and self._addresses() != self._slot_addresses:
-                raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
-                                   "changed dtype or device); build a new GraphDecoder")
-            self.layers.check_prefetch_source(ctl)
-            self.layers.sync_routers(ctl)
             if position == 0:
-                self.layers.check_references(ctl)
+                self.check_sequence_start()
+            else:
+                self._check_slot_buffers()
+                self.layers.check_prefetch_source(ctl)
+            self.layers.sync_routers(ctl)
             stream = raw_current_stream(self.device) if self._runtime is not None else 0
             self._units[0](stream)
             self._record(stream)

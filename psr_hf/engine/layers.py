@@ -316,6 +316,27 @@ class DecodeLayers(abc.ABC):
     def _cache(self, layer: int) -> tuple:
         """The KV cache tensors the family's attention function takes after the position (one layer's)."""
 
+    @abc.abstractmethod
+    def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The KV rows of a block of positions: ``(keys, values or None)`` in the cache's layout ``[S, ...]``, from
+        the normed attention input ``x [S, H]`` at ``positions [S]`` (what the attention function writes for one
+        token)."""
+
+    @torch.no_grad()
+    def write_prompt_kv(self, layer: int, x: torch.Tensor, start: int) -> None:
+        """Write the KV rows of the positions ``start .. start + S - 1`` of decoder layer ``layer`` from its normed
+        attention input ``x [S, H]`` (the batched prefill, :mod:`psr_hf.engine.prefill`)."""
+        self._check_layer(layer)
+        S = int(x.shape[0])
+        if x.ndim != 2 or x.shape[1] != self.hidden_size or not 0 <= start <= self.max_len - S:
+            raise ValueError(f"write_prompt_kv: x must be [S, {self.hidden_size}] with start + S <= max_len "
+                             f"{self.max_len}; got {tuple(x.shape)} at start {start}")
+        positions = torch.arange(start, start + S, dtype=torch.int64, device=self.device)
+        keys, values = self._prompt_kv(layer, x.to(self.dtype), positions)
+        self.kv.keys[layer][start:start + S].copy_(keys.reshape(S, *self.kv.keys[layer].shape[1:]))
+        if self.kv.separate_values:
+            self.kv.values[layer][start:start + S].copy_(values.reshape(S, *self.kv.values[layer].shape[1:]))
+
     # the family's attention: a module-level function ``(static, tensors, x, position, *cache) -> [1, H]`` (the
     # output after o_proj of the normed input ``x``; it writes the cache at ``position``) and its constants
     _attention_fn: Any = None

@@ -75,6 +75,7 @@ class Controller:
         self._bypass = 0
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._stop_set: frozenset = frozenset()  # the same ids, for the one-token check
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
         self._right_padded: np.ndarray | None = None  # [R] real lengths of mask-less right-padded rows
@@ -411,8 +412,9 @@ class Controller:
                 # own warning is what the user gets
                 inputs.refuse_right_padding(kwargs.get("attention_mask"))
             stop = inputs.stop_token_ids(self.model, kwargs)
-            previous = self._stop_ids, self._prompt_length
+            previous = self._stop_ids, self._stop_set, self._prompt_length
             self._stop_ids, self._prompt_length = stop, inputs.prompt_length(args, kwargs)
+            self._stop_set = frozenset(int(t) for t in stop.tolist())
             # a call that continues a cached sequence gives every row new input: rows that finished before run again
             self._finished[:] = False
             self._in_generate += 1
@@ -420,7 +422,7 @@ class Controller:
                 return original(*args, **kwargs)
             finally:
                 self._in_generate -= 1
-                self._stop_ids, self._prompt_length = previous
+                self._stop_ids, self._stop_set, self._prompt_length = previous
 
     def router_forward(self, layer: Any, original: Callable) -> Callable:
         """The forward that replaces ``layer``'s router forward ``original`` (bound): the same name, docstring and
@@ -627,6 +629,9 @@ class Controller:
         # generate() feeds a row's end-of-sequence token back once, then pad tokens: from that position on the
         # row's outputs are discarded, so they must not touch its state. Only generated tokens count: the first
         # `prompt` positions of this block are prompt (a chat turn continuing a cached sequence holds eos ids)
+        if tokens.size == 1 and not self._finished.any():  # batch-1 decoding: no array set operation per token
+            if int(tokens[0, 0]) not in self._stop_set or prompt > 0:
+                return valid
         hit = np.isin(tokens, self._stop_ids)  # [B, S]
         hit[:, : max(prompt, 0)] = False
         if not hit.any() and not self._finished.any():

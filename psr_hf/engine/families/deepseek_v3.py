@@ -114,6 +114,15 @@ class DeepseekV3Layers(DecodeLayers):
     def _cache(self, layer: int) -> tuple:
         return self.kv.keys[layer], self.kv.slots
 
+    def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        s, a = self._static, self._attn[layer]
+        r = s.kv_lora_rank
+        compressed = F.linear(x, *a["kv_a_proj"])  # [S, r + rope]
+        latent = rms_norm(compressed[:, :r], *a["kv_a_norm"])
+        cos, sin = cos_sin(positions[:, None], a["inv_freq"], s.rope_scaling, x.dtype, s.interleave)
+        k_pe = apply_rope(compressed[:, r:], cos, sin, s.interleave)
+        return torch.cat((latent, k_pe), dim=-1), None
+
 
 @dataclass(frozen=True)
 class _MlaStatic:

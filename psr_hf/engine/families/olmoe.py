@@ -73,6 +73,18 @@ class OlmoeLayers(DecodeLayers):
     def _cache(self, layer: int) -> tuple:
         return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
 
+    def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        s, a = self._static, self._attn[layer]
+        S = x.shape[0]
+        k = rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
+        v = F.linear(x, *a["v_proj"])
+        if s.clip_qkv is not None:
+            k = k.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+            v = v.clamp(min=-s.clip_qkv, max=s.clip_qkv)
+        cos, sin = cos_sin(positions[:, None], a["inv_freq"], s.rope_scaling, k.dtype, False)  # [S, D]
+        k = apply_rope(k.view(S, s.num_kv_heads, s.head_dim), cos[:, None], sin[:, None], False)
+        return k, v.view(S, s.num_kv_heads, s.head_dim)
+
 
 @dataclass(frozen=True)
 class _OlmoeStatic:

@@ -1,0 +1,262 @@
+"""What a ``generate()`` user waits for (``psr-hf bench-generate``, docs/engine.md "Behind generate()"): time to first
+token and decode ms/token of ``model.generate`` on a held-out prompt, for transformers unpatched, the engine all
+resident, the engine offloaded and the transformers offload path, and beside each engine setup the engine's own
+step on the same tokens, so that what ``generate()`` adds is a ratio measured side by side.
+
+Per round and setup: ``generate(max_new_tokens=1)`` (time to first token), ``generate(max_new_tokens=N + 1)``
+greedy and with sampling (decode = the difference over ``N`` tokens), and the engine's ``step`` teacher-forced on
+the greedy continuation; the order of these rotates over the rounds. Ratios are paired by round on log latency
+(:func:`~psr_hf.bench.common.paired_summary`). The batched prefill's routing decisions are compared with the
+token-by-token prefill's on the same prompt (their share of identical expert sets: 1 in float32, near-ties aside in
+bf16), and its time beside the token-by-token one.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import logging
+import pstats
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..eval.grid import routing_from_name
+from ..hf.patching import controller, patch, unpatch
+from ..policy.config import RoutingConfig
+from .common import describe_model, device_sync, machine, paired_summary, rotated, summarize, versions
+from .runners import offload_config
+
+logger = logging.getLogger(__name__)
+
+#: the setups, in the order they run (the offloaded engine and the transformers offload path share one patch)
+SETUPS = ("transformers", "engine_resident", "engine_offloaded", "transformers_offloaded")
+GOALS_MS = {"engine_resident": 60.0, "engine_offloaded": 300.0}  # time to first token (the issue's goals)
+GENERATE_OVER_STEP_GOAL = 1.10  # generate()'s decode at most 10% over the engine's own step
+
+
+@dataclass(frozen=True)
+class GenerateBenchConfig:
+    """What ``psr-hf bench-generate`` measures: ``rounds`` interleaved rounds (at least 2) of a ``prompt_tokens``
+    prompt and ``new_tokens`` decoded tokens; the offloaded setups route with ``routing`` at ``residency``."""
+
+    prompt_tokens: int = 512
+    new_tokens: int = 64
+    rounds: int = 3
+    residency: float = 0.5
+    routing: str = "psr_lam0.3_n1"
+    by_token: bool = True  # also time the token-by-token prefill of the engine setups (one per round)
+    profile: bool = True  # a cProfile of one engine generate() per engine setup, its top functions in the record
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 2 or self.new_tokens < 1:
+            raise ValueError(f"--prompt-tokens {self.prompt_tokens} must be >= 2 and --new-tokens "
+                             f"{self.new_tokens} >= 1")
+        if self.rounds < 2:
+            raise ValueError(f"--rounds {self.rounds}: at least 2 rounds are needed for an interval")
+        if not 0 < self.residency < 1:
+            raise ValueError(f"--residency {self.residency} must be in (0, 1)")
+        if routing_from_name(self.routing) is None:
+            raise ValueError(f"--routing {self.routing!r} is not a configuration name (e.g. psr_lam0.3_n1, "
+                             "cp_lam0.2, exact_lru)")
+
+    def offloaded_routing(self) -> RoutingConfig:
+        return RoutingConfig(**routing_from_name(self.routing), residency=self.residency)
+
+
+def _timed(sync: Callable[[], None], call: Callable[[], Any]) -> tuple[float, Any]:
+    sync()
+    start = time.perf_counter()
+    result = call()
+    sync()
+    return (time.perf_counter() - start) * 1e3, result
+
+
+def _generate(model: Any, ids: torch.Tensor, new: int, *, sample: bool, seed: int, pad: int) -> torch.Tensor:
+    kwargs: dict[str, Any] = dict(do_sample=False)
+    if sample:
+        torch.manual_seed(seed)
+        kwargs = dict(do_sample=True, top_k=50, temperature=1.0)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          pad_token_id=pad, **kwargs)
+
+
+def _step_ms(decoder: Any, prompt: list[int], tokens: list[int], sync: Callable[[], None]) -> float:
+    """Mean ms of the engine's own step over ``tokens``, after a prefill of ``prompt`` (untimed)."""
+    decoder.prefill(prompt)
+    sync()
+    start = time.perf_counter()
+    for token in tokens:
+        decoder.step(token)
+    sync()
+    return (time.perf_counter() - start) * 1e3 / len(tokens)
+
+
+def prefill_agreement(model: Any, decoder: Any, prompt: list[int], sync: Callable[[], None]) -> dict[str, Any]:
+    """The batched prefill against the token-by-token one on ``prompt``: the share of prompt token-layers that
+    select the same expert set, and both prefill times (ms)."""
+    ctl = controller(model)
+    sets = {}
+    times = {}
+    for batched in (True, False):
+        with ctl.record() as recorder:
+            times[batched], _ = _timed(sync, lambda: decoder.prefill(prompt, batched=batched))
+        sets[batched] = recorder.recordings[-1].selected  # [S, L, K], each sorted
+    same = (sets[True] == sets[False]).all(axis=-1)
+    return {"identical_expert_sets": float(same.mean()), "token_layers": int(same.size),
+            "batched_ms": times[True], "by_token_ms": times[False]}
+
+
+def _profile(call: Callable[[], Any], top: int = 25) -> list[str]:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    # a record names a function by its file's name, not by where the file lies on the machine
+    return [re.sub(r"(?:/[^/\s]+)+/([^/\s]+:\d+\()", r"\1", line.rstrip())
+            for line in out.getvalue().splitlines() if line.strip()]
+
+
+def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: GenerateBenchConfig, pad: int,
+                   sync: Callable[[], None], progress: Callable[[str], None]) -> dict[str, Any]:
+    from ..engine import attached
+
+    state = attached(model)
+    decoder = state.decoder if state is not None else None
+    N = config.new_tokens
+    ids = prompt.to(next(model.parameters()).device)
+    prompt_list = prompt[0].tolist()
+    _generate(model, ids, 2, sample=False, seed=0, pad=pad)  # warm-up: first-call costs are not a round's
+    runs: dict[str, list[float]] = {k: [] for k in ("ttft", "decode", "decode_sampling", "step", "ttft_by_token")}
+    continuation: list[int] | None = None
+    tasks = ["ttft", "greedy", "sampling"] + (["step", "by_token"] if decoder is not None else [])
+    for r in range(config.rounds):
+        progress(f"{name}: round {r + 1}/{config.rounds}")
+        ttft_ms, _ = _timed(sync, lambda: _generate(model, ids, 1, sample=False, seed=r, pad=pad))
+        runs["ttft"].append(ttft_ms)
+        for task in rotated(tasks[1:], r):
+            if task == "greedy":
+                ms, out = _timed(sync, lambda: _generate(model, ids, N + 1, sample=False, seed=r, pad=pad))
+                runs["decode"].append((ms - ttft_ms) / N)
+                new = out[0, ids.shape[1]:].tolist()
+                if continuation is not None and new != continuation:
+                    raise RuntimeError(f"{name}: greedy generate() gave another continuation in round {r + 1}")
+                continuation = new
+            elif task == "sampling":
+                ms, _ = _timed(sync, lambda: _generate(model, ids, N + 1, sample=True, seed=r, pad=pad))
+                runs["decode_sampling"].append((ms - ttft_ms) / N)
+            elif task == "step":
+                greedy = continuation or _generate(model, ids, N + 1, sample=False, seed=r, pad=pad)[
+                    0, ids.shape[1]:].tolist()
+                runs["step"].append(_step_ms(decoder, prompt_list, greedy[:N], sync))
+            elif task == "by_token" and config.by_token:
+                ms, _ = _timed(sync, lambda: decoder.prefill(prompt_list, batched=False))
+                runs["ttft_by_token"].append(ms)
+    result: dict[str, Any] = {name: summarize(v) for name, v in runs.items() if v}
+    if decoder is not None:
+        result["generate_over_step"] = paired_summary(runs["decode"], runs["step"])
+        result["sampling_over_step"] = paired_summary(runs["decode_sampling"], runs["step"])
+        result["prefill"] = prefill_agreement(model, decoder, prompt_list, sync)
+        result["engine_served"] = {"served": state.served, "fallbacks": state.fallbacks}
+        if config.profile:
+            result["profile"] = _profile(lambda: _generate(model, ids, N + 1, sample=False, seed=0, pad=pad))
+    goal = GOALS_MS.get(name)
+    if goal is not None:
+        high = result["ttft"]["ci95"][1]
+        result["ttft_goal"] = {"goal_ms": goal, "met": bool(np.isfinite(high) and high <= goal)}
+    if decoder is not None:
+        high = result["generate_over_step"]["ci95"][1]
+        result["generate_goal"] = {"goal_ratio": GENERATE_OVER_STEP_GOAL,
+                                   "met": bool(np.isfinite(high) and high <= GENERATE_OVER_STEP_GOAL)}
+    return result
+
+
+def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchConfig, *, calibration: Any = None,
+                       pad: int = 0, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every setup of :data:`SETUPS` on ``model`` (loaded, unpatched; left unpatched) with ``prompt [1, S]``: one
+    record per setup (:func:`_measure_setup`: summaries over rounds, ratios, goals)."""
+    from ..engine import attach, detach
+
+    device = next(model.parameters()).device
+    sync = device_sync(device)
+    max_len = prompt.shape[1] + config.new_tokens + 2
+    num_experts = describe_model(model)["num_experts"]
+    results: dict[str, Any] = {}
+    results["transformers"] = _measure_setup("transformers", model, prompt, config, pad, sync, progress)
+    try:
+        patch(model, RoutingConfig(policy="exact", capacity=num_experts), calibration=calibration)
+        attach(model, max_len=max_len)
+        results["engine_resident"] = _measure_setup("engine_resident", model, prompt, config, pad, sync, progress)
+        detach(model)
+        unpatch(model)
+        patch(model, config.offloaded_routing(), calibration=calibration, offload=offload_config(device))
+        attach(model, max_len=max_len)
+        results["engine_offloaded"] = _measure_setup("engine_offloaded", model, prompt, config, pad, sync, progress)
+        stats = controller(model).stats().total
+        results["engine_offloaded"]["copies_per_token"] = stats["copies_per_token"]
+        detach(model)
+        results["transformers_offloaded"] = _measure_setup("transformers_offloaded", model, prompt, config, pad,
+                                                           sync, progress)
+    finally:
+        detach(model)
+        unpatch(model)
+    return {"config": {"prompt_tokens": int(prompt.shape[1]), "new_tokens": config.new_tokens,
+                       "rounds": config.rounds, "residency": config.residency, "routing": config.routing,
+                       "num_experts": num_experts},
+            "setups": results}
+
+
+def bench_generate(model: str, device: str | None, config: GenerateBenchConfig, *, calibration: str | None = None,
+                   calibration_tokens: int = 20000, texts: Any = (),
+                   progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """``psr-hf bench-generate``: load ``model`` (:func:`psr_hf.assets.loading.load_model`), cut a
+    ``prompt_tokens`` prompt from its held-out text (or ``texts``), calibrate as ``psr-hf bench`` does, and run
+    :func:`run_generate_bench`. The record names the model, the calibration, the machine and the versions."""
+    from ..assets.loading import load_model
+    from ..assets.texts import measured_texts, text_windows
+    from ..eval.calibration import model_calibration
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    progress(f"loading {model} on {device}")
+    net, tokenizer, description = load_model(model, device)
+    beside = description.pop("calibration_file", None)
+    sources, names = measured_texts(model, list(texts), option="--text")
+    prompt = text_windows(sources, tokenizer, windows=1, tokens=config.prompt_tokens - 1)[0]
+    calib, calibration_info = model_calibration(net, tokenizer, tokens=calibration_tokens, calibration=calibration,
+                                                beside=beside, beside_name=description.get("calibration"),
+                                                progress=progress)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    record = run_generate_bench(net, prompt, config, calibration=calib, pad=int(pad), progress=progress)
+    device_used = next(net.parameters()).device
+    return {"benchmark": "generate", "model": description, "texts": names, "calibration": calibration_info,
+            **record, "machine": machine(device_used), "versions": versions()}
+
+
+def generate_rows(record: dict[str, Any]) -> list[list[str]]:
+    """The printed table: one row per setup (medians over rounds; ratios with their 95% intervals)."""
+    def ms(entry: dict | None) -> str:
+        return "-" if entry is None else f"{entry['median']:.2f}"
+
+    def ratio(entry: dict | None) -> str:
+        return "-" if entry is None else f"{entry['ratio']:.3f} [{entry['ci95'][0]:.3f}, {entry['ci95'][1]:.3f}]"
+
+    rows = []
+    for name in SETUPS:
+        s = record["setups"].get(name)
+        if s is None:
+            continue
+        prefill = s.get("prefill")
+        rows.append([name, ms(s.get("ttft")), ms(s.get("ttft_by_token")), ms(s.get("decode")), ms(s.get("step")),
+                     ratio(s.get("generate_over_step")), ratio(s.get("sampling_over_step")),
+                     "-" if prefill is None else f"{prefill['identical_expert_sets']:.4f}"])
+    return rows
+
+
+GENERATE_HEADER = ["setup", "first token ms", "by-token prefill ms", "decode ms/tok", "engine step ms/tok",
+                   "generate/step (greedy)", "generate/step (sampling)", "same expert sets"]

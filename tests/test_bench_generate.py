@@ -1,0 +1,55 @@
+"""``psr-hf bench-generate`` (psr_hf/bench/generate_latency.py) on the shipped tiny model on the CPU: every setup is
+timed, the engine serves every generate() call (no fallback), the batched prefill selects the token-by-token
+prefill's expert sets at every prompt token-layer (float32), the ratios and goals are in the record, and bad input
+fails before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from psr_hf.bench.generate_latency import SETUPS, GenerateBenchConfig
+from psr_hf.cli import main
+
+pytestmark = pytest.mark.usefixtures("quiet_psr_hf")
+
+
+def test_bench_generate_times_every_setup_through_the_engine(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    assert main(["bench-generate", "--model", "tiny-moe", "--device", "cpu", "--prompt-tokens", "20",
+                 "--new-tokens", "4", "--rounds", "2", "--threads", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "generate" and record["config"]["prompt_tokens"] == 20
+    assert list(record["setups"]) == list(SETUPS)
+    for name, setup in record["setups"].items():
+        assert len(setup["ttft"]["rounds"]) == len(setup["decode"]["rounds"]) == 2, name
+        assert name in printed
+    for name in ("engine_resident", "engine_offloaded"):
+        setup = record["setups"][name]
+        assert setup["engine_served"]["served"] > 0 and setup["engine_served"]["fallbacks"] == 0
+        assert setup["prefill"]["identical_expert_sets"] == 1.0  # float32: the same decisions
+        assert setup["prefill"]["token_layers"] > 0 and setup["prefill"]["token_layers"] % 20 == 0  # S x layers
+        assert len(setup["generate_over_step"]["rounds"]) == 2 and setup["generate_over_step"]["ratio"] > 0
+        assert set(setup["ttft_goal"]) == {"goal_ms", "met"} and set(setup["generate_goal"]) == {"goal_ratio", "met"}
+        assert any("moe.py" in line for line in setup["profile"])
+        assert not any("/" in line.split()[-1] for line in setup["profile"] if "(" in line)  # no machine paths
+    assert record["setups"]["engine_offloaded"]["copies_per_token"] > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rounds=1), "at least 2 rounds"),
+    (dict(new_tokens=0), "--new-tokens"),
+    (dict(residency=1.0), "--residency"),
+    (dict(routing="psr_fast"), "not a configuration name"),
+])
+def test_bench_generate_config_names_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GenerateBenchConfig(**kwargs)
+
+
+def test_bench_generate_cli_prints_the_error_without_a_traceback(capsys):
+    assert main(["bench-generate", "--model", "tiny-moe", "--device", "cpu", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 2 rounds" in err and "Traceback" not in err

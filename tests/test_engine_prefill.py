@@ -1,0 +1,121 @@
+"""The engine's batched prefill (psr_hf/engine/prefill.py) against its token-by-token prefill (CPU, float32).
+
+The prompt runs as one block through the patched model's forward; per MoE layer the controller steps the logical
+cache through the positions in order, so every policy must make the token-by-token prefill's decisions at every
+prompt position and layer (resident and offloaded to CPU slots), count the same copies, leave the same routing state
+(the decode after it selects the same experts and generates the same tokens), and write the engine's KV cache with
+what its own steps write (within float noise: a block matmul against one-row matmuls). Next-token logits agree
+within 1e-4 of the largest |logit|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf import RoutingConfig
+from psr_hf.engine import Decoder, GraphDecoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
+
+MAX_LEN = 48
+NEW = 5
+LOGITS_TOL = 1e-4
+CONFIGS = {
+    "exact_lru": dict(policy="exact", eviction="lru", residency=0.5),
+    "exact_prefetch": dict(policy="exact", budget=2, residency=0.5),
+    "cache_prior": dict(policy="cache_prior", lam=0.3, eviction="lru", residency=0.5),
+    "cache_prior_running_topj": dict(policy="cache_prior", lam=0.3, top_j=1, delta_mode="running", residency=0.5),
+    "psr": dict(policy="psr", lam=0.3, budget=1, residency=0.5),
+    "psr_low_residency": dict(policy="psr", lam=0.2, budget=2, residency=0.25),
+    "spec": dict(policy="spec", residency=0.5),
+}
+
+
+def _long_prompt(case, name):
+    model, ids, calibration, _ = case(name)
+    if ids.shape[1] < 12:  # the random models' 8-id prompt, grown so the cache fills and evicts within it
+        ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(7))
+    return model, ids, calibration
+
+
+def _run(model, ids, decoder_class, batched):
+    """Greedy decode after a prefill: (sequences, per-token logits [n, V], recording, stats, KV rows per layer)."""
+    ctl = psr_hf.controller(model)
+    decoder = decoder_class(model, MAX_LEN) if decoder_class is Decoder else decoder_class(model, MAX_LEN,
+                                                                                             graphs=False)
+    S = ids.shape[1]
+    with ctl.record() as recorder:
+        first = decoder.prefill(ids, batched=batched).float().clone()
+        kv = [k[:S].clone() for k in decoder.layers.kv.keys]
+        sequences, logits = decoder.generate_greedy(ids, NEW, return_logits=True, batched=batched)
+    return first, sequences, logits, recorder.recordings, ctl.stats(), kv
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
+def test_batched_prefill_makes_the_token_by_token_decisions(engine_case, name, config, offloaded):
+    model, ids, calibration = _long_prompt(engine_case, name)
+    offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None
+    results = {}
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS[config]), calibration=calibration, offload=offload):
+        for batched in (False, True):
+            results[batched] = _run(model, ids, Decoder, batched)
+    (f0, seq0, log0, rec0, st0, kv0), (f1, seq1, log1, rec1, st1, kv1) = results[False], results[True]
+    assert _rel(f1, f0) < LOGITS_TOL  # the prompt's next-token logits
+    for a, b in zip(kv1, kv0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # two sequences each (the prefill alone, then the generation): the same decisions at every token and layer
+    assert len(rec0) == len(rec1) == 2
+    for a, b in zip(rec1, rec0):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.selected, b.selected)
+    torch.testing.assert_close(seq1, seq0, rtol=0, atol=0)
+    assert _rel(log1, log0) < LOGITS_TOL
+    for field in ("tokens", "prefetch_per_token", "demand_per_token", "replaced_per_token"):
+        np.testing.assert_array_equal(getattr(st1, field), getattr(st0, field), err_msg=field)
+
+
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_graph_decoder_batched_prefill_equals_its_token_by_token_prefill(engine_case, name):
+    model, ids, calibration = _long_prompt(engine_case, name)
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"]), calibration=calibration):
+        by_token = _run(model, ids, GraphDecoder, False)
+        batched = _run(model, ids, GraphDecoder, True)
+    assert _rel(batched[0], by_token[0]) < LOGITS_TOL
+    torch.testing.assert_close(batched[1], by_token[1], rtol=0, atol=0)
+    for a, b in zip(batched[3], by_token[3]):
+        np.testing.assert_array_equal(a.selected, b.selected)
+
+
+def test_a_prompt_longer_than_the_cache_is_refused_before_anything_runs(engine_case):
+    model, _, _ = _long_prompt(engine_case, "olmoe")
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"])):
+        decoder = Decoder(model, 8)
+        tokens_before = psr_hf.controller(model).stats().total["tokens"]
+        with pytest.raises(ValueError, match="max_len 8"):
+            decoder.prefill(list(range(3, 12)))
+        assert psr_hf.controller(model).stats().total["tokens"] == tokens_before
+        decoder.prefill(list(range(3, 11)))  # exactly max_len positions fit
+        assert decoder.position == 8
+
+
+def test_the_engine_continues_a_batched_prompt_where_the_patched_forward_left_it(engine_case):
+    """After the block the engine's steps continue the controller's sequence (no new sequence, one recording)."""
+    model, ids, calibration = _long_prompt(engine_case, "shipped")
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"]), calibration=calibration):
+        ctl = psr_hf.controller(model)
+        decoder = Decoder(model, MAX_LEN)
+        before = ctl.stats().total["sequences"]
+        decoder.prefill(ids)
+        for token in (5, 6, 7):
+            decoder.step(token)
+        assert ctl.stats().total["sequences"] == before + 1
+        assert ctl.stats().tokens[-1] == ids.shape[1] + 3
