@@ -119,3 +119,27 @@ def test_the_engine_continues_a_batched_prompt_where_the_patched_forward_left_it
             decoder.step(token)
         assert ctl.stats().total["sequences"] == before + 1
         assert ctl.stats().tokens[-1] == ids.shape[1] + 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_cuda_graphs_batched_prefill_makes_the_token_by_token_decisions(name, offloaded):
+    """float32 on the GPU, CUDA graphs replayed after the block: the same decisions and tokens."""
+    from psr_hf.testing import tiny_model
+
+    model = tiny_model(name).to("cuda")
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(7))
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    results = {}
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"]), offload=offload):
+        decoder = GraphDecoder(model, MAX_LEN, graphs=True)
+        ctl = psr_hf.controller(model)
+        for batched in (False, True):
+            with ctl.record() as recorder:
+                sequences, logits = decoder.generate_greedy(ids, NEW, return_logits=True, batched=batched)
+            results[batched] = (sequences, logits, recorder.recordings)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
+    assert _rel(results[True][1], results[False][1]) < LOGITS_TOL
+    np.testing.assert_array_equal(results[True][2][0].selected, results[False][2][0].selected)

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from psr_hf.hf.installation import CONTROLLER_ATTRIBUTE as _PATCH_ATTR
+from .prefill import ENGINE_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
-ENGINE_ATTRIBUTE = "_psr_hf_engine"  # the model's instance attribute holding its _Attachment while attached
 DEFAULT_MAX_LEN = 4096
 # arguments the engine understands; any other one with a value other than None / False is a reason to fall back
 _KNOWN = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position", "use_cache",

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from .generate import ENGINE_ATTRIBUTE
+#: the model's instance attribute holding the engine attached by :func:`psr_hf.engine.attach` (its ``_Attachment``)
+ENGINE_ATTRIBUTE = "_psr_hf_engine"
 
 
 def patched_forward(model: torch.nn.Module) -> Callable:

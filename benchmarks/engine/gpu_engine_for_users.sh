@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The engine where users meet it (issue "The engine where users meet it"), on the lent GPU, from the repository root:
+#   device run:  STAGE=generate bash benchmarks/engine/gpu_engine_for_users.sh
+#   device run:  STAGE=free bash benchmarks/engine/gpu_engine_for_users.sh
+#   device run:  STAGE=harness bash benchmarks/engine/gpu_engine_for_users.sh
+# generate: the cuda tests of the engine and the controller, then psr-hf bench-generate on grown-olmoe-routing
+#   (time to first token with the batched prefill, generate() against the engine's own step, the profile).
+# free: psr-hf bench-free (free-generation timing, the paper's Table 6) at 50% and 25%.
+# harness: lm-eval generate_until runs through the engine and through the harness for the Table 5 configurations,
+#   then psr-hf compare-implementations on them.
+set -uo pipefail
+START=$SECONDS
+source benchmarks/device_env.sh
+case "${STAGE:-generate}" in
+generate)
+  timeout 90 python3 -m psr_hf.cli warm-up 2>&1 | tail -1
+  timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider --continue-on-collection-errors \
+      tests/test_engine_graphs.py tests/test_engine_generate.py tests/test_engine_prefill.py tests/test_hf_cuda.py \
+      tests/test_offload_cuda.py tests/test_prefetch_runtime.py 2>&1 | tail -25 > "$OUT/cuda_tests.txt"
+  tail -3 "$OUT/cuda_tests.txt"
+  echo "tests done at $((SECONDS - START)) s"
+  timeout 300 python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing --rounds 3 --prompt-tokens 512 \
+      --new-tokens 64 --json "$OUT/bench_generate.json" 2>/dev/null | tee "$OUT/bench_generate.txt"
+  ;;
+free)
+  ${FREE_COMMAND:?set FREE_COMMAND}
+  ;;
+harness)
+  ${HARNESS_COMMAND:?set HARNESS_COMMAND}
+  ;;
+esac
+echo "done at $((SECONDS - START)) s"
