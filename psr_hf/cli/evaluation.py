@@ -1,5 +1,6 @@
 """lm-eval from the command line (docs/lm-eval.md): ``psr-hf compare`` (paired comparison of ``--log_samples``
-runs) and ``psr-hf eval`` (lm-eval itself, with ``--model psr_hf`` registered)."""
+runs; with ``--implementations``, engine runs against harness runs: docs/engine-vs-harness.md) and ``psr-hf eval``
+(lm-eval itself, with ``--model psr_hf`` registered)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,29 @@ from .options import add_json, add_seed
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("compare", help="paired comparison of lm-eval --log_samples runs with a reference: "
-                                              "points, McNemar, Holm (the paper's Tables 3-4)")
+                                              "points, McNemar, Holm (the paper's Tables 3-4); --implementations: "
+                                              "engine runs against harness runs (Table 5)")
     p.add_argument("runs", nargs="+", metavar="RUN",
-                   help="lm-eval --output_path directories (or LABEL=PATH); the first is the reference")
+                   help="lm-eval --output_path directories (or LABEL=PATH); the first is the reference; with "
+                        "--implementations, one harness and one engine run per configuration, both labelled with "
+                        "the configuration (without a label: its routing grid name from the model args)")
+    p.add_argument("--implementations", action="store_true",
+                   help="engine against harness (the paper's Table 5): per pair of configurations, the difference "
+                        "in the engine minus that in the harness, sign-flip tests, Holm; and per configuration the "
+                        "outcomes on which the two implementations differ. Engine runs have model arg engine=true")
+    p.add_argument("--baselines", metavar="CONFIG[,CONFIG...]",
+                   help="with --implementations: every configuration against each of these in turn, leaving out "
+                        "earlier baselines (default: the first configuration)")
+    p.add_argument("--pair", action="append", default=[], metavar="CONFIG:BASELINE",
+                   help="with --implementations: test CONFIG against BASELINE (repeat; instead of --baselines)")
     p.add_argument("--metric", action="append", default=[], metavar="TASK=METRIC[,FILTER]",
                    help="metric (and filter) of a task instead of the default; repeat for several (columns)")
     p.add_argument("--tasks", help="comma-separated tasks to compare (default: every task of the reference)")
     add_json(p)
     p.add_argument("--alpha", type=float, default=0.05, help="level of Holm's correction and of the dagger (0.05)")
-    p.add_argument("--permutations", type=int, default=100_000,
-                   help="sign-flip test (IFEval instruction level): exact when 2^k <= N, else N Monte Carlo draws")
+    p.add_argument("--permutations", type=int, default=None,
+                   help="sign-flip tests (IFEval instruction level; every test with --implementations): exact when "
+                        "2^k <= N, else N Monte Carlo draws (default 100000; 10000 with --implementations)")
     add_seed(p, "the Monte Carlo sign flips")
     p.set_defaults(func=compare)
 
@@ -34,21 +48,31 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_lm_eval)
 
 
-def compare(args: argparse.Namespace) -> int:
-    from ..eval.compare import compare_runs, load_run, parse_run_argument
-
-    if len(args.runs) < 2:
-        raise ValueError("give a reference run and at least one run to compare with it")
+def _metrics(specs: list[str]) -> dict[str, list[str]]:
     metrics: dict[str, list[str]] = {}
-    for spec in args.metric:
+    for spec in specs:
         task, sep, metric = spec.partition("=")
         if not (sep and task and metric):
             raise ValueError(f"--metric {spec}: expected TASK=METRIC or TASK=METRIC,FILTER")
         metrics.setdefault(task, []).append(metric)
+    return metrics
+
+
+def compare(args: argparse.Namespace) -> int:
+    from ..eval.compare import compare_runs, load_run, parse_run_argument
+
+    if args.implementations:
+        return compare_implementations(args)
+    if args.baselines or args.pair:
+        raise ValueError("--baselines and --pair pair configurations of --implementations; add --implementations")
+    if len(args.runs) < 2:
+        raise ValueError("give a reference run and at least one run to compare with it")
+    metrics = _metrics(args.metric)
     runs = [load_run(path, label) for label, path in map(parse_run_argument, args.runs)]
     tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
     comparison = compare_runs(runs[0], runs[1:], metrics=metrics, tasks=tasks, alpha=args.alpha,
-                              permutations=args.permutations, seed=args.seed)
+                              permutations=100_000 if args.permutations is None else args.permutations,
+                              seed=args.seed)
     print(comparison.to_markdown())
     units = {c.name: c.unit for c in comparison.columns}
     rows = []
@@ -61,6 +85,35 @@ def compare(args: argparse.Namespace) -> int:
     print(text_table(rows, ["run", "column", "n", "difference", "SE", "discordant ref/run", "test", "p", "p Holm"]))
     print("\ndiscordant: questions only the reference / only the run got right (clustered and other metrics: units "
           "where the reference / the run scored higher); n: paired units (IFE-I: prompts).")
+    if args.json:
+        write_json(args.json, comparison.to_dict(), ensure_ascii=False)
+    return 0
+
+
+def compare_implementations(args: argparse.Namespace) -> int:
+    """``psr-hf compare --implementations RUN...``: the engine's runs against the harness's (the paper's Table 5)."""
+    from ..eval.compare import parse_run_argument
+    from ..eval.implementations import compare_implementations as compare_engine_with_harness
+    from ..eval.implementations import load_implementation_run
+
+    if len(args.runs) < 2:
+        raise ValueError("give a harness run and an engine run of each configuration (LABEL=PATH, the same label "
+                         "for both)")
+    if args.pair and args.baselines:
+        raise ValueError("give --pair or --baselines, not both")
+    pairs = None
+    for spec in args.pair:
+        configuration, sep, baseline = spec.partition(":")
+        if not (sep and configuration and baseline):
+            raise ValueError(f"--pair {spec}: expected CONFIG:BASELINE")
+        pairs = (pairs or []) + [(configuration, baseline)]
+    baselines = [b for b in args.baselines.split(",") if b] if args.baselines else None
+    runs = [load_implementation_run(path, label) for label, path in map(parse_run_argument, args.runs)]
+    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
+    comparison = compare_engine_with_harness(
+        runs, pairs=pairs, baselines=baselines, metrics=_metrics(args.metric), tasks=tasks, alpha=args.alpha,
+        permutations=10_000 if args.permutations is None else args.permutations, seed=args.seed)
+    print(comparison.to_markdown())
     if args.json:
         write_json(args.json, comparison.to_dict(), ensure_ascii=False)
     return 0

@@ -9,6 +9,8 @@ every test of the table (bold: significant after it at ``alpha``; dagger: p < ``
 without a test stays out). The mean over tasks averages each task's first column in points with a normal interval
 that treats tasks as independent, as the paper does; perplexity-like columns are not in it. :class:`Comparison`
 gives the table (markdown, the paper's Tables 3-4) and the JSON record; :mod:`psr_hf.eval.lm_eval_runs` reads runs.
+:func:`paired_columns` (columns and pairing) and :func:`paired_statistic` (a column's test) are shared with
+:mod:`psr_hf.eval.implementations` (engine runs against harness runs).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from . import stats
 from .lm_eval_runs import Run, RunSummary, load_run, parse_run_argument
 
 # load_run and parse_run_argument are psr-hf compare's names for reading runs, kept importable from here
-__all__ = ["KINDS", "Cell", "Column", "Comparison", "MeanDifference", "compare_runs", "load_run",
-           "parse_run_argument"]
+__all__ = ["KINDS", "Cell", "Column", "Comparison", "MeanDifference", "PairedColumn", "as_run",
+           "check_test_settings", "column_score", "compare_runs", "format_difference", "format_score", "jsonable",
+           "load_run", "paired_columns", "paired_statistic", "parse_run_argument"]
 
 logger = logging.getLogger(__name__)
 
@@ -261,28 +264,31 @@ class MeanDifference:
     level: float
 
 
-def _fmt_signed(x: float, unit: str) -> str:
+def format_difference(x: float, unit: str) -> str:
+    """A signed difference as the tables print it: one decimal in points, 3 significant digits otherwise."""
     if not math.isfinite(x):
         return "n/a"
     text = f"{x:+.1f}" if unit == "points" else f"{x:+.3g}"
     return text[1:] if float(text) == 0 else text
 
 
-def _fmt_score(x: float, unit: str) -> str:
+def format_score(x: float, unit: str) -> str:
+    """A score as the tables print it: one decimal in points, 4 significant digits otherwise."""
     if not math.isfinite(x):
         return "n/a"
     return f"{x:.1f}" if unit == "points" else f"{x:.4g}"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` with NaN and infinities as None, numpy scalars as Python numbers and paths as strings."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (np.floating, np.integer, np.bool_)):
-        return _jsonable(value.item())
+        return jsonable(value.item())
     if isinstance(value, Path):
         return str(value)
     return value
@@ -324,15 +330,15 @@ class Comparison:
         header = ["run"] + [c.name for c in self.columns] + (["mean"] if in_mean else [])
         lines = ["| " + " | ".join(header) + " |", "|:--|" + "--:|" * (len(header) - 1)]
         ref_row = [f"{self.reference.label} (reference, score)"]
-        ref_row += [_fmt_score(self.reference_scores[c.name], c.unit) for c in self.columns]
+        ref_row += [format_score(self.reference_scores[c.name], c.unit) for c in self.columns]
         if in_mean:
-            ref_row.append(_fmt_score(float(np.mean([self.reference_scores[c.name] for c in in_mean])), "points"))
+            ref_row.append(format_score(float(np.mean([self.reference_scores[c.name] for c in in_mean])), "points"))
         lines.append("| " + " | ".join(ref_row) + " |")
         for run in self.runs:
             row = [run.label]
             for column in self.columns:
                 cell = self.cell(run.label, column.name)
-                text = _fmt_signed(cell.difference, column.unit)
+                text = format_difference(cell.difference, column.unit)
                 if cell.significant:
                     text = f"**{text}**"
                 elif cell.nominal:
@@ -340,7 +346,7 @@ class Comparison:
                 row.append(text)
             if in_mean:
                 m = self.mean(run.label)
-                row.append(f"{_fmt_signed(m.mean, 'points')} ± {(m.high - m.low) / 2:.1f}" if m else "n/a")
+                row.append(f"{format_difference(m.mean, 'points')} ± {(m.high - m.low) / 2:.1f}" if m else "n/a")
             lines.append("| " + " | ".join(row) + " |")
         tests = self.tests()
         legend = [f"Differences {', '.join(r.label for r in self.runs)} minus {self.reference.label} on identical "
@@ -380,27 +386,41 @@ class Comparison:
             "cells": [asdict(c) for c in self.cells],
             "means": [asdict(m) for m in self.means],
         }
-        return _jsonable(record)
+        return jsonable(record)
 
 
-def _as_run(run: str | Path | Run, pool_groups: bool) -> Run:
+def as_run(run: str | Path | Run, pool_groups: bool = True) -> Run:
+    """``run`` loaded by :func:`load_run` when it is a path; a :class:`Run` as it is."""
     return run if isinstance(run, Run) else load_run(run, pool_groups=pool_groups)
 
 
-def _reference_score(kind: str, values: Sequence[Any], metric: str) -> float:
-    """The run's own score on the column, as lm-eval aggregates it (before scaling)."""
-    if kind == "ratio":
+def check_test_settings(alpha: float, level: float, permutations: int) -> None:
+    """``ValueError`` naming the setting for an ``alpha`` or ``level`` outside (0, 1) or no permutations."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if permutations < 1:
+        raise ValueError(f"permutations must be positive, got {permutations}")
+
+
+def column_score(column: Column, values: Sequence[Any]) -> float:
+    """A run's own score on ``column`` from its ``values``, as lm-eval aggregates it, in the column's unit (points
+    for accuracies; perplexity, not nats, for ``ratio`` columns)."""
+    if column.kind == "ratio":
         ll = sum(float(v[0]) for v in values)
         count = sum(float(v[1]) for v in values)
         nll = -ll / count
-        return nll / math.log(2.0) if metric == "bits_per_byte" else math.exp(nll)
-    if kind == "clustered":
-        return sum(float(x) for v in values for x in v) / sum(len(v) for v in values)
-    return float(np.mean([float(v) for v in values]))
+        return nll / math.log(2.0) if column.metric == "bits_per_byte" else math.exp(nll)
+    if column.kind == "clustered":
+        score = sum(float(x) for v in values for x in v) / sum(len(v) for v in values)
+    else:
+        score = float(np.mean([float(v) for v in values]))
+    return score * (100.0 if column.unit == "points" else 1.0)
 
 
-def _paired_statistic(column: Column, keys: Sequence[tuple[str, int]], a: Sequence[Any], b: Sequence[Any],
-                      runs: str, permutations: int, seed: int) -> stats.PairedStatistic:
+def paired_statistic(column: Column, keys: Sequence[tuple[str, int]], a: Sequence[Any], b: Sequence[Any],
+                     runs: str, permutations: int, seed: int) -> stats.PairedStatistic:
     """The column's test of B's values ``b`` against A's ``a`` on the documents ``keys`` (in the metric's units)."""
     task = column.task
     if column.kind == "binary":
@@ -434,6 +454,79 @@ def _differing(ref_hashes: Mapping, hashes: Mapping, which: int) -> list[tuple[s
     return [k for k, h in ref_hashes.items() if h[which] and hashes[k][which] and h[which] != hashes[k][which]]
 
 
+def _normalised_metrics(metrics: Mapping[str, str | Sequence[str]] | None) -> dict[str, list[str]]:
+    return {t: ([s] if isinstance(s, str) else list(s)) for t, s in (metrics or {}).items()}
+
+
+@dataclass(frozen=True)
+class PairedColumn:
+    """One column's values in every run on the documents they all hold, in the order of ``keys``."""
+
+    column: Column
+    keys: tuple[tuple[str, int], ...]  # (leaf task, doc_id)
+    values: dict[str, tuple[Any, ...]]  # run label -> its values, the reference's included
+    prompt_mismatches: dict[str, int]  # run label -> documents whose prompt_hash differs from the reference's
+
+
+def paired_columns(reference: Run, runs: Sequence[Run], *,
+                   metrics: Mapping[str, str | Sequence[str]] | None = None,
+                   tasks: Sequence[str] | None = None) -> tuple[PairedColumn, ...]:
+    """The table's columns (see :func:`compare_runs` for ``metrics`` and ``tasks``) with every run's values,
+    paired with ``reference`` by (leaf task, ``doc_id``). Raises ``ValueError`` when the runs cannot be paired:
+    labels that repeat, a missing task or metric, other documents, a differing ``doc_hash``."""
+    labels = [reference.label] + [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"run labels must differ: {', '.join(labels)} (name them LABEL=PATH)")
+    metrics = _normalised_metrics(metrics)
+    table_tasks = list(reference.tasks) if tasks is None else list(dict.fromkeys(tasks))
+    unknown = [t for t in table_tasks if t not in reference.tasks] + [t for t in metrics if t not in reference.tasks]
+    if unknown:
+        raise ValueError(f"unknown task {unknown[0]!r}: tasks of {reference.label} are {', '.join(reference.tasks)}")
+    for run in runs if tasks is None else ():
+        extra = [t for t in run.tasks if t not in reference.tasks]
+        if extra:
+            logger.warning("%s: tasks not in the reference %s are ignored: %s", run.label, reference.label,
+                           ", ".join(extra))
+    short = _short_names(table_tasks)
+    table_tasks.sort(key=lambda t: (_ORDER.index(short[t]) if short[t] in _ORDER else len(_ORDER), t))
+    paired: list[PairedColumn] = []
+    for task in table_tasks:
+        choices = _metric_choices(reference, task, metrics.get(task))
+        for index, (metric, filter_) in enumerate(choices):
+            if metric in _IFEVAL_SUFFIXES:
+                name = short[task] + _IFEVAL_SUFFIXES[metric]
+            elif len(choices) == 1:
+                name = short[task]
+            else:
+                twice = sum(1 for m, _ in choices if m == metric) > 1
+                name = f"{short[task]} {metric}" + (f",{filter_}" if twice else "")
+            if any(p.column.name == name for p in paired):
+                raise ValueError(f"two columns are named {name}; check --metric")
+            ref_values, ref_hashes = _column_values(reference, task, metric, filter_)
+            keys = tuple(sorted(ref_values))
+            values = {reference.label: tuple(ref_values[k] for k in keys)}
+            mismatches: dict[str, int] = {}
+            for run in runs:
+                run_values, hashes = _column_values(run, task, metric, filter_)
+                _check_pairing(task, reference, run, ref_values, run_values, filter_)
+                changed = _differing(ref_hashes, hashes, 0)
+                if changed:
+                    raise ValueError(f"task {task}: {len(changed)} of {len(ref_values)} documents differ between "
+                                     f"{reference.label} and {run.label} (doc_hash, e.g. {changed[0][0]} document "
+                                     f"{changed[0][1]}); the runs evaluated different data")
+                prompts = len(_differing(ref_hashes, hashes, 1))
+                if prompts:
+                    logger.warning("task %s: %d of %d prompts differ between %s and %s (prompt_hash: chat template, "
+                                   "few-shot examples?)", task, prompts, len(ref_values), reference.label, run.label)
+                    mismatches[run.label] = prompts
+                values[run.label] = tuple(run_values[k] for k in keys)
+            kind, unit, scale = _kind(task, metric, [v for column in values.values() for v in column])
+            column = Column(name, task, metric, filter_, kind, unit, scale, index == 0 and unit == "points",
+                            tuple(reference.tasks[task]))
+            paired.append(PairedColumn(column, keys, values, mismatches))
+    return tuple(paired)
+
+
 def compare_runs(reference: str | Path | Run, runs: Sequence[str | Path | Run], *,
                  metrics: Mapping[str, str | Sequence[str]] | None = None, tasks: Sequence[str] | None = None,
                  alpha: float = 0.05, level: float = 0.95, permutations: int = 100_000, seed: int = 0,
@@ -449,75 +542,24 @@ def compare_runs(reference: str | Path | Run, runs: Sequence[str | Path | Run], 
     """
     if not runs:
         raise ValueError("compare needs a reference run and at least one run to compare with it")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if permutations < 1:
-        raise ValueError(f"permutations must be positive, got {permutations}")
-    ref = _as_run(reference, pool_groups)
-    others = [_as_run(r, pool_groups) for r in runs]
-    labels = [ref.label] + [r.label for r in others]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"run labels must differ: {', '.join(labels)} (name them LABEL=PATH)")
-    metrics = {t: ([s] if isinstance(s, str) else list(s)) for t, s in (metrics or {}).items()}
-    table_tasks = list(ref.tasks) if tasks is None else list(dict.fromkeys(tasks))
-    unknown = [t for t in table_tasks if t not in ref.tasks] + [t for t in metrics if t not in ref.tasks]
-    if unknown:
-        raise ValueError(f"unknown task {unknown[0]!r}: tasks of {ref.label} are {', '.join(ref.tasks)}")
-    for run in others if tasks is None else ():
-        extra = [t for t in run.tasks if t not in ref.tasks]
-        if extra:
-            logger.warning("%s: tasks not in the reference %s are ignored: %s", run.label, ref.label, ", ".join(extra))
-    short = _short_names(table_tasks)
-    table_tasks.sort(key=lambda t: (_ORDER.index(short[t]) if short[t] in _ORDER else len(_ORDER), t))
-
+    check_test_settings(alpha, level, permutations)
+    ref = as_run(reference, pool_groups)
+    others = [as_run(r, pool_groups) for r in runs]
     columns: list[Column] = []
     raw: list[tuple[Column, str, stats.PairedStatistic, int, float, float]] = []
     reference_scores: dict[str, float] = {}
-    for task in table_tasks:
-        choices = _metric_choices(ref, task, metrics.get(task))
-        for index, (metric, filter_) in enumerate(choices):
-            if metric in _IFEVAL_SUFFIXES:
-                name = short[task] + _IFEVAL_SUFFIXES[metric]
-            elif len(choices) == 1:
-                name = short[task]
-            else:
-                twice = sum(1 for m, _ in choices if m == metric) > 1
-                name = f"{short[task]} {metric}" + (f",{filter_}" if twice else "")
-            ref_values, ref_hashes = _column_values(ref, task, metric, filter_)
-            run_values = []
-            for run in others:
-                values, hashes = _column_values(run, task, metric, filter_)
-                _check_pairing(task, ref, run, ref_values, values, filter_)
-                changed = _differing(ref_hashes, hashes, 0)
-                if changed:
-                    raise ValueError(f"task {task}: {len(changed)} of {len(ref_values)} documents differ between "
-                                     f"{ref.label} and {run.label} (doc_hash, e.g. {changed[0][0]} document "
-                                     f"{changed[0][1]}); the runs evaluated different data")
-                prompts = len(_differing(ref_hashes, hashes, 1))
-                if prompts:
-                    logger.warning("task %s: %d of %d prompts differ between %s and %s (prompt_hash: chat template, "
-                                   "few-shot examples?)", task, prompts, len(ref_values), ref.label, run.label)
-                run_values.append((run, values, prompts))
-            keys = sorted(ref_values)
-            kind, unit, scale = _kind(task, metric, [ref_values[k] for k in keys]
-                                      + [v[k] for _, v, _ in run_values for k in keys])
-            column = Column(name, task, metric, filter_, kind, unit, scale, index == 0 and unit == "points",
-                            tuple(ref.tasks[task]))
-            if any(c.name == name for c in columns):
-                raise ValueError(f"two columns are named {name}; check --metric")
-            columns.append(column)
-            ref_score = _reference_score(kind, [ref_values[k] for k in keys], metric)
-            reference_scores[name] = ref_score * (100.0 if unit == "points" else 1.0)
-            for run, values, prompts in run_values:
-                a = [ref_values[k] for k in keys]
-                b = [values[k] for k in keys]
-                stat = _paired_statistic(column, keys, a, b, f"{ref.label} and {run.label}", permutations, seed)
-                if prompts:
-                    stat = replace(stat, details={**stat.details, "prompt_hash_mismatches": prompts})
-                raw.append((column, run.label, stat, len(keys), reference_scores[name],
-                            _reference_score(kind, b, metric) * (100.0 if unit == "points" else 1.0)))
+    for paired in paired_columns(ref, others, metrics=metrics, tasks=tasks):
+        column, keys = paired.column, paired.keys
+        columns.append(column)
+        a = paired.values[ref.label]
+        reference_scores[column.name] = column_score(column, a)
+        for run in others:
+            b = paired.values[run.label]
+            stat = paired_statistic(column, keys, a, b, f"{ref.label} and {run.label}", permutations, seed)
+            if run.label in paired.prompt_mismatches:
+                stat = replace(stat, details={**stat.details,
+                                              "prompt_hash_mismatches": paired.prompt_mismatches[run.label]})
+            raw.append((column, run.label, stat, len(keys), reference_scores[column.name], column_score(column, b)))
 
     family = stats.holm([stat.p for _, _, stat, *_ in raw], alpha)
     cells = []
