@@ -112,3 +112,10 @@ def test_the_comparison_and_the_benchmarks_get_one_t_test_for_the_same_differenc
         assert timed.p == pytest.approx(expected.p, rel=1e-9)
         assert scores.p == nll.p == expected.p and scores.statistic == expected.statistic
         assert "no_test" not in scores.details
+
+
+def test_sign_flip_with_one_nonzero_difference_is_exact_and_not_significant():
+    from psr_hf.eval.stats import sign_flip_test
+
+    result = sign_flip_test([0.0, 0.0, 3.0, 0.0])
+    assert (result.p, result.method, result.resamples) == (1.0, "exact", 2)
