@@ -7,6 +7,9 @@
   :mod:`.accelerate_baseline` (the models the rows run on), :mod:`.decode` (the decode loops), :mod:`.summary` (a
   row's record), :mod:`.goals` (ratios and goals), :mod:`.report` (its text), :mod:`.plot` (its figure);
 - :mod:`.sweep` (``psr-hf sweep``) and :mod:`.frontier` (its Pareto front, Figure 1, Table 2, orderings);
+- :mod:`.generate_latency` (``psr-hf bench-generate``): time to first token and decode of ``generate()``;
+- free generation (``psr-hf bench-free-generation``, Table 6): :mod:`.free_generation`, :mod:`.free_generation_timing`,
+  :mod:`.free_generation_stats`, :mod:`.free_generation_report`, over the prompt sets of :mod:`.prompt_sets`;
 - :mod:`.common` (what they share) and :mod:`.workloads` (the seeded prompts of the ``generate()`` benchmarks;
   the models and text windows come from :mod:`psr_hf.assets.loading` and :mod:`psr_hf.assets.texts`).
 
