@@ -11,6 +11,8 @@ lm-eval imports this file through the ``!function utils.NAME`` tags of the YAML 
 - ``psr_mmlu_exemplars``: the MMLU few-shot exemplars that lm-eval ships inline with its chain-of-thought MMLU
   prompts (``lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json``), parsed into questions, options and answers.
 - ``psr_heldout_ppl``: Volume I of Jane Austen's *Persuasion* (public domain), shipped in ``psr_hf/assets``.
+- ``psr_heldout_continuation``: greedy continuations of windows of the same text, scored against the text that
+  follows (:func:`heldout_continuations`, :func:`continuation_process_results`); no code runs.
 
 lm-eval calls ``custom_dataset`` with the task's ``metadata`` and ``dataset_kwargs`` as keyword arguments (model
 arguments included when the task manager was built by ``simple_evaluate``), so the loaders accept ``**_``.
@@ -136,6 +138,87 @@ def heldout_chapters(path: Path = HELDOUT_TEXT) -> list[dict[str, Any]]:
 def load_heldout(**_: Any):
     """Volume I of *Persuasion* (``psr_hf/assets/persuasion_vol1.txt``), one document per chapter."""
     return _dataset(heldout_chapters())
+
+
+# ---------------------------------------------------------------------------------------------- continuation
+# Each document cuts a chapter a few words before the end of one of its paragraphs (each paragraph is one line):
+# the prompt is the PROMPT_WORDS words before the cut, the target the TARGET_WORDS words after it, the rest of the
+# paragraph and the start of the next one, so a continuation has to end a paragraph and begin another.
+CONTINUATION_PER_CHAPTER = 5
+CONTINUATION_PROMPT_WORDS = 96
+CONTINUATION_TARGET_WORDS = 48
+CONTINUATION_SCORED_WORDS = 16  # continuation_lcs reads the first 16 words of the reference and of the generation
+CONTINUATION_MIN_PARAGRAPH_WORDS = 12
+
+
+def heldout_continuations(path: Path = HELDOUT_TEXT) -> list[dict[str, Any]]:
+    """The continuation documents of the held-out text: per chapter, :data:`CONTINUATION_PER_CHAPTER` paragraphs
+    of at least :data:`CONTINUATION_MIN_PARAGRAPH_WORDS` words, evenly spaced over the chapter's candidates, each
+    cut 4-8 words before its end (4 + its number in the chapter). ``prompt``: the text of the
+    :data:`CONTINUATION_PROMPT_WORDS` words before the cut (inside the chapter, heading excluded), ending in a word;
+    ``target``: the text of the :data:`CONTINUATION_TARGET_WORDS` words after it (fewer at the chapter's end),
+    starting with the whitespace before them; ``rest_of_paragraph``: the number of the target's words before the
+    paragraph ends. Deterministic: the same 60 documents on every machine."""
+    rows = []
+    for chapter in heldout_chapters(path):
+        text = chapter["text"]
+        words = list(re.finditer(r"\S+", text))
+        heading_words = len(chapter["title"].split())
+        # index of the last word of every paragraph (a paragraph ends where a blank line or the text ends)
+        ends = [i for i, w in enumerate(words) if i + 1 == len(words) or "\n" in text[w.end():words[i + 1].start()]]
+        starts = [0] + [i + 1 for i in ends[:-1]]
+        candidates = []
+        for first, last in zip(starts, ends):
+            if last - first + 1 < CONTINUATION_MIN_PARAGRAPH_WORDS:
+                continue
+            if last + 1 - 8 - CONTINUATION_PROMPT_WORDS < heading_words:  # the prompt must fit after the heading
+                continue
+            if last + 1 - 4 + CONTINUATION_SCORED_WORDS > len(words):  # the scored words must exist
+                continue
+            candidates.append(last)
+        if len(candidates) < CONTINUATION_PER_CHAPTER:
+            raise ValueError(f"{path}: {chapter['title']} has only {len(candidates)} paragraphs to continue")
+        for k in range(CONTINUATION_PER_CHAPTER):
+            last = candidates[(2 * k + 1) * len(candidates) // (2 * CONTINUATION_PER_CHAPTER)]
+            cut = last + 1 - (4 + k)  # index of the first word of the target
+            prompt_start = words[cut - CONTINUATION_PROMPT_WORDS].start()
+            target_end = words[min(cut + CONTINUATION_TARGET_WORDS, len(words)) - 1].end()
+            rows.append({
+                "id": f"{chapter['title']}/{k}",
+                "prompt": text[prompt_start:words[cut - 1].end()],
+                "target": text[words[cut - 1].end():target_end],
+                "rest_of_paragraph": last + 1 - cut,
+            })
+    return rows
+
+
+def load_heldout_continuation(**_: Any):
+    """The continuation documents of :func:`heldout_continuations` as the ``test`` split."""
+    return _dataset(heldout_continuations())
+
+
+def words_in_order(generated: str, reference: str, n: int = CONTINUATION_SCORED_WORDS) -> float:
+    """The share of the first ``n`` words of ``reference`` that the first ``n`` words of ``generated`` reproduce in
+    order: their longest common subsequence (words split at whitespace, compared exactly) over ``n``; in [0, 1]."""
+    ref, gen = reference.split()[:n], generated.split()[:n]
+    if not ref:
+        raise ValueError("words_in_order: the reference has no words")
+    previous = [0] * (len(gen) + 1)
+    for r in ref:
+        current = [0]
+        for j, g in enumerate(gen):
+            current.append(previous[j] + 1 if r == g else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1] / n
+
+
+def continuation_process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
+    """lm-eval ``process_results`` of one greedy continuation: ``continuation_lcs`` (:func:`words_in_order` of
+    the generation against the target) and ``next_word`` (1 when the generation's first word is the target's,
+    compared exactly)."""
+    generated, target = results[0].split(), doc["target"].split()
+    return {"continuation_lcs": words_in_order(results[0], doc["target"]),
+            "next_word": float(bool(generated) and generated[0] == target[0])}
 
 
 # ---------------------------------------------------------------------------------------------- HumanEval

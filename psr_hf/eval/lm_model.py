@@ -11,6 +11,10 @@ cache, reset at every request, and padding never touches the routing state, so a
 decisions at every batch size. ``@register_model("psr_hf")`` below registers the class, and the start-up hook
 (:mod:`psr_hf.eval.lm_eval_hook`) a lazy placeholder before it, so ``lm-eval --model psr_hf`` finds it and
 processes that never use lm-eval import nothing of psr_hf.
+
+With ``engine=true`` the engine (:func:`psr_hf.engine.attach`) serves the ``generate_until`` requests at batch 1
+(CUDA graphs on a GPU, the eager decoder on the CPU); the loglikelihood requests stay on the batched transformers
+path (docs/lm-eval.md, "Generating on the engine").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..assets import calibration_beside, resolve_model
+from ..assets.loading import GROWN
 from ..hf.patching import controller, patch
 from ..offload.config import OffloadConfig
 from ..policy.config import RoutingConfig
@@ -36,7 +41,16 @@ from ..policy.config import RoutingConfig
 logger = logging.getLogger("lm_eval.models.psr_hf")
 
 ROUTING_ARGS = tuple(field.name for field in dataclasses.fields(RoutingConfig))
-PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor")
+PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor", "engine", "engine_max_len")
+# HFLM args the engine cannot serve: it needs the whole model's own weights on one device, computed in their dtype
+_ENGINE_EXCLUDES = {
+    "parallelize": "the engine runs every layer on one device; drop parallelize=True",
+    "tp_plan": "the engine runs every layer on one device; drop tp_plan",
+    "peft": "the engine reads the model's own weights and would ignore the adapter; merge it into the weights first",
+    "autogptq": "the engine needs unquantized weights",
+    "gptqmodel": "the engine needs unquantized weights",
+    "mixed_precision_dtype": "the engine computes in the weights' dtype; load them in it with dtype= instead",
+}
 
 
 def _hflm_args() -> list[str]:
@@ -145,17 +159,70 @@ def _key(tokens: list[int]) -> tuple[int, int]:
     return end, hash(tuple(tokens[:end]))
 
 
+def grown_model(name: str, device: Any, dtype: Any, calibration: str | None) -> tuple[Any, Any, str | None]:
+    """``(model, tokenizer, calibration file)`` of a grown model's name (``grown-olmoe-routing``,
+    :data:`psr_hf.assets.loading.GROWN`): its shipped small trained model grown exactly to the real model's
+    dimensions on ``device`` (default: the GPU if there is one) in ``dtype`` (``auto`` or None: bfloat16 on a GPU,
+    float32 on the CPU), with the small model's tokenizer and, unless ``calibration`` names one, its calibration
+    (growing leaves the routing unchanged). Built in memory, never written to disk."""
+    from ..assets.grow import grow, target_by_name
+    from ..assets.loading import load_model
+
+    small_name, preset = GROWN[name]
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype in (None, "auto"):
+        dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    elif not isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, str(dtype), None)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"psr_hf model arg dtype of pretrained={name}: give float32, bfloat16 or float16 (or auto)")
+    small, tokenizer, info = load_model(small_name, "cpu")
+    model = grow(small, target_by_name(preset), device=target, dtype=dtype).eval()
+    logger.info("psr_hf: %s: %s grown to %s's dimensions on %s (%s)", name, small_name, preset, target, model.dtype)
+    return model, tokenizer, calibration or info.get("calibration_file")
+
+
+def check_engine_args(engine: Any, engine_max_len: Any, kwargs: Mapping[str, Any]) -> bool:
+    """``engine`` as a bool; ``ValueError`` naming the problem for a value that is not true/false, for
+    ``engine_max_len`` that is not a positive int or comes without ``engine=true``, and for an lm-eval arg the
+    engine cannot serve (:data:`_ENGINE_EXCLUDES`)."""
+    if engine is None:
+        engine = False
+    if not isinstance(engine, bool):
+        raise ValueError(f"psr_hf model arg engine={engine!r} must be true or false")
+    if engine_max_len is not None:
+        if not engine:
+            raise ValueError("psr_hf model arg engine_max_len is used only with engine=true")
+        if isinstance(engine_max_len, bool) or not isinstance(engine_max_len, int) or engine_max_len < 1:
+            raise ValueError(f"psr_hf model arg engine_max_len={engine_max_len!r} must be a positive int (positions "
+                             "of the engine's KV cache: the longest prompt plus its generated tokens)")
+    if engine:
+        for name, why in _ENGINE_EXCLUDES.items():
+            if kwargs.get(name) not in (None, False, ""):
+                raise ValueError(f"psr_hf model args engine=true and {name}={kwargs[name]!r} exclude each other: {why}")
+    return engine
+
+
+def _check_engine_family(model_type: str | None) -> None:
+    """``ValueError`` before loading when the engine has no layers for ``model_type`` (hybrid attention models)."""
+    from ..engine.layers import HYBRID_MODEL_TYPES
+
+    if model_type in HYBRID_MODEL_TYPES:
+        raise ValueError(f"psr_hf model arg engine=true: the engine does not support {model_type!r} (hybrid linear "
+                         "attention); drop engine=true, and the generations run on the transformers path")
+
+
 @register_model("psr_hf")
 class PSRLM(HFLM):
     """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (docs/lm-eval.md).
 
-    Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``; :meth:`routing_stats` gives the
-    statistics so far.
+    Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``, ``engine`` (the attached engine
+    with ``engine=true``, else None); :meth:`routing_stats` gives the statistics so far.
     """
 
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
                  offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
-                 **kwargs: Any) -> None:
+                 engine: bool = False, engine_max_len: int | None = None, **kwargs: Any) -> None:
         """``pretrained`` and psr_hf's own args (:data:`PSR_ARGS`, docs/lm-eval.md); ``kwargs``: the routing fields,
         and the rest goes to ``HFLM.__init__``. As in lm-eval's ``steered`` model, the values arrive already typed
         by lm-eval's parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int,
@@ -167,6 +234,7 @@ class PSRLM(HFLM):
                              "classes only, and the hub's remote code would run before that could be checked; drop "
                              "trust_remote_code (transformers has native OLMoE, DeepSeek-V3/Moonlight, Qwen3.5-MoE "
                              "and Qwen3-Next)")
+        use_engine = check_engine_args(engine, engine_max_len, kwargs)
         fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
         routing = routing_config(fields, config)
         predictor_path = _existing_file("predictor", predictor)
@@ -178,8 +246,19 @@ class PSRLM(HFLM):
             from ..prefetch.predictor import Predictor
 
             loaded_predictor = Predictor.load(predictor_path)  # a file that is no predictor fails before loading
-        pretrained, calibration = model_and_calibration(pretrained, calibration)
         offload = offload_config(offload, max_in_flight)
+        if isinstance(pretrained, str) and pretrained in GROWN:
+            if kwargs.get("tokenizer") is not None or kwargs.get("parallelize"):
+                raise ValueError(f"psr_hf model arg pretrained={pretrained} (built in memory, with its own "
+                                 "tokenizer on one device) takes neither tokenizer= nor parallelize=True")
+            calibration = _existing_file("calibration", calibration)
+            device = offload.device if offload is not None else kwargs.get("device")
+            pretrained, kwargs["tokenizer"], calibration = grown_model(pretrained, device, kwargs.pop("dtype", None),
+                                                                       calibration)
+        else:
+            if use_engine and isinstance(pretrained, (str, Path)):
+                _check_engine_family(resolve_model(pretrained).model_type)
+            pretrained, calibration = model_and_calibration(pretrained, calibration)
         self._psr_offload = offload
         if offload is not None:
             if kwargs.get("parallelize"):
@@ -202,6 +281,61 @@ class PSRLM(HFLM):
             logger.info("psr_hf: %s", ctl.memory())
         logger.info("psr_hf: %s routing, capacity %d of %d experts in %d MoE layers (top-%d), calibration %s",
                     routing.policy, ctl.capacity, ctl.num_experts, ctl.num_layers, ctl.top_k, calibration)
+        self.engine = self._attach_engine(engine_max_len) if use_engine else None
+        self._engine_generations = 0  # generate() calls of generate_until
+        self._engine_generation_fallbacks = 0  # their forward calls that ran on the transformers path
+        self._engine_fallback_reported = False
+
+    # ------------------------------------------------------------------ the engine
+    def _attach_engine(self, max_len: int | None) -> Any:
+        """Attach the engine to the patched model: its KV cache holds ``max_len`` positions, default the harness's
+        ``max_length`` (every generation request fits: lm-eval cuts the prompt to ``max_length - max_gen_toks``)
+        capped at the engine's default of 4096; a longer sequence continues on the transformers path, which
+        :meth:`generate_until` reports."""
+        from ..engine.generate import DEFAULT_MAX_LEN, attach, attached
+
+        if max_len is None:
+            max_len = min(int(self.max_length), DEFAULT_MAX_LEN)
+        try:
+            attach(self.model, max_len=max_len)
+        except ValueError as exc:
+            raise ValueError(f"psr_hf model arg engine=true: {exc}") from None
+        state = attached(self.model)
+        if max_len < self.max_length:
+            logger.warning("psr_hf: the engine's KV cache holds %d positions, the harness's max_length is %d: a "
+                           "generation longer than %d tokens (prompt and new tokens) continues on the transformers "
+                           "path (engine_max_len= raises it)", max_len, self.max_length, max_len)
+        if self.batch_size_per_gpu != 1:
+            logger.info("psr_hf: engine=true generates at batch 1; batch_size=%s applies to the loglikelihood "
+                        "requests", self.batch_size_per_gpu)
+        logger.info("psr_hf: the engine (%s, KV cache of %d positions) serves the generate_until requests",
+                    type(state.decoder).__name__, max_len)
+        return state
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list:
+        if self.engine is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        # one request per generate() call: a single row without padding, which the engine serves
+        batch_size, self.batch_size_per_gpu = self.batch_size_per_gpu, 1
+        fallbacks, reasons = self.engine.fallbacks, set(self.engine.logged)
+        try:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.batch_size_per_gpu = batch_size
+            missed = self.engine.fallbacks - fallbacks
+            self._engine_generation_fallbacks += missed
+            if missed and not self._engine_fallback_reported:
+                self._engine_fallback_reported = True
+                logger.warning("psr_hf: %d forward calls of the generations ran on the transformers path instead of "
+                               "the engine (%s); the results count them in config.psr_hf.engine.generation_fallbacks",
+                               missed, "; ".join(sorted(self.engine.logged - reasons)) or "see the log of "
+                               "psr_hf.engine.generate")
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+                        ) -> torch.Tensor:
+        if self.engine is not None:
+            self._engine_generations += 1
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def _get_accelerate_args(self, *args: Any, **kwargs: Any) -> dict:
         if self._psr_offload is not None:  # the model loads on the host (data parallel included)
@@ -247,10 +381,18 @@ class PSRLM(HFLM):
     def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     labels: torch.Tensor | None = None) -> torch.Tensor:
         lengths = self._real_lengths(inps) if attn_mask is None else None
-        if lengths is None:
-            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
-        with controller(self.model).right_padded(lengths):
-            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        with contextlib.nullcontext() if lengths is None else controller(self.model).right_padded(lengths):
+            if self.engine is None or attn_mask is not None:
+                return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+            return self._harness_call(inps)
+
+    def _harness_call(self, inps: torch.Tensor) -> torch.Tensor:
+        """HFLM's forward of the loglikelihood requests, with ``use_cache=False``: they need every position's logits
+        and no cache, so the engine serves none of them, a one-token row included (the engine's wrapper passes the
+        call to the patched transformers forward and drops the sequence it held)."""
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            return self.model(inps, use_cache=False).logits
 
     def _detect_batch_size(self, requests: Any = None, pos: int = 0) -> int:
         # batch_size=auto probes memory with batches of ones: route them with the model's own routers, so the
@@ -273,7 +415,21 @@ class PSRLM(HFLM):
             "stats": ctl.stats().total,
             **({} if ctl.offload is None else {"offload": ctl.stats().offload.to_dict(),
                                                 "memory": ctl.memory().to_dict()}),
+            "engine": self.engine_stats(),
         }
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        """None without ``engine=true``; else which implementation generated: the decoder (``Decoder``: eager,
+        ``GraphDecoder``: CUDA graphs) and its KV cache positions (``max_len``), the ``generate()`` calls of the
+        generation requests, the forward calls the engine ``served``, every forward that ran on the transformers
+        path (``fallbacks``: the loglikelihood batches too), those of the generations (``generation_fallbacks``:
+        0 when the engine generated everything) and the engine's reasons for them."""
+        if self.engine is None:
+            return None
+        return {"decoder": type(self.engine.decoder).__name__, "max_len": self.engine.max_len,
+                "generate_calls": self._engine_generations, "served": self.engine.served,
+                "fallbacks": self.engine.fallbacks, "generation_fallbacks": self._engine_generation_fallbacks,
+                "fallback_reasons": sorted(self.engine.logged)}
 
     def get_model_info(self) -> dict:
         """HFLM's model info plus ``psr_hf``: :meth:`routing_stats` (lm-eval stores it in the results JSON under
@@ -285,4 +441,9 @@ class PSRLM(HFLM):
                     "prefetch), %.3f replaced per token, displaced mass %.4f", s["tokens"], s["sequences"],
                     s["copies_per_token"], s["demand_per_token"], s["prefetch_per_token"],
                     s["replaced_per_token"], s["displaced_mass"])
+        e = info["psr_hf"]["engine"]
+        if e is not None:
+            logger.info("psr_hf engine: %d generate() calls, %d forward calls served by the engine (%s), %d of the "
+                        "generations' forward calls on the transformers path", e["generate_calls"], e["served"],
+                        e["decoder"], e["generation_fallbacks"])
         return info
