@@ -6,6 +6,12 @@
 #   CONFIGS="exact_lru_res50 cp_lam0.2_res50" bash benchmarks/eval/engine_vs_harness.sh
 # One tarball comes back: $OUT/engine_vs_harness.tgz (RUN_harness/, RUN_engine/ and their logs), rewritten after
 # every configuration. LIMIT=N runs the first N documents.
+# .lm_eval_wheels is not committed; make it where these install:
+#   pip download --no-deps -d .lm_eval_wheels lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.0 \
+#     multiprocess==0.70.18 more-itertools==11.2.1 pytablewriter==1.2.1 dataproperty==1.1.1 mbstrdecoder==1.1.5 \
+#     tabledata==1.3.5 typepy==1.3.5 tcolorpy==0.1.7 pathvalidate==3.3.1 chardet==5.2.0 pytz==2026.6
+# (the run recorded here used an lm-eval wheel with its bundled task folders removed, 2.3 MB in all, to stay within
+# the device tree's limit; only the include-path task runs)
 set -uo pipefail
 START=$SECONDS
 MODEL=${MODEL:-grown-olmoe-routing}
