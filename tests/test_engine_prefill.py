@@ -143,3 +143,21 @@ def test_cuda_graphs_batched_prefill_makes_the_token_by_token_decisions(name, of
     torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
     assert _rel(results[True][1], results[False][1]) < LOGITS_TOL
     np.testing.assert_array_equal(results[True][2][0].selected, results[False][2][0].selected)
+
+
+def test_a_family_without_prompt_kv_prefills_token_by_token(engine_case, monkeypatch):
+    """A family that does not write the KV rows of a block keeps the token-by-token prefill; asking for the batched
+    one says what is missing."""
+    from psr_hf.engine.families.olmoe import OlmoeLayers
+    from psr_hf.engine.layers import DecodeLayers
+
+    model, ids, _ = _long_prompt(engine_case, "olmoe")
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"])):
+        batched = Decoder(model, MAX_LEN).prefill(ids).clone()
+        monkeypatch.setattr(OlmoeLayers, "_prompt_kv", DecodeLayers._prompt_kv)
+        decoder = Decoder(model, MAX_LEN)
+        assert not decoder.layers.batched_prefill
+        by_token = decoder.prefill(ids)
+        with pytest.raises(ValueError, match="define no _prompt_kv"):
+            decoder.prefill(ids, batched=True)
+    assert _rel(by_token.float(), batched.float()) < LOGITS_TOL

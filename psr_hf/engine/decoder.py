@@ -85,16 +85,20 @@ class DecoderBase(abc.ABC):
     @torch.no_grad()
     def prefill(self, input_ids: Any, *, batched: bool | None = None) -> torch.Tensor:
         """Start a new sequence with the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) and return the last
-        position's ``[1, V]`` logits buffer. ``batched`` (default: for more than one token) runs the prompt as one
+        position's ``[1, V]`` logits buffer. ``batched`` (default: for more than one token, where the family writes
+        the KV rows of a block: ``layers.batched_prefill``) runs the prompt as one
         block through the patched model's forward, filling the engine's KV cache on the way
         (:mod:`psr_hf.engine.prefill`): the same routing decisions as ``batched=False``, which runs :meth:`step`
         token by token."""
         ids = _token_list(input_ids)
         if not ids:
             raise ValueError("prefill needs at least one token")
-        self.reset()
         if batched is None:
-            batched = len(ids) > 1
+            batched = len(ids) > 1 and self.layers.batched_prefill
+        elif batched and not self.layers.batched_prefill:
+            raise ValueError(f"prefill(batched=True): the {self.layers.model_type} engine layers define no "
+                             "_prompt_kv (the KV rows of a prompt block); use batched=False")
+        self.reset()
         if not batched:
             logits = None
             for token in ids:

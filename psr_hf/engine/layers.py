@@ -316,11 +316,17 @@ class DecodeLayers(abc.ABC):
     def _cache(self, layer: int) -> tuple:
         """The KV cache tensors the family's attention function takes after the position (one layer's)."""
 
-    @abc.abstractmethod
     def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The KV rows of a block of positions: ``(keys, values or None)`` in the cache's layout ``[S, ...]``, from
         the normed attention input ``x [S, H]`` at ``positions [S]`` (what the attention function writes for one
-        token)."""
+        token). A family that does not define it prefills token by token (:attr:`batched_prefill`)."""
+        raise NotImplementedError(f"the {self.model_type} engine layers define no _prompt_kv: no batched prefill")
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether this family writes the KV rows of a prompt block (:meth:`_prompt_kv`), so that a prompt can
+        run as one block (:mod:`psr_hf.engine.prefill`)."""
+        return type(self)._prompt_kv is not DecodeLayers._prompt_kv
 
     @torch.no_grad()
     def write_prompt_kv(self, layer: int, x: torch.Tensor, start: int) -> None:
