@@ -367,20 +367,8 @@ def test_cli_pair_option_and_errors_exit_with_code_2(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- real lm-eval
-def _engine_model_arg() -> bool:
-    from psr_hf.eval.lm_model import check_args
-
-    try:
-        check_args(["engine"])
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.mark.slow
 def test_real_lm_eval_engine_and_harness_runs_agree_in_float32_on_the_cpu(tmp_path):
-    if not _engine_model_arg():
-        pytest.skip("the psr_hf lm-eval model has no engine model arg yet")
     data, tasks = tmp_path / "data", tmp_path / "tasks"
     data.mkdir()
     tasks.mkdir()
