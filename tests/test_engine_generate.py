@@ -89,6 +89,7 @@ def test_greedy_equals_the_hf_path_with_the_same_routing(shipped, policy):
     assert ours[0].shape[1] == ids.shape[1] + NEW
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
     assert state.served == NEW and state.fallbacks == 0  # the prompt, then every decode step but the last
+    assert state.loop_calls == 1  # decoded by the engine's own loop
     _same_routing(hf, ours)
     if policy is PSR:
         assert ours[2].total["replaced_per_token"] > 0
@@ -98,7 +99,84 @@ def test_sampling_with_one_seed_draws_the_same_tokens(shipped):
     model, _, calibration, ids = shipped
     hf, ours, state = _both(model, ids, PSR, calibration, seed=1234, max_new_tokens=NEW, do_sample=True, top_k=20)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
-    assert state.served == NEW
+    assert state.served == NEW and state.loop_calls == 1
+
+
+class _Collect:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+class _StopAfter:
+    """A stopping criterion transformers does not know: stop once the sequence has ``length`` tokens."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_the_engine_loop_runs_transformers_processors_criteria_and_streamer(shipped, sample):
+    """generate()'s logits processors (repetition penalty, n-gram ban, minimum length, temperature, top-p), a
+    stopping criterion of the user's and a streamer: the engine's loop gives what transformers' loop gives."""
+    from transformers import StoppingCriteriaList
+
+    model, _, calibration, ids = shipped
+    streams = []
+
+    def run(**extra):
+        streams.append(_Collect())
+        return dict(streamer=streams[-1], **extra)
+
+    kwargs = dict(max_new_tokens=NEW, do_sample=sample, repetition_penalty=1.3, no_repeat_ngram_size=2,
+                  min_new_tokens=3, output_scores=True, output_logits=True, return_dict_in_generate=True)
+    if sample:
+        kwargs.update(temperature=0.7, top_p=0.9)
+    stop = ids.shape[1] + NEW - 4
+    with _patched(model, PSR, calibration) as _:
+        engine.detach(model)
+        hf = _generate(model, ids, 7, stopping_criteria=StoppingCriteriaList([_StopAfter(stop)]), **run(**kwargs))
+        engine.attach(model)
+        state = engine.attached(model)
+        ours = _generate(model, ids, 7, stopping_criteria=StoppingCriteriaList([_StopAfter(stop)]), **run(**kwargs))
+    assert state.loop_calls == 1
+    torch.testing.assert_close(ours[0].sequences, hf[0].sequences, rtol=0, atol=0)
+    assert ours[0].sequences.shape[1] == stop
+    for field in ("scores", "logits"):
+        a, b = getattr(ours[0], field), getattr(hf[0], field)
+        assert len(a) == len(b) == stop - ids.shape[1]
+        for x, y in zip(a, b):
+            finite = torch.isfinite(y)
+            assert torch.equal(finite, torch.isfinite(x)) and float((x[finite] - y[finite]).abs().max()) < 1e-4
+    assert streams[0].puts == streams[1].puts and streams[0].ended == streams[1].ended == 1
+    assert len(streams[1].puts) == 1 + stop - ids.shape[1]  # the prompt, then each new token
+    _same_routing(hf, ours)
+
+
+def test_stop_strings_end_where_transformers_ends(shipped, caplog):
+    """Stop strings need generate()'s ``tokenizer``, which transformers does not hand to a decoding loop of one's
+    own: transformers' loop runs (logged), the engine serving its forward calls."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model, tokenizer, calibration, ids = shipped
+    hf_free = None
+    with _patched(model, EXACT, calibration, attach=False):
+        hf_free = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    text = tokenizer.decode(hf_free[0, ids.shape[1] + 3:ids.shape[1] + 5])
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=[text.strip() or text], tokenizer=tokenizer)
+    hf, ours, state = _both(model, ids, EXACT, calibration, **kwargs)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert ours[0].shape[1] < ids.shape[1] + NEW and state.loop_calls == 0 and state.fallbacks == 0
+    assert any("own loop: argument 'tokenizer'" in r.getMessage() for r in caplog.records if r.name == LOGGER)
 
 
 def test_scores_and_eos(shipped):
@@ -130,12 +208,15 @@ def test_batch_two_and_beams_fall_back_logging_once(shipped, caplog):
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad)
     hf, ours, state = _both(model, batch, EXACT, calibration, **kwargs)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
-    assert state.served == 0 and state.fallbacks == 6
+    assert state.served == 0 and state.fallbacks == 6 and state.loop_calls == 0
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER and "HF path" in r.getMessage()]
     assert len(messages) == 1 and "several rows" in messages[0]
+    loops = [r.getMessage() for r in caplog.records if r.name == LOGGER and "own loop" in r.getMessage()]
+    assert len(loops) == 1 and "several rows" in loops[0]
     hf, ours, state = _both(model, ids, EXACT, calibration, max_new_tokens=4, do_sample=False, num_beams=2)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
-    assert state.served == 0 and state.fallbacks > 0
+    assert state.served == 0 and state.fallbacks > 0 and state.loop_calls == 0
+    assert any("own loop: generation mode beam_search" in r.getMessage() for r in caplog.records)
 
 
 def test_past_max_len_continues_on_the_hf_path(shipped):
@@ -145,6 +226,7 @@ def test_past_max_len_continues_on_the_hf_path(shipped):
                             max_new_tokens=NEW, do_sample=False)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
     assert state.served == 1 + 5 and state.fallbacks == NEW - 6  # the prompt and 5 steps fill max_len
+    assert state.loop_calls == 0  # the sequence may pass max_len: transformers' loop, whose forwards it serves
 
 
 def test_detach_and_unpatch_restore_the_forward(shipped):

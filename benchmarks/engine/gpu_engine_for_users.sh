@@ -19,7 +19,7 @@ generate)
       tests/test_offload_cuda.py tests/test_prefetch_runtime.py 2>&1 | tail -25 > "$OUT/cuda_tests.txt"
   tail -3 "$OUT/cuda_tests.txt"
   echo "tests done at $((SECONDS - START)) s"
-  timeout 300 python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing --rounds 3 --prompt-tokens 512 \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing --rounds ${ROUNDS:-3} --prompt-tokens 512 \
       --new-tokens 64 --json "$OUT/bench_generate.json" 2>/dev/null | tee "$OUT/bench_generate.txt"
   ;;
 free)

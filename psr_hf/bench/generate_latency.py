@@ -5,7 +5,9 @@ step on the same tokens, so that what ``generate()`` adds is a ratio measured si
 
 Per round and setup: ``generate(max_new_tokens=1)`` (time to first token), ``generate(max_new_tokens=N + 1)``
 greedy and with sampling (decode = the difference over ``N`` tokens), and the engine's ``step`` teacher-forced on
-the greedy continuation; the order of these rotates over the rounds. Ratios are paired by round on log latency
+the greedy continuation, and one forward of the prompt (the model's, or the patched one beneath the engine: what
+the prefill costs without the engine's KV cache and the generate() around it); the order of these rotates over
+the rounds. Ratios are paired by round on log latency
 (:func:`~psr_hf.bench.common.paired_summary`). The batched prefill's routing decisions are compared with the
 token-by-token prefill's on the same prompt (their share of identical expert sets: 1 in float32, near-ties aside in
 bf16), and its time beside the token-by-token one.
@@ -111,6 +113,11 @@ def prefill_agreement(model: Any, decoder: Any, prompt: list[int], sync: Callabl
             "batched_ms": times[True], "by_token_ms": times[False]}
 
 
+def _file_names_only(lines: list[str]) -> list[str]:
+    """A record names a function by its file's name, not by where the file lies on the machine."""
+    return [re.sub(r"(?:/[^/\s]+)+/([^/\s]+:\d+\()", r"\1", line.rstrip()) for line in lines if line.strip()]
+
+
 def _profile(call: Callable[[], Any], top: int = 25) -> list[str]:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -118,9 +125,30 @@ def _profile(call: Callable[[], Any], top: int = 25) -> list[str]:
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    # a record names a function by its file's name, not by where the file lies on the machine
-    return [re.sub(r"(?:/[^/\s]+)+/([^/\s]+:\d+\()", r"\1", line.rstrip())
-            for line in out.getvalue().splitlines() if line.strip()]
+    return _file_names_only(out.getvalue().splitlines())
+
+
+def _device_profile(call: Callable[[], Any], device: torch.device, top: int = 25) -> list[str]:
+    """torch.profiler's table of one call: host time per operator and, on CUDA, device time (sorted by it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return _file_names_only(prof.key_averages().table(sort_by=key, row_limit=top).splitlines())
+
+
+def _forward_ms(model: Any, ids: torch.Tensor, sync: Callable[[], None]) -> float:
+    """One forward of the prompt as transformers runs a prefill (no cache kept, the last logits): the model's own
+    forward, or with psr_hf patched the patched one beneath the engine."""
+    from ..engine.prefill import patched_forward
+
+    with torch.no_grad():
+        ms, _ = _timed(sync, lambda: patched_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=1))
+    return ms
 
 
 def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: GenerateBenchConfig, pad: int,
@@ -133,9 +161,10 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
     ids = prompt.to(next(model.parameters()).device)
     prompt_list = prompt[0].tolist()
     _generate(model, ids, 2, sample=False, seed=0, pad=pad)  # warm-up: first-call costs are not a round's
-    runs: dict[str, list[float]] = {k: [] for k in ("ttft", "decode", "decode_sampling", "step", "ttft_by_token")}
+    runs: dict[str, list[float]] = {k: [] for k in ("ttft", "decode", "decode_sampling", "step", "ttft_by_token",
+                                                    "forward")}
     continuation: list[int] | None = None
-    tasks = ["ttft", "greedy", "sampling"] + (["step", "by_token"] if decoder is not None else [])
+    tasks = ["ttft", "greedy", "sampling", "forward"] + (["step", "by_token"] if decoder is not None else [])
     for r in range(config.rounds):
         progress(f"{name}: round {r + 1}/{config.rounds}")
         ttft_ms, _ = _timed(sync, lambda: _generate(model, ids, 1, sample=False, seed=r, pad=pad))
@@ -155,6 +184,8 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
                 greedy = continuation or _generate(model, ids, N + 1, sample=False, seed=r, pad=pad)[
                     0, ids.shape[1]:].tolist()
                 runs["step"].append(_step_ms(decoder, prompt_list, greedy[:N], sync))
+            elif task == "forward":
+                runs["forward"].append(_forward_ms(model, ids, sync))
             elif task == "by_token" and config.by_token:
                 ms, _ = _timed(sync, lambda: decoder.prefill(prompt_list, batched=False))
                 runs["ttft_by_token"].append(ms)
@@ -163,9 +194,13 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
         result["generate_over_step"] = paired_summary(runs["decode"], runs["step"])
         result["sampling_over_step"] = paired_summary(runs["decode_sampling"], runs["step"])
         result["prefill"] = prefill_agreement(model, decoder, prompt_list, sync)
-        result["engine_served"] = {"served": state.served, "fallbacks": state.fallbacks}
+        result["engine_served"] = {"served": state.served, "fallbacks": state.fallbacks,
+                                   "engine_loop_calls": state.loop_calls}
         if config.profile:
             result["profile"] = _profile(lambda: _generate(model, ids, N + 1, sample=False, seed=0, pad=pad))
+            result["profile_first_token"] = _profile(lambda: _generate(model, ids, 1, sample=False, seed=0, pad=pad))
+            result["device_profile_first_token"] = _device_profile(
+                lambda: _generate(model, ids, 1, sample=False, seed=0, pad=pad), ids.device)
     goal = GOALS_MS.get(name)
     if goal is not None:
         high = result["ttft"]["ci95"][1]
@@ -252,11 +287,12 @@ def generate_rows(record: dict[str, Any]) -> list[list[str]]:
         if s is None:
             continue
         prefill = s.get("prefill")
-        rows.append([name, ms(s.get("ttft")), ms(s.get("ttft_by_token")), ms(s.get("decode")), ms(s.get("step")),
+        rows.append([name, ms(s.get("ttft")), ms(s.get("forward")), ms(s.get("ttft_by_token")), ms(s.get("decode")),
+                     ms(s.get("step")),
                      ratio(s.get("generate_over_step")), ratio(s.get("sampling_over_step")),
                      "-" if prefill is None else f"{prefill['identical_expert_sets']:.4f}"])
     return rows
 
 
-GENERATE_HEADER = ["setup", "first token ms", "by-token prefill ms", "decode ms/tok", "engine step ms/tok",
+GENERATE_HEADER = ["setup", "first token ms", "prompt forward ms", "by-token prefill ms", "decode ms/tok", "engine step ms/tok",
                    "generate/step (greedy)", "generate/step (sampling)", "same expert sets"]

@@ -28,9 +28,10 @@ from .prefill import ENGINE_ATTRIBUTE
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEN = 4096
-# arguments the engine understands; any other one with a value other than None / False is a reason to fall back
+# arguments the engine understands (``tokenizer``: transformers' loop hands generate()'s on to the forward, which
+# ignores it); any other one with a value other than None / False is a reason to fall back
 _KNOWN = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position", "use_cache",
-          "logits_to_keep", "return_dict"}
+          "logits_to_keep", "return_dict", "tokenizer"}
 
 
 def _output_class() -> Any:
@@ -98,17 +99,25 @@ class _Attachment:
         self.original = model.forward  # the controller's wrapper (bound callable)
         self.cache: Any = None  # the EngineCache of the sequence the engine holds
         self.tokens: list[int] = []  # that sequence's tokens
-        self.logged: set[str] = set()
+        self.logged: set[tuple[str, str]] = set()
         self.served = 0  # forward calls served by the engine (for tests and benchmarks)
         self.fallbacks = 0
+        self.loop_calls = 0  # generate() calls decoded by the engine's loop (psr_hf.engine.decoding_loop)
         self.wrapper = self._make_wrapper()
+        self.had_generate = "generate" in vars(model)
+        self.previous_generate = vars(model).get("generate")
+        self.generate_wrapper: Any = None
 
     # ------------------------------------------------------------------ bookkeeping
     def _log(self, reason: str) -> None:
         self.fallbacks += 1
-        if reason not in self.logged:
-            self.logged.add(reason)
-            logger.info("psr_hf.engine: this forward runs on the HF path: %s (logged once)", reason)
+        self.log_once("this forward runs on the HF path", reason)
+
+    def log_once(self, what: str, reason: str) -> None:
+        """Log ``what`` runs on the transformers side and why, once per reason."""
+        if (what, reason) not in self.logged:
+            self.logged.add((what, reason))
+            logger.info("psr_hf.engine: %s: %s (logged once)", what, reason)
 
     def _drop_sequence(self) -> None:
         if self.cache is not None:
@@ -129,10 +138,13 @@ class _Attachment:
         forward.__signature__ = inspect.signature(original)
         return forward
 
-    def forward(self, args: tuple, kwargs: dict) -> Any:
+    def check_patched(self) -> None:
         if getattr(self.model, _PATCH_ATTR, None) is not self.controller:
             raise RuntimeError("psr_hf.engine: the model was unpatched (or patched again) while the engine was "
                                "attached; call psr_hf.engine.detach(model) before psr_hf.unpatch(model)")
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        self.check_patched()
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 return self._fallback("positional arguments", args, kwargs)
@@ -230,24 +242,43 @@ class _Attachment:
         if continuation:
             logits = None
             for token in tokens:
-                logits = self.decoder.step(token)
-            self.tokens.extend(tokens)
+                logits = self.advance(token)
+            self.served += 1 - len(tokens)  # one forward call served
         else:
-            self._drop_sequence()
-            self.tokens = list(tokens)  # before the steps: an error below drops the sequence cleanly
-            try:
-                logits = self.decoder.prefill(tokens)
-            except BaseException:
-                self._drop_sequence()
-                raise
-            self.cache = EngineCache(self)
-        self.cache._psr_length = len(self.tokens)
-        self.served += 1
+            logits = self.start(tokens)
         field = _cache_field()
         out = _output_class()(logits=logits.detach().clone().reshape(1, 1, -1), **{field: self.cache})
         if kwargs.get("return_dict") is False:
             return out.to_tuple()
         return out
+
+    def start(self, tokens: list[int]) -> torch.Tensor:
+        """A new sequence from its prompt ``tokens``: the engine's prefill (one forward served); returns the
+        decoder's ``[1, V]`` logits buffer."""
+        self.check_patched()
+        self._drop_sequence()
+        self.tokens = list(tokens)  # before the prefill: an error there drops the sequence cleanly
+        try:
+            logits = self.decoder.prefill(tokens)
+        except BaseException:
+            self._drop_sequence()
+            raise
+        self.cache = EngineCache(self)
+        self.cache._psr_length = len(self.tokens)
+        self.served += 1
+        return logits
+
+    def advance(self, token: int) -> torch.Tensor:
+        """The next token of the engine's sequence (one forward served); returns the ``[1, V]`` logits buffer."""
+        logits = self.decoder.step(token)
+        self.tokens.append(token)
+        self.cache._psr_length = len(self.tokens)
+        self.served += 1
+        return logits
+
+    def current(self, model: torch.nn.Module) -> bool:
+        """Whether this attachment still serves ``model`` (not detached, not unpatched meanwhile)."""
+        return vars(model).get(ENGINE_ATTRIBUTE) is self and vars(model).get("forward") is self.wrapper
 
     def _fallback(self, reason: str, args: tuple, kwargs: dict) -> Any:
         self._log(reason)
@@ -311,6 +342,11 @@ def attach(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool |
     state = _Attachment(model, decoder, int(max_len))
     object.__setattr__(model, "forward", state.wrapper)
     object.__setattr__(model, ENGINE_ATTRIBUTE, state)
+    from .decoding_loop import wrap_generate
+
+    state.generate_wrapper = wrap_generate(model, state)
+    if state.generate_wrapper is not None:
+        object.__setattr__(model, "generate", state.generate_wrapper)
     logger.info("psr_hf.engine: attached to %s (max_len %d, %s)", type(model).__name__, max_len,
                 "CUDA graphs" if graphs else "eager")
     return model
@@ -333,9 +369,18 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
             object.__setattr__(model, "forward", state.previous_forward)
         else:
             object.__delattr__(model, "forward")
+    _remove_generate(model, state)
     state._drop_sequence()
     object.__delattr__(model, ENGINE_ATTRIBUTE)
     return model
+
+
+def _remove_generate(model: torch.nn.Module, state: _Attachment) -> None:
+    if state.generate_wrapper is not None and vars(model).get("generate") is state.generate_wrapper:
+        if state.had_generate:  # the patch's wrapper
+            object.__setattr__(model, "generate", state.previous_generate)
+        else:
+            object.__delattr__(model, "generate")
 
 
 def attached(model: torch.nn.Module) -> Any:

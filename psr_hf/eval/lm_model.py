@@ -328,7 +328,7 @@ class PSRLM(HFLM):
                 self._engine_fallback_reported = True
                 logger.warning("psr_hf: %d forward calls of the generations ran on the transformers path instead of "
                                "the engine (%s); the results count them in config.psr_hf.engine.generation_fallbacks",
-                               missed, "; ".join(sorted(self.engine.logged - reasons)) or "see the log of "
+                               missed, "; ".join(sorted(f"{what}: {why}" for what, why in self.engine.logged - reasons)) or "see the log of "
                                "psr_hf.engine.generate")
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any

@@ -1,0 +1,245 @@
+"""``generate()``'s decoding loop on the engine: what :func:`psr_hf.engine.attach` puts behind ``model.generate``
+(page: docs/engine.md, "Behind generate()").
+
+Why a loop of its own: transformers' per-token loop (input preparation, keyword updates, stopping criteria and
+logits processors as device kernels, the output bookkeeping) costs about as much host time as half an engine step
+on the lent H200. transformers' ``generate(custom_generate=callable)`` keeps every preparation step of its own (the
+generation config, the logits processors and stopping criteria it builds, the special tokens, the lengths) and
+hands the decoding loop to the callable: :class:`EngineDecodingLoop` is that callable. It runs transformers' own
+processors and criteria on every token, in transformers' order with the same tensors (so one seed draws the same
+tokens), and skips only what a one-row sequence on the engine does not need: the model-input preparation (the
+engine holds the sequence), the cache bookkeeping and the criteria whose answer the host already knows (the
+maximum length, an end-of-sequence token).
+
+Greedy and sampling at one row run here; anything else (beams, assisted decoding, attentions or hidden states,
+a sequence past the engine's ``max_len``, a cache passed in, padding) runs transformers' own loop, whose forward
+calls the engine still serves where it can (:mod:`psr_hf.engine.generate`), the reason logged once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("psr_hf.engine.generate")
+
+#: generate() arguments whose presence means transformers' own decoding: they select another mode or loop, or
+#: (``tokenizer``, for stop strings and token healing) transformers does not hand them to a custom decoding loop
+_OWN_LOOP_ARGUMENTS = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+                       "synced_gpus", "tokenizer")
+_OWN_LOOP = "generate() decodes in transformers' own loop"
+#: model keyword arguments the loop understands (checked: positions from 0, no padding, an empty cache)
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "cache_position", "cache", "past_key_values", "use_cache",
+                       "logits_to_keep"}
+
+
+def _modes() -> tuple[Any, Any]:
+    from transformers.generation.utils import GenerationMode
+
+    return GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE
+
+
+def predicted_mode(model: torch.nn.Module, kwargs: dict) -> Any:
+    """The generation mode transformers will choose for a ``generate(**kwargs)`` call on ``model`` (its config, or
+    the one passed, updated with the call's arguments)."""
+    base = kwargs.get("generation_config") or model.generation_config
+    config = copy.deepcopy(base)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config.get_generation_mode(kwargs.get("assistant_model"))
+
+
+def _output_class() -> Any:
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return GenerateDecoderOnlyOutput
+
+
+@functools.lru_cache(maxsize=None)
+def _output_cache_field() -> str:
+    fields = {f.name for f in dataclasses.fields(_output_class())}
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def _arange_from_zero(value: torch.Tensor, S: int) -> bool:
+    host = value.detach().reshape(-1).cpu()
+    return host.shape[0] == S and bool((host == torch.arange(S, dtype=host.dtype)).all())
+
+
+class EngineDecodingLoop:
+    """The decoding loop transformers' ``generate()`` calls (``custom_generate``), bound to one attached engine
+    (``state``, a :class:`~psr_hf.engine.generate._Attachment`) and the call's ``streamer``."""
+
+    def __init__(self, state: Any, streamer: Any = None):
+        self.state = state
+        self.streamer = streamer
+
+    # the parameters are transformers' decoding-method parameters (GenerationMixin._sample's), by name
+    def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
+        streamer = streamer if streamer is not None else self.streamer
+        mode = generation_config.get_generation_mode(None)
+        reason = self._refuse(model, input_ids, generation_config, mode, synced_gpus, model_kwargs)
+        if reason is not None:
+            self.state.log_once(_OWN_LOOP, reason)
+            return self._transformers_loop(model, mode, input_ids, logits_processor, stopping_criteria,
+                                           generation_config, synced_gpus, streamer, model_kwargs)
+        with torch.no_grad():
+            return self._decode(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+
+    # ------------------------------------------------------------------ what runs elsewhere
+    def _refuse(self, model: torch.nn.Module, input_ids: torch.Tensor, config: Any, mode: Any, synced_gpus: bool,
+                model_kwargs: dict) -> str | None:
+        """Why this call runs transformers' loop (None: it runs here)."""
+        if mode not in _modes():
+            return f"generation mode {mode.name.lower()}"
+        if synced_gpus:
+            return "synced_gpus"
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            return "several rows (batch > 1, several return sequences)"
+        S = int(input_ids.shape[1])
+        if S == 0:
+            return "no input tokens"
+        if config.output_attentions or config.output_hidden_states or getattr(
+                model.config, "output_attentions", False) or getattr(model.config, "output_hidden_states", False):
+            return "attentions or hidden states asked for"
+        if config.max_length is None or config.max_length > self.state.max_len:
+            return f"the sequence may exceed the engine's max_len={self.state.max_len}"
+        for key, value in model_kwargs.items():
+            if value is None or value is False:
+                continue
+            if key not in _KNOWN_MODEL_KWARGS:
+                return f"argument {key!r}"
+        if model_kwargs.get("use_cache") is False:
+            return "use_cache=False"
+        keep = model_kwargs.get("logits_to_keep")
+        if keep not in (None, 0, 1):
+            return "logits of more positions than the last one"
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape
+                                 or not bool((mask != 0).all())):
+            return "an attention mask with padding"
+        for key in ("position_ids", "cache_position"):
+            value = model_kwargs.get(key)
+            if value is not None and not (isinstance(value, torch.Tensor) and _arange_from_zero(value, S)):
+                return f"{key} that do not start at 0"
+        for key in ("cache", "past_key_values"):
+            cache = model_kwargs.get(key)
+            if cache is not None and not _empty(cache):
+                return "a cache passed in"
+        return None
+
+    @staticmethod
+    def _transformers_loop(model: torch.nn.Module, mode: Any, input_ids: torch.Tensor, logits_processor: Any,
+                           stopping_criteria: Any, generation_config: Any, synced_gpus: bool, streamer: Any,
+                           model_kwargs: dict) -> Any:
+        from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+        name = GENERATION_MODES_MAPPING.get(mode, "")
+        method = getattr(type(model), name, None) if name.startswith("_") else None
+        if method is None:
+            raise RuntimeError(f"psr_hf.engine: generate() in mode {mode.name.lower()} reached the engine's decoding "
+                               "loop; call psr_hf.engine.detach(model) for this generate()")
+        return method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                      generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer,
+                      **model_kwargs)
+
+    # ------------------------------------------------------------------ the loop
+    def _decode(self, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any, config: Any,
+                streamer: Any) -> Any:
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+        state = self.state
+        max_length = int(config.max_length)
+        eos: set[int] = set()
+        others = []
+        for criterion in stopping_criteria:
+            if type(criterion) is MaxLengthCriteria:
+                max_length = min(max_length, int(criterion.max_length))
+            elif type(criterion) is EosTokenCriteria:
+                eos.update(int(t) for t in criterion.eos_token_id.reshape(-1).tolist())
+            else:
+                others.append(criterion)
+        return_dict = bool(config.return_dict_in_generate)
+        scores = () if return_dict and config.output_scores else None
+        raw_logits = () if return_dict and config.output_logits else None
+        do_sample = bool(config.do_sample)
+        plain_greedy = not do_sample and not logits_processor and scores is None and raw_logits is None
+        tokens = [int(t) for t in input_ids[0].tolist()]
+        S = len(tokens)
+        # the sequence so far, for processors and criteria that read it (and the output)
+        sequence = torch.empty((1, max(max_length, S + 1)), dtype=input_ids.dtype, device=input_ids.device)
+        sequence[:, :S] = input_ids
+        logits = state.start(tokens)
+        length = S
+        while True:
+            if plain_greedy:  # the argmax of the logits is the argmax of their float32 copy
+                chosen = torch.argmax(logits, dim=-1)
+            else:
+                next_logits = logits.to(copy=True, dtype=torch.float32)
+                next_scores = logits_processor(sequence[:, :length], next_logits) if logits_processor else next_logits
+                if scores is not None:
+                    scores += (next_scores,)
+                if raw_logits is not None:
+                    raw_logits += (next_logits,)
+                if do_sample:
+                    chosen = torch.multinomial(torch.nn.functional.softmax(next_scores, dim=-1), num_samples=1)[:, 0]
+                else:
+                    chosen = torch.argmax(next_scores, dim=-1)
+            sequence[:, length] = chosen
+            length += 1
+            token = int(chosen[0])  # the one read of the token (the next step feeds it from the host)
+            if streamer is not None:
+                streamer.put(chosen.cpu())
+            if length >= max_length or token in eos or any(
+                    bool(criterion(sequence[:, :length], scores).any()) for criterion in others):
+                break
+            logits = state.advance(token)
+        if streamer is not None:
+            streamer.end()
+        state.loop_calls += 1
+        out = sequence[:, :length]
+        if not return_dict:
+            return out
+        return _output_class()(sequences=out, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
+                               **{_output_cache_field(): state.cache})
+
+
+def _empty(cache: Any) -> bool:
+    try:
+        return int(cache.get_seq_length()) == 0
+    except Exception:
+        return False
+
+
+def wrap_generate(model: torch.nn.Module, state: Any) -> Callable | None:
+    """``model.generate`` with the engine's decoding loop where it applies (:class:`EngineDecodingLoop`), the
+    ``generate`` it wraps (the patch's) otherwise. None where that is not transformers' own ``generate`` (a model
+    class's or a repository's), whose decoding the engine leaves alone (it still serves the forward calls)."""
+    from transformers import GenerationMixin
+
+    original = model.generate
+    if inspect.unwrap(original) is not inspect.unwrap(GenerationMixin.generate):
+        logger.info("psr_hf.engine: %s has a generate() of its own; it keeps its decoding loop (the engine serves "
+                    "its forward calls)", type(model).__name__)
+        return None
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if state.current(model):
+            reason = next((f"argument {k!r}" for k in _OWN_LOOP_ARGUMENTS if kwargs.get(k) is not None), None)
+            mode = predicted_mode(model, kwargs) if reason is None else None
+            if reason is None and mode not in _modes():
+                reason = f"generation mode {mode.name.lower()}"
+            if reason is None:
+                kwargs["custom_generate"] = EngineDecodingLoop(state, kwargs.get("streamer"))
+            else:
+                state.log_once(_OWN_LOOP, reason)
+        return original(*args, **kwargs)
+
+    return generate
