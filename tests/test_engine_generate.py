@@ -196,6 +196,11 @@ def test_scores_and_eos(shipped):
                         pad_token_id=0)
     torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
     assert ours[0].shape[1] == ids.shape[1] + first + 1 and int(ours[0][0, -1]) == eos
+    # a minimum length holds the end-of-sequence token back (transformers' processor, the engine's own mask)
+    hf, ours, state = _both(model, ids, PSR, calibration, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                            pad_token_id=0, min_new_tokens=first + 3)
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    assert ours[0].shape[1] > ids.shape[1] + first + 1 and state.loop_calls == 1
 
 
 def test_batch_two_and_beams_fall_back_logging_once(shipped, caplog):

@@ -145,6 +145,31 @@ def test_cuda_graphs_batched_prefill_makes_the_token_by_token_decisions(name, of
     np.testing.assert_array_equal(results[True][2][0].selected, results[False][2][0].selected)
 
 
+@pytest.mark.parametrize("config", ["exact_lru", "psr"])
+def test_kv_rows_from_transformers_cache_equal_the_engines_own(engine_case, config, monkeypatch):
+    """OLMoE's batched prefill copies the KV rows transformers' attention cached; computed by the engine from each
+    layer's input instead (the path of a family whose cache differs from transformers'), they are the same rows,
+    and the prefill makes the same decisions."""
+    from psr_hf.engine.families.olmoe import OlmoeLayers
+    from psr_hf.engine.layers import DecodeLayers
+
+    model, ids, calibration = _long_prompt(engine_case, "shipped")
+    results = {}
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS[config]), calibration=calibration):
+        assert Decoder(model, MAX_LEN).layers.kv_from_transformers
+        results["transformers"] = _run(model, ids, Decoder, True)
+        monkeypatch.setattr(OlmoeLayers, "_transformers_kv", DecodeLayers._transformers_kv)
+        assert not Decoder(model, MAX_LEN).layers.kv_from_transformers
+        results["engine"] = _run(model, ids, Decoder, True)
+    ours, theirs = results["engine"], results["transformers"]
+    for a, b in zip(ours[5], theirs[5]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert _rel(ours[0], theirs[0]) < LOGITS_TOL
+    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
+    for a, b in zip(ours[3], theirs[3]):
+        np.testing.assert_array_equal(a.selected, b.selected)
+
+
 def test_a_family_without_prompt_kv_prefills_token_by_token(engine_case, monkeypatch):
     """A family that does not write the KV rows of a block keeps the token-by-token prefill; asking for the batched
     one says what is missing."""

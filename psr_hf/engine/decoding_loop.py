@@ -8,7 +8,8 @@ generation config, the logits processors and stopping criteria it builds, the sp
 hands the decoding loop to the callable: :class:`EngineDecodingLoop` is that callable. It runs transformers' own
 processors and criteria on every token, in transformers' order with the same tensors (so one seed draws the same
 tokens), and skips only what a one-row sequence on the engine does not need: the model-input preparation (the
-engine holds the sequence), the cache bookkeeping and the criteria whose answer the host already knows (the
+engine holds the sequence), the cache bookkeeping, the processor list's signature lookup per processor and token,
+the minimum-length processors' mask rebuilt per token, and the criteria whose answer the host already knows (the
 maximum length, an end-of-sequence token).
 
 Greedy and sampling at one row run here; anything else (beams, assisted decoding, attentions or hidden states,
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -176,13 +178,16 @@ class EngineDecodingLoop:
         sequence = torch.empty((1, max(max_length, S + 1)), dtype=input_ids.dtype, device=input_ids.device)
         sequence[:, :S] = input_ids
         logits = state.start(tokens)
+        processors = _processors(logits_processor, int(logits.shape[-1]), logits.device)
         length = S
         while True:
             if plain_greedy:  # the argmax of the logits is the argmax of their float32 copy
                 chosen = torch.argmax(logits, dim=-1)
             else:
                 next_logits = logits.to(copy=True, dtype=torch.float32)
-                next_scores = logits_processor(sequence[:, :length], next_logits) if logits_processor else next_logits
+                next_scores = next_logits
+                for processor in processors:
+                    next_scores = processor(sequence[:, :length], next_scores)
                 if scores is not None:
                     scores += (next_scores,)
                 if raw_logits is not None:
@@ -197,7 +202,7 @@ class EngineDecodingLoop:
             if streamer is not None:
                 streamer.put(chosen.cpu())
             if length >= max_length or token in eos or any(
-                    bool(criterion(sequence[:, :length], scores).any()) for criterion in others):
+                    _done(criterion(sequence[:, :length], scores)) for criterion in others):
                 break
             logits = state.advance(token)
         if streamer is not None:
@@ -208,6 +213,45 @@ class EngineDecodingLoop:
             return out
         return _output_class()(sequences=out, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
                                **{_output_cache_field(): state.cache})
+
+
+class _MinimumLength:
+    """transformers' ``MinLengthLogitsProcessor`` / ``MinNewTokensLengthLogitsProcessor`` with its end-of-sequence
+    mask built once: ``-inf`` at those ids while the sequence is shorter than ``length`` (the same values as
+    transformers' ``torch.where``), the scores unchanged after."""
+
+    def __init__(self, length: int, eos: torch.Tensor, vocab: int, device: torch.device):
+        self.length = length
+        self.mask = torch.isin(torch.arange(vocab, device=device), eos.to(device))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(self.mask, -math.inf) if input_ids.shape[-1] < self.length else scores
+
+
+def _processors(logits_processor: Any, vocab: int, device: torch.device) -> list[Callable]:
+    """transformers' ``LogitsProcessorList`` as calls made once per token without its per-call signature lookup (a
+    processor that wants more arguments stays in a list of its own, which raises as transformers' loop does); the
+    minimum-length processors by :class:`_MinimumLength`."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    steps: list[Callable] = []
+    for processor in logits_processor or ():
+        if type(processor) is MinLengthLogitsProcessor:
+            steps.append(_MinimumLength(processor.min_length, processor.eos_token_id, vocab, device))
+        elif type(processor) is MinNewTokensLengthLogitsProcessor:
+            steps.append(_MinimumLength(processor.prompt_length_to_skip + processor.min_new_tokens,
+                                        processor.eos_token_id, vocab, device))
+        elif len(inspect.signature(processor.__call__).parameters) > 2:
+            steps.append(LogitsProcessorList([processor]))
+        else:
+            steps.append(processor)
+    return steps
+
+
+def _done(answer: Any) -> bool:
+    """A stopping criterion's answer for the one row: a bool tensor, or a bool (transformers' list ORs either)."""
+    return bool(answer.any()) if isinstance(answer, torch.Tensor) else bool(answer)
 
 
 def _empty(cache: Any) -> bool:

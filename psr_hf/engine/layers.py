@@ -339,6 +339,32 @@ class DecodeLayers(abc.ABC):
                              f"{self.max_len}; got {tuple(x.shape)} at start {start}")
         positions = torch.arange(start, start + S, dtype=torch.int64, device=self.device)
         keys, values = self._prompt_kv(layer, x.to(self.dtype), positions)
+        self._write_rows(layer, keys, values, start)
+
+    def _transformers_kv(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        """The KV rows of a block in the cache's layout ``[S, ...]`` from what transformers' attention stored in its
+        cache (``keys``, ``values`` ``[1, heads, S, dim]``), where the engine's cache holds the same tensors (then
+        the prefill reads them instead of computing them again: :attr:`kv_from_transformers`)."""
+        raise NotImplementedError(f"the {self.model_type} engine's KV cache is not transformers' layout")
+
+    @property
+    def kv_from_transformers(self) -> bool:
+        """Whether the batched prefill takes the KV rows from transformers' cache (:meth:`_transformers_kv`)."""
+        return type(self)._transformers_kv is not DecodeLayers._transformers_kv
+
+    @torch.no_grad()
+    def write_transformers_kv(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Write the KV rows of the positions ``start .. start + S - 1`` of decoder layer ``layer`` from
+        transformers' cache tensors ``[1, heads, S, dim]`` (:meth:`_transformers_kv`)."""
+        self._check_layer(layer)
+        S = int(keys.shape[-2])
+        if keys.ndim != 4 or keys.shape[0] != 1 or not 0 <= start <= self.max_len - S:
+            raise ValueError(f"write_transformers_kv: keys must be [1, heads, S, dim] with start + S <= max_len "
+                             f"{self.max_len}; got {tuple(keys.shape)} at start {start}")
+        self._write_rows(layer, *self._transformers_kv(layer, keys, values), start)
+
+    def _write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor | None, start: int) -> None:
+        S = int(keys.shape[0])
         self.kv.keys[layer][start:start + S].copy_(keys.reshape(S, *self.kv.keys[layer].shape[1:]))
         if self.kv.separate_values:
             self.kv.values[layer][start:start + S].copy_(values.reshape(S, *self.kv.values[layer].shape[1:]))

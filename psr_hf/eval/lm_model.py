@@ -421,13 +421,15 @@ class PSRLM(HFLM):
     def engine_stats(self) -> dict[str, Any] | None:
         """None without ``engine=true``; else which implementation generated: the decoder (``Decoder``: eager,
         ``GraphDecoder``: CUDA graphs) and its KV cache positions (``max_len``), the ``generate()`` calls of the
-        generation requests, the forward calls the engine ``served``, every forward that ran on the transformers
+        generation requests, those the engine's own decoding loop ran (``loop_calls``), the forward calls the engine
+        ``served`` (its loop's prompts and tokens included), every forward that ran on the transformers
         path (``fallbacks``: the loglikelihood batches too), those of the generations (``generation_fallbacks``:
         0 when the engine generated everything) and the engine's reasons for them."""
         if self.engine is None:
             return None
         return {"decoder": type(self.engine.decoder).__name__, "max_len": self.engine.max_len,
-                "generate_calls": self._engine_generations, "served": self.engine.served,
+                "generate_calls": self._engine_generations, "loop_calls": self.engine.loop_calls,
+                "served": self.engine.served,
                 "fallbacks": self.engine.fallbacks, "generation_fallbacks": self._engine_generation_fallbacks,
                 "fallback_reasons": sorted(self.engine.logged)}
 

@@ -85,6 +85,10 @@ class OlmoeLayers(DecodeLayers):
         k = apply_rope(k.view(S, s.num_kv_heads, s.head_dim), cos[:, None], sin[:, None], False)
         return k, v.view(S, s.num_kv_heads, s.head_dim)
 
+    def _transformers_kv(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        # transformers' OLMoE attention caches k_norm(k_proj(x)) after RoPE and v_proj(x), [1, nKV, S, D]
+        return keys[0].transpose(0, 1), values[0].transpose(0, 1)
+
 
 @dataclass(frozen=True)
 class _OlmoeStatic:
