@@ -312,3 +312,55 @@ def test_cuda_graphs_equal_the_hf_path_float32(shipped, policy):
         finite = torch.isfinite(b)
         assert float((a[finite] - b[finite]).abs().max()) < 1e-4
     _same_routing(hf, ours)
+
+
+class _NotANumber:
+    """A logits processor that breaks the scores."""
+
+    def __call__(self, input_ids, scores):
+        return torch.full_like(scores, float("nan"))
+
+
+def test_sampling_from_broken_scores_raises_as_transformers_does(shipped):
+    from transformers import LogitsProcessorList
+
+    model, _, calibration, ids = shipped
+    kwargs = dict(max_new_tokens=3, do_sample=True, logits_processor=LogitsProcessorList([_NotANumber()]))
+    with _patched(model, EXACT, calibration):
+        with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+            model.generate(ids, **kwargs)
+        engine.detach(model)
+        with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+            model.generate(ids, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_the_token_choice_as_a_cuda_graph_draws_the_hf_paths_tokens(shipped, sample, caplog):
+    """On the GPU the engine's loop chooses each token by one CUDA graph (the warpers and the minimum length are
+    functions of the scores): under one seed it draws the tokens the patched HF path draws, the graph's random
+    numbers being the eager calls' (float32)."""
+    import copy
+
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    model, _, calibration, ids = shipped
+    model = copy.deepcopy(model).to("cuda")
+    ids = ids.to("cuda")
+    kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample)
+    if sample:
+        kwargs.update(top_k=20, temperature=0.8, top_p=0.9)
+    hf, ours, state = _both(model, ids, PSR, calibration, seed=11, attach_kwargs=dict(max_len=64), **kwargs)
+    assert state.loop_calls == 1 and state.decoder.graphs
+    captured = [r for r in caplog.records if "token choice captured as a CUDA graph" in r.getMessage()]
+    assert len(captured) == 1  # one state of the minimum length: active over every chosen token
+    torch.testing.assert_close(ours[0], hf[0], rtol=0, atol=0)
+    _same_routing(hf, ours)
+    # another call with the same settings (new processor objects) replays the kept graph: the same draws again
+    with _patched(model, PSR, calibration, max_len=64):
+        again = _generate(model, ids, 11, **kwargs)
+        assert len(engine.attached(model).choice_graphs) == 1
+        again_too = _generate(model, ids, 11, **kwargs)
+        assert len(engine.attached(model).choice_graphs) == 1
+    torch.testing.assert_close(again[0], hf[0], rtol=0, atol=0)
+    torch.testing.assert_close(again_too[0], hf[0], rtol=0, atol=0)

@@ -24,10 +24,11 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 from typing import Any, Callable
 
 import torch
+
+from .token_selection import TokenSelection, prepared_processors
 
 logger = logging.getLogger("psr_hf.engine.generate")
 
@@ -170,41 +171,41 @@ class EngineDecodingLoop:
         return_dict = bool(config.return_dict_in_generate)
         scores = () if return_dict and config.output_scores else None
         raw_logits = () if return_dict and config.output_logits else None
-        do_sample = bool(config.do_sample)
-        plain_greedy = not do_sample and not logits_processor and scores is None and raw_logits is None
         tokens = [int(t) for t in input_ids[0].tolist()]
         S = len(tokens)
-        # the sequence so far, for processors and criteria that read it (and the output)
+        # the sequence so far: written per token where a processor or criterion reads it, else at the end
         sequence = torch.empty((1, max(max_length, S + 1)), dtype=input_ids.dtype, device=input_ids.device)
         sequence[:, :S] = input_ids
         logits = state.start(tokens)
-        processors = _processors(logits_processor, int(logits.shape[-1]), logits.device)
+        selection = TokenSelection(logits, prepared_processors(logits_processor, int(logits.shape[-1]),
+                                                               logits.device),
+                                   bool(config.do_sample), keep_scores=scores is not None,
+                                   keep_logits=raw_logits is not None,
+                                   graphs=state.choice_graphs if getattr(state.decoder, "graphs", False) else None,
+                                   out=state.choice_out(logits.device))
+        per_token = selection.reads_sequence or bool(others)
+        new: list[int] = []
         length = S
         while True:
-            if plain_greedy:  # the argmax of the logits is the argmax of their float32 copy
-                chosen = torch.argmax(logits, dim=-1)
-            else:
-                next_logits = logits.to(copy=True, dtype=torch.float32)
-                next_scores = next_logits
-                for processor in processors:
-                    next_scores = processor(sequence[:, :length], next_scores)
-                if scores is not None:
-                    scores += (next_scores,)
-                if raw_logits is not None:
-                    raw_logits += (next_logits,)
-                if do_sample:
-                    chosen = torch.multinomial(torch.nn.functional.softmax(next_scores, dim=-1), num_samples=1)[:, 0]
-                else:
-                    chosen = torch.argmax(next_scores, dim=-1)
-            sequence[:, length] = chosen
+            token, next_scores, next_logits = selection.choose(sequence[:, :length])
+            if scores is not None:
+                scores += (next_scores,)
+            if raw_logits is not None:
+                raw_logits += (next_logits,)
+            new.append(token)
+            if per_token:
+                sequence[0, length] = token
             length += 1
-            token = int(chosen[0])  # the one read of the token (the next step feeds it from the host)
             if streamer is not None:
-                streamer.put(chosen.cpu())
+                streamer.put(torch.tensor([token]))
             if length >= max_length or token in eos or any(
                     _done(criterion(sequence[:, :length], scores)) for criterion in others):
                 break
             logits = state.advance(token)
+            if logits is not selection.logits:
+                raise RuntimeError("psr_hf.engine: the decoder returned another logits buffer than its prefill")
+        if not per_token:
+            sequence[0, S:length] = torch.tensor(new, dtype=sequence.dtype).to(sequence.device)
         if streamer is not None:
             streamer.end()
         state.loop_calls += 1
@@ -213,40 +214,6 @@ class EngineDecodingLoop:
             return out
         return _output_class()(sequences=out, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
                                **{_output_cache_field(): state.cache})
-
-
-class _MinimumLength:
-    """transformers' ``MinLengthLogitsProcessor`` / ``MinNewTokensLengthLogitsProcessor`` with its end-of-sequence
-    mask built once: ``-inf`` at those ids while the sequence is shorter than ``length`` (the same values as
-    transformers' ``torch.where``), the scores unchanged after."""
-
-    def __init__(self, length: int, eos: torch.Tensor, vocab: int, device: torch.device):
-        self.length = length
-        self.mask = torch.isin(torch.arange(vocab, device=device), eos.to(device))
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores.masked_fill(self.mask, -math.inf) if input_ids.shape[-1] < self.length else scores
-
-
-def _processors(logits_processor: Any, vocab: int, device: torch.device) -> list[Callable]:
-    """transformers' ``LogitsProcessorList`` as calls made once per token without its per-call signature lookup (a
-    processor that wants more arguments stays in a list of its own, which raises as transformers' loop does); the
-    minimum-length processors by :class:`_MinimumLength`."""
-    from transformers import LogitsProcessorList
-    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
-
-    steps: list[Callable] = []
-    for processor in logits_processor or ():
-        if type(processor) is MinLengthLogitsProcessor:
-            steps.append(_MinimumLength(processor.min_length, processor.eos_token_id, vocab, device))
-        elif type(processor) is MinNewTokensLengthLogitsProcessor:
-            steps.append(_MinimumLength(processor.prompt_length_to_skip + processor.min_new_tokens,
-                                        processor.eos_token_id, vocab, device))
-        elif len(inspect.signature(processor.__call__).parameters) > 2:
-            steps.append(LogitsProcessorList([processor]))
-        else:
-            steps.append(processor)
-    return steps
 
 
 def _done(answer: Any) -> bool:

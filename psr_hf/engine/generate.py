@@ -103,6 +103,8 @@ class _Attachment:
         self.served = 0  # forward calls served by the engine (for tests and benchmarks)
         self.fallbacks = 0
         self.loop_calls = 0  # generate() calls decoded by the engine's loop (psr_hf.engine.decoding_loop)
+        self.choice_graphs: dict = {}  # that loop's token choices as CUDA graphs (psr_hf.engine.token_selection)
+        self._choice_out: torch.Tensor | None = None
         self.wrapper = self._make_wrapper()
         self.had_generate = "generate" in vars(model)
         self.previous_generate = vars(model).get("generate")
@@ -275,6 +277,13 @@ class _Attachment:
         self.cache._psr_length = len(self.tokens)
         self.served += 1
         return logits
+
+    def choice_out(self, device: torch.device) -> torch.Tensor:
+        """The token choice's ``[2]`` float64 output buffer on ``device`` (one per engine: the graphs write it)."""
+        if self._choice_out is None or self._choice_out.device != device:
+            self._choice_out = torch.empty(2, dtype=torch.float64, device=device)
+            self.choice_graphs.clear()
+        return self._choice_out
 
     def current(self, model: torch.nn.Module) -> bool:
         """Whether this attachment still serves ``model`` (not detached, not unpatched meanwhile)."""

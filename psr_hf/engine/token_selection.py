@@ -1,0 +1,193 @@
+"""The next token from the engine's logits, as transformers' decoding loop chooses it: its logits processors on a
+float32 copy, then the argmax or a multinomial draw (page: docs/engine.md, "Behind generate()").
+
+Why a module of its own: on the lent H200 the host spends 15-30 us on each CUDA call, and transformers' choice of a
+token is a dozen of them, with two synchronisations inside ``torch.multinomial`` (its checks of the
+probabilities). :class:`TokenSelection` makes the same choice with fewer: ``torch.multinomial``'s own algorithm
+for one sample (an exponential draw, a division, the argmax: the same random numbers, so one seed draws the same
+tokens) with its check read together with the token; and on CUDA, where every processor is a function of the
+scores alone, the whole choice as one CUDA graph (torch's graph-safe random state: a replay draws what the eager
+calls would). The minimum-length processors become a mask built once (:class:`MinimumLength`), and the
+processor list's per-call signature lookup is done once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("psr_hf.engine.generate")
+
+_INVALID = "probability tensor contains either `inf`, `nan` or element < 0"
+_MAX_GRAPHS = 16  # the choices kept as graphs per engine (a configuration of the processors and its state each)
+
+
+class MinimumLength:
+    """transformers' ``MinLengthLogitsProcessor`` / ``MinNewTokensLengthLogitsProcessor`` with its end-of-sequence
+    mask built once: ``-inf`` at those ids while the sequence is shorter than ``length`` (the same values as
+    transformers' ``torch.where``), the scores unchanged after."""
+
+    def __init__(self, length: int, eos: torch.Tensor, vocab: int, device: torch.device):
+        self.length = length
+        self.eos_ids = tuple(int(t) for t in eos.reshape(-1).tolist())
+        self.mask = torch.isin(torch.arange(vocab, device=device), eos.to(device))
+
+    def active(self, length: int) -> bool:
+        return length < self.length
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(self.mask, -math.inf)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.apply(scores) if self.active(input_ids.shape[-1]) else scores
+
+
+def _scores_only() -> tuple[type, ...]:
+    """transformers' warpers whose result depends on the scores alone (no sequence, no host state): what a graph
+    of the choice may hold."""
+    from transformers.generation import logits_process as lp
+
+    names = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+             "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper")
+    return tuple(getattr(lp, name) for name in names if hasattr(lp, name))
+
+
+def prepared_processors(logits_processor: Any, vocab: int, device: torch.device) -> list[Callable]:
+    """transformers' ``LogitsProcessorList`` as calls without its per-call signature lookup (a processor that
+    wants more arguments stays in a list of its own, which raises as transformers' loop does); the minimum-length
+    processors as :class:`MinimumLength`."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    steps: list[Callable] = []
+    for processor in logits_processor or ():
+        if type(processor) is MinLengthLogitsProcessor:
+            steps.append(MinimumLength(processor.min_length, processor.eos_token_id, vocab, device))
+        elif type(processor) is MinNewTokensLengthLogitsProcessor:
+            steps.append(MinimumLength(processor.prompt_length_to_skip + processor.min_new_tokens,
+                                       processor.eos_token_id, vocab, device))
+        elif len(inspect.signature(processor.__call__).parameters) > 2:
+            steps.append(LogitsProcessorList([processor]))
+        else:
+            steps.append(processor)
+    return steps
+
+
+def _graph_key(processors: list[Callable], do_sample: bool) -> tuple | None:
+    """What a graph of the choice depends on, by value (the processors of each generate() call are new objects):
+    None where a processor is not a function of the scores alone or holds something else than numbers."""
+    pure = _scores_only()
+    key: list[Any] = [do_sample]
+    for p in processors:
+        if isinstance(p, MinimumLength):
+            key.append(("minimum", p.eos_ids))
+        elif type(p) in pure and all(type(v) in (int, float, bool) for v in vars(p).values()):
+            key.append((type(p).__qualname__, tuple(sorted(vars(p).items()))))
+        else:
+            return None
+    return tuple(key)
+
+
+class TokenSelection:
+    """The choice of each next token of one ``generate()`` call from the engine's static ``logits`` buffer
+    ``[1, V]``: ``processors`` (:func:`prepared_processors`), sampling or greedy; ``keep`` the processed scores
+    and the float32 logits of every token (``output_scores`` / ``output_logits``). ``graphs``: a dict that keeps
+    the choice's CUDA graphs across calls (the attached engine's), or None for none; a graph is built where every
+    processor is a function of the scores and nothing is kept, from the second token of a call on (a call of one
+    token chooses it eagerly)."""
+
+    def __init__(self, logits: torch.Tensor, processors: list[Callable], do_sample: bool, *, keep_scores: bool,
+                 keep_logits: bool, graphs: dict | None, out: torch.Tensor):
+        self.logits = logits
+        self.processors = processors
+        self.do_sample = do_sample
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
+        self.minimum = [p for p in processors if isinstance(p, MinimumLength)]
+        self.reads_sequence = any(not isinstance(p, MinimumLength) for p in processors)
+        key = _graph_key(processors, do_sample)
+        self.graphs = graphs if graphs is not None and logits.is_cuda and not keep_scores and not keep_logits else None
+        self._key = key if self.graphs is not None else None
+        self._choices = 0
+        self._out = out  # [2] float64 on the logits' device: the token id and the check value
+
+    # ------------------------------------------------------------------ one token
+    def choose(self, sequence: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The next token after ``sequence [1, L]`` (its values are read only by processors that read them):
+        ``(token, processed scores or None, float32 logits or None)``."""
+        length = int(sequence.shape[-1])
+        self._choices += 1
+        if self._key is not None and self._choices > 1:
+            key = (self._key, tuple(m.active(length) for m in self.minimum))
+            entry = self.graphs.get(key)
+            if entry is None or entry[2] is not self.logits or entry[3] is not self._out:
+                # the graph reads this call's processors' tensors (the end-of-sequence mask): kept with it
+                if len(self.graphs) >= _MAX_GRAPHS:
+                    self.graphs.pop(next(iter(self.graphs)))
+                entry = self.graphs[key] = (self._capture(sequence, key[1]), self.processors, self.logits, self._out)
+            entry[0].replay()
+            return self._read(), None, None
+        next_logits, next_scores = self._compute(sequence, None)
+        return self._read(), next_scores if self.keep_scores else None, next_logits if self.keep_logits else None
+
+    def _compute(self, sequence: torch.Tensor, active: tuple[bool, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choice into ``self._out``: (float32 logits, processed scores). ``active``: the minimum-length
+        processors' state, fixed for a graph (None: from ``sequence``'s length)."""
+        plain = not self.do_sample and not self.processors and not self.keep_scores and not self.keep_logits
+        if plain:  # the argmax of the logits is the argmax of their float32 copy
+            index = torch.argmax(self.logits, dim=-1)
+            self._out[0] = index[0]
+            return self.logits, self.logits
+        next_logits = self.logits.to(copy=True, dtype=torch.float32)
+        scores = next_logits
+        which = iter(active) if active is not None else None
+        for processor in self.processors:
+            if isinstance(processor, MinimumLength):
+                on = next(which) if which is not None else processor.active(int(sequence.shape[-1]))
+                scores = processor.apply(scores) if on else scores
+            else:
+                scores = processor(sequence, scores)
+        if self.do_sample:
+            # torch.multinomial(probs, 1): q ~ Exp(1), argmax(probs / q); its check of the probabilities is the
+            # maximum of probs / q (NaN where any probability is: the softmax makes them NaN together)
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            q = torch.empty_like(probs).exponential_(1)
+            torch.div(probs, q, out=q)
+            value, index = torch.max(q, dim=-1)
+            self._out[0] = index[0]
+            self._out[1] = value[0]
+        else:
+            self._out[0] = torch.argmax(scores, dim=-1)[0]
+        return next_logits, scores
+
+    def _read(self) -> int:
+        token, check = self._out.tolist()  # the one read of the token (the next step feeds it from the host)
+        if self.do_sample and not check >= 0:  # NaN fails (an infinite maximum is a zero draw of q: valid)
+            raise RuntimeError(f"{_INVALID} (the engine's logits or the processors' scores are not finite)")
+        return int(token)
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self, sequence: torch.Tensor, active: tuple[bool, ...]) -> Any:
+        """The choice as a CUDA graph for one state of the minimum-length processors (warmed up on a side stream
+        first, as torch asks; the warm-up's random draws are given back by restoring the generator's state)."""
+        device = self.logits.device
+        generator = torch.cuda.default_generators[device.index if device.index is not None else
+                                                  torch.cuda.current_device()]
+        state = generator.get_state()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compute(sequence, active)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self._compute(sequence, active)
+        torch.cuda.synchronize(device)
+        generator.set_state(state)
+        logger.debug("psr_hf.engine: the token choice captured as a CUDA graph (%d processors)",
+                     len(self.processors))
+        return graph
