@@ -112,6 +112,7 @@ class TokenSelection:
         self.graphs = graphs if graphs is not None and logits.is_cuda and not keep_scores and not keep_logits else None
         self._key = key if self.graphs is not None else None
         self._choices = 0
+        self._replays: dict[tuple[bool, ...], Any] = {}  # this call's graphs by the minimum lengths' state
         self._out = out  # [2] float64 on the logits' device: the token id and the check value
 
     # ------------------------------------------------------------------ one token
@@ -121,14 +122,11 @@ class TokenSelection:
         length = int(sequence.shape[-1])
         self._choices += 1
         if self._key is not None and self._choices > 1:
-            key = (self._key, tuple(m.active(length) for m in self.minimum))
-            entry = self.graphs.get(key)
-            if entry is None or entry[2] is not self.logits or entry[3] is not self._out:
-                # the graph reads this call's processors' tensors (the end-of-sequence mask): kept with it
-                if len(self.graphs) >= _MAX_GRAPHS:
-                    self.graphs.pop(next(iter(self.graphs)))
-                entry = self.graphs[key] = (self._capture(sequence, key[1]), self.processors, self.logits, self._out)
-            entry[0].replay()
+            active = tuple(m.active(length) for m in self.minimum) if self.minimum else ()
+            graph = self._replays.get(active)
+            if graph is None:
+                graph = self._replays[active] = self._graph(sequence, active)
+            graph.replay()
             return self._read(), None, None
         next_logits, next_scores = self._compute(sequence, None)
         return self._read(), next_scores if self.keep_scores else None, next_logits if self.keep_logits else None
@@ -170,6 +168,17 @@ class TokenSelection:
         return int(token)
 
     # ------------------------------------------------------------------ graphs
+    def _graph(self, sequence: torch.Tensor, active: tuple[bool, ...]) -> Any:
+        """The kept graph of this configuration and state (captured if there is none)."""
+        key = (self._key, active)
+        entry = self.graphs.get(key)
+        if entry is None or entry[2] is not self.logits or entry[3] is not self._out:
+            if len(self.graphs) >= _MAX_GRAPHS:
+                self.graphs.pop(next(iter(self.graphs)))
+            # the graph reads this call's processors' tensors (the end-of-sequence mask): kept with it
+            entry = self.graphs[key] = (self._capture(sequence, active), self.processors, self.logits, self._out)
+        return entry[0]
+
     def _capture(self, sequence: torch.Tensor, active: tuple[bool, ...]) -> Any:
         """The choice as a CUDA graph for one state of the minimum-length processors (warmed up on a side stream
         first, as torch asks; the warm-up's random draws are given back by restoring the generator's state)."""

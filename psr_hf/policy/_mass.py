@@ -68,30 +68,54 @@ def displaced_fraction(z: np.ndarray, chosen: np.ndarray, positions: np.ndarray,
 @njit(cache=True, nogil=True)
 def _boundary_ties(z, K, flags):  # pragma: no cover - compiled
     """Set ``flags[p] = 1`` where the K-th and (K+1)-th largest scores of ``z[p]`` are equal and finite (the
-    own top-K is then ambiguous); other flags are left as they are. Returns ``flags``."""
+    own top-K is then ambiguous); other flags are left as they are. Returns ``flags``.
+
+    Per position, the smallest of the maxima of ``K + 1`` disjoint groups bounds the (K+1)-th largest from below
+    (each group holds an element at least that large), so only the few elements reaching it are ranked (a pass
+    without unpredictable branches, then an insertion over those few)."""
     N, E = z.shape
     if K >= E:
         return flags
-    best = np.empty(K + 1, dtype=np.float64)  # the K+1 largest values so far, descending (insertion)
+    G = K + 1
+    top = np.empty(G, dtype=z.dtype)  # group maxima, then the G largest so far, descending (insertion)
+    cand = np.empty(E, dtype=z.dtype)
+    full = E - E % G  # group of element e: e mod G (the inner loop contiguous)
     for p in range(N):
         if flags[p]:
             continue
         row = z[p]
+        for c in range(G):
+            top[c] = -np.inf
+        for base in range(0, full, G):
+            for c in range(G):
+                v = row[base + c]
+                top[c] = v if v > top[c] else top[c]
+        for e in range(full, E):
+            v = row[e]
+            top[e - full] = v if v > top[e - full] else top[e - full]
+        thr = top[0]
+        for c in range(1, G):
+            thr = top[c] if top[c] < thr else thr
+        nc = 0
+        for e in range(E):  # branch-free compaction of the elements reaching the bound
+            v = row[e]
+            cand[nc] = v
+            nc += v >= thr
         n = 0
-        for e in range(E):
-            v = np.float64(row[e])
-            if n < K + 1:
+        for i in range(nc):
+            v = cand[i]
+            if n < G:
                 j = n
                 n += 1
-            elif v > best[K]:
+            elif v > top[K]:
                 j = K
             else:
                 continue
-            while j > 0 and best[j - 1] < v:
-                best[j] = best[j - 1]
+            while j > 0 and top[j - 1] < v:
+                top[j] = top[j - 1]
                 j -= 1
-            best[j] = v
-        if np.isfinite(best[K - 1]) and best[K] == best[K - 1]:
+            top[j] = v
+        if n == G and np.isfinite(top[K - 1]) and top[K] == top[K - 1]:
             flags[p] = 1
     return flags
 
