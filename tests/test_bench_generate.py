@@ -29,6 +29,9 @@ def test_bench_generate_times_every_setup_through_the_engine(tmp_path, capsys):
     for name in ("engine_resident", "engine_offloaded"):
         setup = record["setups"][name]
         assert setup["engine_served"]["served"] > 0 and setup["engine_served"]["fallbacks"] == 0
+        assert setup["engine_served"]["engine_loop_calls"] > 0  # generate() decoded in the engine's loop
+        assert len(setup["forward"]["rounds"]) == 2 and "function calls" in setup["profile_first_token"][0]
+        assert any("Self CPU time total" in line for line in setup["device_profile_first_token"])
         assert setup["prefill"]["identical_expert_sets"] == 1.0  # float32: the same decisions
         assert setup["prefill"]["token_layers"] > 0 and setup["prefill"]["token_layers"] % 20 == 0  # S x layers
         assert len(setup["generate_over_step"]["rounds"]) == 2 and setup["generate_over_step"]["ratio"] > 0
@@ -43,6 +46,7 @@ def test_bench_generate_times_every_setup_through_the_engine(tmp_path, capsys):
     (dict(new_tokens=0), "--new-tokens"),
     (dict(residency=1.0), "--residency"),
     (dict(routing="psr_fast"), "not a configuration name"),
+    (dict(setups=("engine", "transformers")), "choose among transformers, engine_resident"),
 ])
 def test_bench_generate_config_names_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -53,3 +57,14 @@ def test_bench_generate_cli_prints_the_error_without_a_traceback(capsys):
     assert main(["bench-generate", "--model", "tiny-moe", "--device", "cpu", "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert "at least 2 rounds" in err and "Traceback" not in err
+
+
+def test_bench_generate_times_only_the_setups_asked_for(tmp_path):
+    out = tmp_path / "generate.json"
+    assert main(["bench-generate", "--model", "tiny-moe", "--device", "cpu", "--prompt-tokens", "12",
+                 "--new-tokens", "3", "--rounds", "2", "--threads", "1", "--no-by-token", "--no-profile",
+                 "--setups", "engine_offloaded,engine_resident", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert list(record["setups"]) == ["engine_resident", "engine_offloaded"]  # in their fixed order
+    assert record["config"]["setups"] == ["engine_offloaded", "engine_resident"]
+    assert "ttft_by_token" not in record["setups"]["engine_resident"]

@@ -181,3 +181,44 @@ def test_controller_step_api_guards_and_sequences(case):
         # the HF path runs normally after the engine
         with torch.no_grad():
             model(ids)
+
+
+@pytest.mark.parametrize("kind", ["eager", "graph_decoder_eager"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_a_token_chosen_on_the_device_steps_as_the_same_token_given(case, name, kind):
+    """``step_chosen`` (the token in the decoder's token buffer, read by a callback after the first launch)
+    decodes what ``step(token)`` decodes, with the same decisions; a callback that stops the sequence steps
+    nothing, and the next step decodes as if the stop had not been tried."""
+    from psr_hf.engine import GraphDecoder
+
+    model, ids, calibration, _ = case(name)
+    tokens = [5, 17, 9, 33]
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), calibration=calibration):
+        make = (lambda: Decoder(model, MAX_LEN)) if kind == "eager" else (
+            lambda: GraphDecoder(model, MAX_LEN, graphs=False))
+        runs = {}
+        for mode in ("given", "chosen"):
+            decoder = make()
+            ctl = psr_hf.controller(model)
+            with ctl.record() as recorder:
+                decoder.prefill(ids)
+                logits = []
+                for i, token in enumerate(tokens):
+                    if mode == "given":
+                        logits.append(decoder.step(token).float().clone())
+                        continue
+                    if i == 2:  # a stop: nothing is stepped
+                        position = decoder.position
+                        assert decoder.step_chosen(lambda: None) == (None, None)
+                        assert decoder.position == position
+                    decoder.layers.buffers.token.fill_(token)
+                    out, read = decoder.step_chosen(lambda t=token: t)
+                    assert read == token
+                    logits.append(out.float().clone())
+            runs[mode] = (torch.stack(logits), recorder.recordings)
+        with pytest.raises(ValueError, match="continues a sequence"):
+            make().step_chosen(lambda: 1)
+    (given, rec_given), (chosen, rec_chosen) = runs["given"], runs["chosen"]
+    assert _rel(chosen, given) < LOGITS_TOL
+    np.testing.assert_array_equal(rec_chosen[-1].selected, rec_given[-1].selected)
+    np.testing.assert_array_equal(rec_chosen[-1].tokens, rec_given[-1].tokens)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..eval.grid import routing_from_name
+from ..hf.installation import CONTROLLER_ATTRIBUTE
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .common import describe_model, device_sync, machine, paired_summary, rotated, summarize, versions
@@ -53,8 +54,12 @@ class GenerateBenchConfig:
     routing: str = "psr_lam0.3_n1"
     by_token: bool = True  # also time the token-by-token prefill of the engine setups (one per round)
     profile: bool = True  # a cProfile of one engine generate() per engine setup, its top functions in the record
+    setups: tuple[str, ...] = SETUPS  # which setups run (always in SETUPS' order)
 
     def __post_init__(self) -> None:
+        unknown = [name for name in self.setups if name not in SETUPS]
+        if unknown or not self.setups:
+            raise ValueError(f"--setups {','.join(self.setups)!r}: choose among {', '.join(SETUPS)}")
         if self.prompt_tokens < 2 or self.new_tokens < 1:
             raise ValueError(f"--prompt-tokens {self.prompt_tokens} must be >= 2 and --new-tokens "
                              f"{self.new_tokens} >= 1")
@@ -223,27 +228,35 @@ def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchCo
     max_len = prompt.shape[1] + config.new_tokens + 2
     num_experts = describe_model(model)["num_experts"]
     results: dict[str, Any] = {}
-    results["transformers"] = _measure_setup("transformers", model, prompt, config, pad, sync, progress)
+    wanted = set(config.setups)
+
+    def measure(name: str) -> None:
+        if name in wanted:
+            results[name] = _measure_setup(name, model, prompt, config, pad, sync, progress)
+
+    measure("transformers")
     try:
-        patch(model, RoutingConfig(policy="exact", capacity=num_experts), calibration=calibration)
-        attach(model, max_len=max_len)
-        results["engine_resident"] = _measure_setup("engine_resident", model, prompt, config, pad, sync, progress)
-        detach(model)
-        unpatch(model)
-        patch(model, config.offloaded_routing(), calibration=calibration, offload=offload_config(device))
-        attach(model, max_len=max_len)
-        results["engine_offloaded"] = _measure_setup("engine_offloaded", model, prompt, config, pad, sync, progress)
-        stats = controller(model).stats().total
-        results["engine_offloaded"]["copies_per_token"] = stats["copies_per_token"]
-        detach(model)
-        results["transformers_offloaded"] = _measure_setup("transformers_offloaded", model, prompt, config, pad,
-                                                           sync, progress)
+        if "engine_resident" in wanted:
+            patch(model, RoutingConfig(policy="exact", capacity=num_experts), calibration=calibration)
+            attach(model, max_len=max_len)
+            measure("engine_resident")
+            detach(model)
+            unpatch(model)
+        if wanted & {"engine_offloaded", "transformers_offloaded"}:
+            patch(model, config.offloaded_routing(), calibration=calibration, offload=offload_config(device))
+            if "engine_offloaded" in wanted:
+                attach(model, max_len=max_len)
+                measure("engine_offloaded")
+                results["engine_offloaded"]["copies_per_token"] = controller(model).stats().total["copies_per_token"]
+                detach(model)
+            measure("transformers_offloaded")
     finally:
         detach(model)
-        unpatch(model)
+        if getattr(model, CONTROLLER_ATTRIBUTE, None) is not None:
+            unpatch(model)
     return {"config": {"prompt_tokens": int(prompt.shape[1]), "new_tokens": config.new_tokens,
                        "rounds": config.rounds, "residency": config.residency, "routing": config.routing,
-                       "num_experts": num_experts},
+                       "num_experts": num_experts, "setups": list(config.setups)},
             "setups": results}
 
 

@@ -99,6 +99,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--routing", default="psr_lam0.3_n1", help="routing of the offloaded setups (default psr_lam0.3_n1)")
     p.add_argument("--no-by-token", action="store_true", help="skip timing the engine's token-by-token prefill")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile of one engine generate()")
+    p.add_argument("--setups", default=",".join(_generate_setups()),
+                   help="comma-separated setups to time, in their fixed order (default: all: %(default)s)")
     add_calibration(p)
     add_texts(p, "text file to cut the prompt from (default: the model's held-out text)")
     add_json(p)
@@ -189,12 +191,18 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_setups() -> tuple[str, ...]:
+    from ..bench.generate_latency import SETUPS
+
+    return SETUPS
+
+
 def bench_generate(args: argparse.Namespace) -> int:
     from ..bench.generate_latency import GENERATE_HEADER, GenerateBenchConfig, bench_generate as run, generate_rows
 
     config = GenerateBenchConfig(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds,
                                  residency=args.residency, routing=args.routing, by_token=not args.no_by_token,
-                                 profile=not args.no_profile)
+                                 profile=not args.no_profile, setups=tuple(args.setups.split(",")))
     set_threads_for_model(args)
     print(f"psr-hf bench-generate: {args.model}, a {args.prompt_tokens}-token prompt, {args.new_tokens} decoded "
           f"tokens, {args.rounds} interleaved rounds (medians; ratios paired by round, 95% intervals)")

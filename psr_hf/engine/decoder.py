@@ -83,6 +83,18 @@ class DecoderBase(abc.ABC):
         self.layers.check_references(self.controller)
 
     @torch.no_grad()
+    def step_chosen(self, read_token: Any) -> tuple[torch.Tensor | None, int | None]:
+        """Decode the token the device just chose into the token buffer (:mod:`psr_hf.engine.token_selection`),
+        continuing a sequence: ``read_token()`` gives it, or None to stop there (nothing is stepped). Returns
+        ``(logits buffer or None, token)``. The CUDA-graph decoder launches its first graph before reading."""
+        if self.position == 0:
+            raise ValueError("step_chosen continues a sequence; its first token is a prefill or step(token)")
+        token = read_token()
+        if token is None:
+            return None, None
+        return self.step(int(token)), int(token)
+
+    @torch.no_grad()
     def prefill(self, input_ids: Any, *, batched: bool | None = None) -> torch.Tensor:
         """Start a new sequence with the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) and return the last
         position's ``[1, V]`` logits buffer. ``batched`` (default: for more than one token, where the family writes

@@ -177,29 +177,53 @@ class EngineDecodingLoop:
         sequence = torch.empty((1, max(max_length, S + 1)), dtype=input_ids.dtype, device=input_ids.device)
         sequence[:, :S] = input_ids
         logits = state.start(tokens)
+        graphed = bool(getattr(state.decoder, "graphs", False))
         selection = TokenSelection(logits, prepared_processors(logits_processor, int(logits.shape[-1]),
                                                                logits.device),
                                    bool(config.do_sample), keep_scores=scores is not None,
                                    keep_logits=raw_logits is not None,
-                                   graphs=state.choice_graphs if getattr(state.decoder, "graphs", False) else None,
-                                   out=state.choice_out(logits.device))
+                                   graphs=state.choice_graphs if graphed else None,
+                                   out=state.choice_out(logits.device),
+                                   token=state.decoder.layers.buffers.token)
         per_token = selection.reads_sequence or bool(others)
         new: list[int] = []
         length = S
-        while True:
-            token, next_scores, next_logits = selection.choose(sequence[:, :length])
-            if scores is not None:
-                scores += (next_scores,)
-            if raw_logits is not None:
-                raw_logits += (next_logits,)
+
+        def accept(token: int) -> bool:
+            """Take the chosen token; whether the sequence goes on."""
+            nonlocal length
             new.append(token)
             if per_token:
                 sequence[0, length] = token
             length += 1
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
-            if length >= max_length or token in eos or any(
-                    _done(criterion(sequence[:, :length], scores)) for criterion in others):
+            return not (length >= max_length or token in eos or any(
+                _done(criterion(sequence[:, :length], scores)) for criterion in others))
+
+        def read_accepted() -> int | None:
+            token = selection.read()
+            return token if accept(token) else None
+
+        while True:
+            if selection.launch(sequence[:, :length]):
+                # the device chose the token into the decoder's token buffer: the next step is launched before
+                # the host reads it (and stops there if the token ends the sequence)
+                if length + 1 >= max_length:
+                    accept(selection.read())
+                    break
+                logits = state.advance_chosen(read_accepted)
+                if logits is None:
+                    break
+                if logits is not selection.logits:
+                    raise RuntimeError("psr_hf.engine: the decoder returned another logits buffer than its prefill")
+                continue
+            token, next_scores, next_logits = selection.choose(sequence[:, :length])
+            if scores is not None:
+                scores += (next_scores,)
+            if raw_logits is not None:
+                raw_logits += (next_logits,)
+            if not accept(token):
                 break
             logits = state.advance(token)
             if logits is not selection.logits:

@@ -285,6 +285,17 @@ class _Attachment:
             self.choice_graphs.clear()
         return self._choice_out
 
+    def advance_chosen(self, read_token: Any) -> torch.Tensor | None:
+        """The next token of the engine's sequence as the device chose it (``GraphDecoder.step_chosen``): the
+        logits buffer, or None where ``read_token`` stopped the sequence (nothing served)."""
+        logits, token = self.decoder.step_chosen(read_token)
+        if logits is None:
+            return None
+        self.tokens.append(token)
+        self.cache._psr_length = len(self.tokens)
+        self.served += 1
+        return logits
+
     def current(self, model: torch.nn.Module) -> bool:
         """Whether this attachment still serves ``model`` (not detached, not unpatched meanwhile)."""
         return vars(model).get(ENGINE_ATTRIBUTE) is self and vars(model).get("forward") is self.wrapper

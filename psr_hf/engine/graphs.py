@@ -358,6 +358,35 @@ class GraphDecoder(DecoderBase):
         self.position = position + 1
         return b.logits
 
+    @torch.no_grad()
+    def step_chosen(self, read_token: Callable[[], int | None]) -> tuple[torch.Tensor | None, int | None]:
+        """Decode the token the device just wrote into the token buffer (the engine's token choice,
+        :mod:`psr_hf.engine.token_selection`), continuing a sequence: graph A_0 is launched before the host reads
+        the token (``read_token()``), so the host's launch overlaps with the GPU's choice instead of waiting for
+        it. ``read_token`` returns the token, or None to stop the sequence there (nothing is stepped: the
+        launched graph only wrote the KV row of a position the next step writes again). Returns ``(logits
+        buffer or None, token)``."""
+        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        position = self.position
+        if position == 0:
+            raise ValueError("step_chosen continues a sequence; its first token is a prefill or step(token)")
+        L.check_position(position)
+        self._check_slot_buffers()
+        L.check_prefetch_source(ctl)
+        L.sync_routers(ctl)
+        b.position.fill_(position)
+        stream = raw_current_stream(self.device) if self._runtime is not None else 0
+        self._units[0](stream)
+        self._record(stream)
+        token = read_token()
+        if token is None:
+            return None, None
+        with ctl.step(int(token), position):
+            for m in range(len(self.moe_layers)):
+                self._moe_layer(m, stream)
+        self.position = position + 1
+        return b.logits, int(token)
+
     @staticmethod
     def _one_token(token: Any) -> int:
         if isinstance(token, (torch.Tensor, np.ndarray)):

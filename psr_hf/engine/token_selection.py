@@ -98,10 +98,10 @@ class TokenSelection:
     and the float32 logits of every token (``output_scores`` / ``output_logits``). ``graphs``: a dict that keeps
     the choice's CUDA graphs across calls (the attached engine's), or None for none; a graph is built where every
     processor is a function of the scores and nothing is kept, from the second token of a call on (a call of one
-    token chooses it eagerly)."""
+    token chooses it eagerly). ``token``: the decoder's token buffer, which :meth:`launch` writes too."""
 
     def __init__(self, logits: torch.Tensor, processors: list[Callable], do_sample: bool, *, keep_scores: bool,
-                 keep_logits: bool, graphs: dict | None, out: torch.Tensor):
+                 keep_logits: bool, graphs: dict | None, out: torch.Tensor, token: torch.Tensor | None = None):
         self.logits = logits
         self.processors = processors
         self.do_sample = do_sample
@@ -111,25 +111,38 @@ class TokenSelection:
         key = _graph_key(processors, do_sample)
         self.graphs = graphs if graphs is not None and logits.is_cuda and not keep_scores and not keep_logits else None
         self._key = key if self.graphs is not None else None
-        self._choices = 0
+        self._chosen = False  # a token of this call was chosen (the first one eagerly: a graph only after)
         self._replays: dict[tuple[bool, ...], Any] = {}  # this call's graphs by the minimum lengths' state
         self._out = out  # [2] float64 on the logits' device: the token id and the check value
+        self._token = token  # the decoder's token buffer, which a launched choice also writes (step_chosen)
+        #: whether :meth:`launch` chooses (a token buffer to write, no scores or logits to keep)
+        self.launches = token is not None and not keep_scores and not keep_logits
 
     # ------------------------------------------------------------------ one token
     def choose(self, sequence: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """The next token after ``sequence [1, L]`` (its values are read only by processors that read them):
         ``(token, processed scores or None, float32 logits or None)``."""
-        length = int(sequence.shape[-1])
-        self._choices += 1
-        if self._key is not None and self._choices > 1:
-            active = tuple(m.active(length) for m in self.minimum) if self.minimum else ()
-            graph = self._replays.get(active)
-            if graph is None:
-                graph = self._replays[active] = self._graph(sequence, active)
-            graph.replay()
-            return self._read(), None, None
         next_logits, next_scores = self._compute(sequence, None)
-        return self._read(), next_scores if self.keep_scores else None, next_logits if self.keep_logits else None
+        self._chosen = True
+        return self.read(), next_scores if self.keep_scores else None, next_logits if self.keep_logits else None
+
+    def launch(self, sequence: torch.Tensor) -> bool:
+        """Choose the token after ``sequence`` on the device without reading it: it lies in the output and the
+        decoder's token buffer, :meth:`read` reads it (the choice's graph is replayed from a call's second token
+        on, where there is one). False where this selection does not launch (:attr:`launches`): :meth:`choose`."""
+        if not self.launches:
+            return False
+        if self._key is None or not self._chosen:
+            self._compute(sequence, None)
+            self._chosen = True
+            return True
+        length = int(sequence.shape[-1])
+        active = tuple(m.active(length) for m in self.minimum) if self.minimum else ()
+        graph = self._replays.get(active)
+        if graph is None:
+            graph = self._replays[active] = self._graph(sequence, active)
+        graph.replay()
+        return True
 
     def _compute(self, sequence: torch.Tensor, active: tuple[bool, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The choice into ``self._out``: (float32 logits, processed scores). ``active``: the minimum-length
@@ -138,6 +151,8 @@ class TokenSelection:
         if plain:  # the argmax of the logits is the argmax of their float32 copy
             index = torch.argmax(self.logits, dim=-1)
             self._out[0] = index[0]
+            if self._token is not None:
+                self._token.copy_(index.reshape(self._token.shape))
             return self.logits, self.logits
         next_logits = self.logits.to(copy=True, dtype=torch.float32)
         scores = next_logits
@@ -148,6 +163,10 @@ class TokenSelection:
                 scores = processor.apply(scores) if on else scores
             else:
                 scores = processor(sequence, scores)
+        self._choose(scores)
+        return next_logits, scores
+
+    def _choose(self, scores: torch.Tensor) -> None:
         if self.do_sample:
             # torch.multinomial(probs, 1): q ~ Exp(1), argmax(probs / q); its check of the probabilities is the
             # maximum of probs / q (NaN where any probability is: the softmax makes them NaN together)
@@ -159,9 +178,10 @@ class TokenSelection:
             self._out[1] = value[0]
         else:
             self._out[0] = torch.argmax(scores, dim=-1)[0]
-        return next_logits, scores
+        if self._token is not None:
+            self._token.copy_(self._out[:1].to(self._token.dtype))
 
-    def _read(self) -> int:
+    def read(self) -> int:
         token, check = self._out.tolist()  # the one read of the token (the next step feeds it from the host)
         if self.do_sample and not check >= 0:  # NaN fails (an infinite maximum is a zero draw of q: valid)
             raise RuntimeError(f"{_INVALID} (the engine's logits or the processors' scores are not finite)")
