@@ -4,7 +4,8 @@
 #   device run:  STAGE=free bash benchmarks/engine/gpu_engine_for_users.sh
 #   device run:  STAGE=harness bash benchmarks/engine/gpu_engine_for_users.sh
 # generate: the cuda tests of the engine and the controller, then psr-hf bench-generate on grown-olmoe-routing
-#   (time to first token with the batched prefill, generate() against the engine's own step, the profile).
+#   (time to first token with the batched prefill, generate() against the engine's own step, the profile);
+#   ROUNDS=N sets its rounds (default 3), ENGINE_ROUNDS=N adds a run of the two engine setups alone with N rounds.
 # free: psr-hf bench-free (free-generation timing, the paper's Table 6) at 50% and 25%.
 # harness: lm-eval generate_until runs through the engine and through the harness for the Table 5 configurations,
 #   then psr-hf compare-implementations on them.
@@ -21,6 +22,12 @@ generate)
   echo "tests done at $((SECONDS - START)) s"
   timeout ${BENCH_TIMEOUT:-300} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing --rounds ${ROUNDS:-3} --prompt-tokens 512 \
       --new-tokens 64 --json "$OUT/bench_generate.json" 2>/dev/null | tee "$OUT/bench_generate.txt"
+  if [ -n "${ENGINE_ROUNDS:-}" ]; then  # the engine setups again, with more rounds for the ratios' intervals
+    timeout ${BENCH_TIMEOUT:-300} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing \
+        --rounds "$ENGINE_ROUNDS" --prompt-tokens 512 --new-tokens 64 --no-by-token --no-profile \
+        --setups engine_resident,engine_offloaded --json "$OUT/bench_generate_engine_rounds.json" 2>/dev/null \
+        | tee "$OUT/bench_generate_engine_rounds.txt"
+  fi
   ;;
 free)
   ${FREE_COMMAND:?set FREE_COMMAND}
