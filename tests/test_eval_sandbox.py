@@ -7,7 +7,6 @@ test owns. Tests that need user namespaces skip where the machine refuses them (
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import secrets
@@ -22,18 +21,9 @@ import pytest
 
 from psr_hf.eval import sandbox as sb
 
-ROOT = Path(__file__).resolve().parent.parent
+from module_files import TASK_UTILS, load_module
 
-
-def _load_task_utils():
-    spec = importlib.util.spec_from_file_location("psr_eval_task_utils_sandbox", ROOT / "eval_configs/tasks/utils.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-task_utils = _load_task_utils()
+task_utils = load_module("psr_eval_task_utils_sandbox", TASK_UTILS)
 
 
 def _namespaces_refused() -> str:
