@@ -170,6 +170,28 @@ def test_kv_rows_from_transformers_cache_equal_the_engines_own(engine_case, conf
         np.testing.assert_array_equal(a.selected, b.selected)
 
 
+def test_the_kv_row_sources_a_family_lacks_say_so(engine_case, monkeypatch):
+    """Writing a block's KV rows from a source the family does not define raises, naming what is missing:
+    DeepSeek-V3's absorbed cache is not transformers' layout; a family without ``_prompt_kv`` has no batched
+    prefill."""
+    from psr_hf.engine.families.olmoe import OlmoeLayers
+    from psr_hf.engine.layers import DecodeLayers
+
+    model, ids, _ = _long_prompt(engine_case, "deepseek_v3")
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["exact_lru"])):
+        layers = Decoder(model, MAX_LEN).layers
+        assert not layers.kv_from_transformers and layers.batched_prefill
+        rows = torch.zeros(1, 2, ids.shape[1], 4)
+        with pytest.raises(NotImplementedError, match="deepseek_v3 engine's KV cache is not transformers' layout"):
+            layers.write_transformers_kv(0, rows, rows, 0)
+    model, ids, _ = _long_prompt(engine_case, "olmoe")
+    monkeypatch.setattr(OlmoeLayers, "_prompt_kv", DecodeLayers._prompt_kv)
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["exact_lru"])):
+        layers = Decoder(model, MAX_LEN).layers
+        with pytest.raises(NotImplementedError, match="olmoe engine layers define no _prompt_kv"):
+            layers.write_prompt_kv(0, torch.zeros(ids.shape[1], layers.hidden_size), 0)
+
+
 def test_a_family_without_prompt_kv_prefills_token_by_token(engine_case, monkeypatch):
     """A family that does not write the KV rows of a block keeps the token-by-token prefill; asking for the batched
     one says what is missing."""

@@ -37,9 +37,6 @@ logger = logging.getLogger("psr_hf.engine.generate")
 _OWN_LOOP_ARGUMENTS = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
                        "synced_gpus", "tokenizer")
 _OWN_LOOP = "generate() decodes in transformers' own loop"
-#: model keyword arguments the loop understands (checked: positions from 0, no padding, an empty cache)
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "cache_position", "cache", "past_key_values", "use_cache",
-                       "logits_to_keep"}
 
 
 def _modes() -> tuple[Any, Any]:
@@ -64,14 +61,10 @@ def _output_class() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _output_cache_field() -> str:
-    fields = {f.name for f in dataclasses.fields(_output_class())}
+def cache_field(output_class: type) -> str:
+    """The cache's name in a transformers output class: ``cache`` (recent transformers) or ``past_key_values``."""
+    fields = {f.name for f in dataclasses.fields(output_class)}
     return "cache" if "cache" in fields else "past_key_values"
-
-
-def _arange_from_zero(value: torch.Tensor, S: int) -> bool:
-    host = value.detach().reshape(-1).cpu()
-    return host.shape[0] == S and bool((host == torch.arange(S, dtype=host.dtype)).all())
 
 
 class EngineDecodingLoop:
@@ -108,32 +101,20 @@ class EngineDecodingLoop:
         S = int(input_ids.shape[1])
         if S == 0:
             return "no input tokens"
-        if config.output_attentions or config.output_hidden_states or getattr(
-                model.config, "output_attentions", False) or getattr(model.config, "output_hidden_states", False):
+        if config.output_attentions or config.output_hidden_states:
             return "attentions or hidden states asked for"
         if config.max_length is None or config.max_length > self.state.max_len:
             return f"the sequence may exceed the engine's max_len={self.state.max_len}"
-        for key, value in model_kwargs.items():
-            if value is None or value is False:
-                continue
-            if key not in _KNOWN_MODEL_KWARGS:
-                return f"argument {key!r}"
-        if model_kwargs.get("use_cache") is False:
-            return "use_cache=False"
-        keep = model_kwargs.get("logits_to_keep")
-        if keep not in (None, 0, 1):
-            return "logits of more positions than the last one"
-        mask = model_kwargs.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape
-                                 or not bool((mask != 0).all())):
-            return "an attention mask with padding"
-        for key in ("position_ids", "cache_position"):
-            value = model_kwargs.get(key)
-            if value is not None and not (isinstance(value, torch.Tensor) and _arange_from_zero(value, S)):
-                return f"{key} that do not start at 0"
+        # what a forward call of the prompt with these arguments would need of the engine (only the last
+        # position's logits are read, whatever logits_to_keep says)
+        call = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
+        call.update(input_ids=input_ids, logits_to_keep=1)
+        reason = self.state.refusal(call) or self.state.position_refusal(call, 0, S)
+        if reason is not None:
+            return reason
         for key in ("cache", "past_key_values"):
             cache = model_kwargs.get(key)
-            if cache is not None and not _empty(cache):
+            if cache is not None and not cache_is_empty(cache):
                 return "a cache passed in"
         return None
 
@@ -237,7 +218,7 @@ class EngineDecodingLoop:
         if not return_dict:
             return out
         return _output_class()(sequences=out, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
-                               **{_output_cache_field(): state.cache})
+                               **{cache_field(_output_class()): state.cache})
 
 
 def _done(answer: Any) -> bool:
@@ -245,7 +226,8 @@ def _done(answer: Any) -> bool:
     return bool(answer.any()) if isinstance(answer, torch.Tensor) else bool(answer)
 
 
-def _empty(cache: Any) -> bool:
+def cache_is_empty(cache: Any) -> bool:
+    """Whether a transformers cache holds no positions (False where it cannot say)."""
     try:
         return int(cache.get_seq_length()) == 0
     except Exception:

@@ -13,7 +13,6 @@ other call runs the model's own (patched) forward, the reason logged once; a cal
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from psr_hf.hf.installation import CONTROLLER_ATTRIBUTE as _PATCH_ATTR
+from .decoding_loop import cache_field, cache_is_empty, wrap_generate
 from .prefill import ENGINE_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,6 @@ def _output_class() -> Any:
     return CausalLMOutputWithPast
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_field() -> str:
-    """The cache's name in the forward's arguments and outputs: ``cache`` (recent transformers) or
-    ``past_key_values``."""
-    fields = {f.name for f in dataclasses.fields(_output_class())}
-    return "cache" if "cache" in fields else "past_key_values"
 
 
 def _engine_cache_class() -> type:
@@ -161,13 +155,13 @@ class _Attachment:
         ids = kwargs.get("input_ids")
         if ids is not None and (ids.ndim != 2 or ids.shape[0] != 1):
             reason = "several rows (batch > 1, beam search)" if ids.ndim == 2 else "input_ids not 2D"
-        elif cache is not None and not ours and not self._empty(cache):
+        elif cache is not None and not ours and not cache_is_empty(cache):
             reason = "the call continues a transformers cache the engine did not make"
         else:
-            reason = self._refuse(kwargs)
+            reason = self.refusal(kwargs)
         if reason is None and ids is not None and ids.ndim == 2 and ids.shape[0] == 1:
             S = int(ids.shape[1])
-            reason = self._refuse_positions(kwargs, 0 if not ours else len(self.tokens), S)
+            reason = self.position_refusal(kwargs, 0 if not ours else len(self.tokens), S)
             if reason is None and ours:
                 if len(self.tokens) + S > self.max_len:
                     reason = f"the sequence would exceed the engine's max_len={self.max_len}"
@@ -190,15 +184,9 @@ class _Attachment:
             return self._resync(reason, kwargs, name)
         return self._fallback(reason, args, kwargs)
 
-    @staticmethod
-    def _empty(cache: Any) -> bool:
-        try:
-            return int(cache.get_seq_length()) == 0
-        except Exception:
-            return False
-
-    def _refuse(self, kwargs: dict) -> str | None:
-        """Why the call's arguments cannot be served whatever its shape (None: they can)."""
+    def refusal(self, kwargs: dict) -> str | None:
+        """Why a forward call's arguments cannot be served whatever its shape (None: they can); the engine's
+        decoding loop asks the same of the arguments generate() prepared."""
         if kwargs.get("input_ids") is None:
             return "inputs_embeds instead of input_ids"
         for key, value in kwargs.items():
@@ -217,7 +205,7 @@ class _Attachment:
             return "an attention mask with padding (or not 2D)"
         return None
 
-    def _refuse_positions(self, kwargs: dict, start: int, S: int) -> str | None:
+    def position_refusal(self, kwargs: dict, start: int, S: int) -> str | None:
         """The positions of the call's ``S`` tokens must be ``start .. start + S - 1``; one logits row asked for."""
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, torch.Tensor):
@@ -248,8 +236,8 @@ class _Attachment:
             self.served += 1 - len(tokens)  # one forward call served
         else:
             logits = self.start(tokens)
-        field = _cache_field()
-        out = _output_class()(logits=logits.detach().clone().reshape(1, 1, -1), **{field: self.cache})
+        out = _output_class()(logits=logits.detach().clone().reshape(1, 1, -1),
+                              **{cache_field(_output_class()): self.cache})
         if kwargs.get("return_dict") is False:
             return out.to_tuple()
         return out
@@ -362,8 +350,6 @@ def attach(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool |
     state = _Attachment(model, decoder, int(max_len))
     object.__setattr__(model, "forward", state.wrapper)
     object.__setattr__(model, ENGINE_ATTRIBUTE, state)
-    from .decoding_loop import wrap_generate
-
     state.generate_wrapper = wrap_generate(model, state)
     if state.generate_wrapper is not None:
         object.__setattr__(model, "generate", state.generate_wrapper)

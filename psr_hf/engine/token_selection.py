@@ -42,9 +42,6 @@ class MinimumLength:
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
         return scores.masked_fill(self.mask, -math.inf)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.apply(scores) if self.active(input_ids.shape[-1]) else scores
-
 
 def _scores_only() -> tuple[type, ...]:
     """transformers' warpers whose result depends on the scores alone (no sequence, no host state): what a graph
