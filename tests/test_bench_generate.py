@@ -36,6 +36,10 @@ def test_bench_generate_times_every_setup_through_the_engine(tmp_path, capsys):
         assert setup["prefill"]["token_layers"] > 0 and setup["prefill"]["token_layers"] % 20 == 0  # S x layers
         assert len(setup["generate_over_step"]["rounds"]) == 2 and setup["generate_over_step"]["ratio"] > 0
         assert set(setup["ttft_goal"]) == {"goal_ms", "met"} and set(setup["generate_goal"]) == {"goal_ratio", "met"}
+        assert set(setup["sampling_goal"]) == {"goal_ratio", "met"}
+        assert len(setup["step_sampled"]["rounds"]) == len(setup["sampling_over_step"]["rounds"]) == 2
+        assert any("Self CPU time total" in line for line in setup["device_profile_sampling"])
+        assert f"goal {name} generate/step (sampling) <= x1.10" in printed
         assert any("moe.py" in line for line in setup["profile"])
         assert not any("/" in line.split()[-1] for line in setup["profile"] if "(" in line)  # no machine paths
     assert record["setups"]["engine_offloaded"]["copies_per_token"] > 0

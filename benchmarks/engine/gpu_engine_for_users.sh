@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The engine where users meet it (issue "The engine where users meet it"), on the lent GPU, from the repository root:
 #   device run:  STAGE=generate bash benchmarks/engine/gpu_engine_for_users.sh
+#   device run:  STAGE=engine_rounds ENGINE_ROUNDS=40 bash benchmarks/engine/gpu_engine_for_users.sh
 #   device run:  STAGE=free bash benchmarks/engine/gpu_engine_for_users.sh
 #   device run:  STAGE=harness bash benchmarks/engine/gpu_engine_for_users.sh
-# generate: the cuda tests of the engine and the controller, then psr-hf bench-generate on grown-olmoe-routing
-#   (time to first token with the batched prefill, generate() against the engine's own step, the profile);
-#   ROUNDS=N sets its rounds (default 3), ENGINE_ROUNDS=N adds a run of the two engine setups alone with N rounds.
+# generate: the cuda tests of the engine and the controller, the token choice's kernels
+#   (benchmarks/engine/token_choice_kernels.py), then psr-hf bench-generate on grown-olmoe-routing (time to first
+#   token with the batched prefill, generate() against the engine's own step, the profiles); ROUNDS=N sets its
+#   rounds (default 3).
+# engine_rounds: bench-generate of the two engine setups alone with ENGINE_ROUNDS rounds (default 24), for the
+#   ratios' intervals.
 # free: psr-hf bench-free (free-generation timing, the paper's Table 6) at 50% and 25%.
 # harness: lm-eval generate_until runs through the engine and through the harness for the Table 5 configurations,
 #   then psr-hf compare-implementations on them.
@@ -20,14 +24,15 @@ generate)
       tests/test_offload_cuda.py tests/test_prefetch_runtime.py 2>&1 | tail -25 > "$OUT/cuda_tests.txt"
   tail -3 "$OUT/cuda_tests.txt"
   echo "tests done at $((SECONDS - START)) s"
+  timeout 120 python3 benchmarks/engine/token_choice_kernels.py "$OUT/token_choice_kernels.json"
   timeout ${BENCH_TIMEOUT:-300} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing --rounds ${ROUNDS:-3} --prompt-tokens 512 \
       --new-tokens 64 --json "$OUT/bench_generate.json" 2>/dev/null | tee "$OUT/bench_generate.txt"
-  if [ -n "${ENGINE_ROUNDS:-}" ]; then  # the engine setups again, with more rounds for the ratios' intervals
-    timeout ${BENCH_TIMEOUT:-300} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing \
-        --rounds "$ENGINE_ROUNDS" --prompt-tokens 512 --new-tokens 64 --no-by-token --no-profile \
-        --setups engine_resident,engine_offloaded --json "$OUT/bench_generate_engine_rounds.json" 2>/dev/null \
-        | tee "$OUT/bench_generate_engine_rounds.txt"
-  fi
+  ;;
+engine_rounds)
+  timeout ${BENCH_TIMEOUT:-500} python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing \
+      --rounds "${ENGINE_ROUNDS:-24}" --prompt-tokens 512 --new-tokens 64 --no-by-token --no-profile \
+      --setups engine_resident,engine_offloaded --json "$OUT/bench_generate_engine_rounds.json" 2>/dev/null \
+      | tee "$OUT/bench_generate_engine_rounds.txt"
   ;;
 free)
   ${FREE_COMMAND:?set FREE_COMMAND}

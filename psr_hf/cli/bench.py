@@ -210,11 +210,11 @@ def bench_generate(args: argparse.Namespace) -> int:
                  calibration_tokens=args.calibration_tokens, texts=args.text or (), progress=progress_line)
     print(text_table(generate_rows(record), GENERATE_HEADER))
     for name, setup in record["setups"].items():
-        for key in ("ttft_goal", "generate_goal"):
+        for key, what in (("ttft_goal", "time to first token"), ("generate_goal", "generate/step (greedy)"),
+                          ("sampling_goal", "generate/step (sampling)")):
             goal = setup.get(key)
             if goal is not None:
                 target = f"{goal['goal_ms']:.0f} ms" if key == "ttft_goal" else f"x{goal['goal_ratio']:.2f}"
-                what = "time to first token" if key == "ttft_goal" else "generate/step"
                 print(f"goal {name} {what} <= {target}: {'met' if goal['met'] else 'not shown'}")
     if args.json:
         write_json(args.json, record)

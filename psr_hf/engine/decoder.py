@@ -83,15 +83,18 @@ class DecoderBase(abc.ABC):
         self.layers.check_references(self.controller)
 
     @torch.no_grad()
-    def step_chosen(self, read_token: Any) -> tuple[torch.Tensor | None, int | None]:
+    def step_chosen(self, read_token: Any, overlap: Any = None) -> tuple[torch.Tensor | None, int | None]:
         """Decode the token the device just chose into the token buffer (:mod:`psr_hf.engine.token_selection`),
-        continuing a sequence: ``read_token()`` gives it, or None to stop there (nothing is stepped). Returns
-        ``(logits buffer or None, token)``. The CUDA-graph decoder launches its first graph before reading."""
+        continuing a sequence: ``read_token()`` gives it, or None to stop there (nothing is stepped). ``overlap``:
+        host work for while the step computes (run here before the step). Returns ``(logits buffer or None,
+        token)``. The CUDA-graph decoder launches its first graph before reading."""
         if self.position == 0:
             raise ValueError("step_chosen continues a sequence; its first token is a prefill or step(token)")
         token = read_token()
         if token is None:
             return None, None
+        if overlap is not None:
+            overlap()
         return self.step(int(token)), int(token)
 
     @torch.no_grad()

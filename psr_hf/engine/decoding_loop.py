@@ -193,7 +193,7 @@ class EngineDecodingLoop:
                 if length + 1 >= max_length:
                     accept(selection.read())
                     break
-                logits = state.advance_chosen(read_accepted)
+                logits = state.advance_chosen(read_accepted, selection.draw_ahead if selection.do_sample else None)
                 if logits is None:
                     break
                 if logits is not selection.logits:

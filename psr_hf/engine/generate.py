@@ -24,6 +24,7 @@ import torch
 from psr_hf.hf.installation import CONTROLLER_ATTRIBUTE as _PATCH_ATTR
 from .decoding_loop import cache_field, cache_is_empty, wrap_generate
 from .prefill import ENGINE_ATTRIBUTE
+from .token_selection import ChoiceOutput
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _Attachment:
         self.fallbacks = 0
         self.loop_calls = 0  # generate() calls decoded by the engine's loop (psr_hf.engine.decoding_loop)
         self.choice_graphs: dict = {}  # that loop's token choices as CUDA graphs (psr_hf.engine.token_selection)
-        self._choice_out: torch.Tensor | None = None
+        self._choice_out: Any = None
         self.wrapper = self._make_wrapper()
         self.had_generate = "generate" in vars(model)
         self.previous_generate = vars(model).get("generate")
@@ -266,17 +267,18 @@ class _Attachment:
         self.served += 1
         return logits
 
-    def choice_out(self, device: torch.device) -> torch.Tensor:
-        """The token choice's ``[2]`` float64 output buffer on ``device`` (one per engine: the graphs write it)."""
+    def choice_out(self, device: torch.device) -> Any:
+        """The token choice's output on ``device`` (:class:`~psr_hf.engine.token_selection.ChoiceOutput`, one per
+        engine: the graphs write it)."""
         if self._choice_out is None or self._choice_out.device != device:
-            self._choice_out = torch.empty(2, dtype=torch.float64, device=device)
+            self._choice_out = ChoiceOutput(device)
             self.choice_graphs.clear()
         return self._choice_out
 
-    def advance_chosen(self, read_token: Any) -> torch.Tensor | None:
+    def advance_chosen(self, read_token: Any, overlap: Any = None) -> torch.Tensor | None:
         """The next token of the engine's sequence as the device chose it (``GraphDecoder.step_chosen``): the
         logits buffer, or None where ``read_token`` stopped the sequence (nothing served)."""
-        logits, token = self.decoder.step_chosen(read_token)
+        logits, token = self.decoder.step_chosen(read_token, overlap)
         if logits is None:
             return None
         self.tokens.append(token)

@@ -99,6 +99,11 @@ class GraphDecoder(DecoderBase):
         # the host's wait for graph A: a raw event when cuda-python imports (0.5 us to record, against 5.2)
         self._runtime = Runtime(self.device) if self.cuda and cuda_runtime.available()[0] else None
         self._event: Any = None
+        # the step's token and position, written by one raw copy from pinned memory (a torch fill_ costs a
+        # launch of 13-16 us on the host path before graph A_0); safe to rewrite at the next step: every step
+        # waits for graph A_0's event, which follows the copy
+        self._host_inputs = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self._host_inputs_np = self._host_inputs.numpy()
         if self._runtime is not None:
             self._event = self._runtime.event()
         elif self.cuda:
@@ -341,15 +346,12 @@ class GraphDecoder(DecoderBase):
         L, b, ctl = self.layers, self.layers.buffers, self.controller
         position = self.position
         L.check_position(position)
-        b.token.fill_(token)  # before graph A_0; device memory the graphs read, not a captured constant
-        b.position.fill_(position)
+        if position > 0:
+            return self._continue(token, lambda: token, None)[0]
+        self._write_inputs(token, position)  # before graph A_0; device memory the graphs read
         with ctl.step(token, position):
-            if position == 0:
-                self.check_sequence_start()
-            else:
-                self._check_slot_buffers()
-                self.layers.check_prefetch_source(ctl)
-            self.layers.sync_routers(ctl)
+            self.check_sequence_start()
+            L.sync_routers(ctl)
             stream = raw_current_stream(self.device) if self._runtime is not None else 0
             self._units[0](stream)
             self._record(stream)
@@ -359,33 +361,61 @@ class GraphDecoder(DecoderBase):
         return b.logits
 
     @torch.no_grad()
-    def step_chosen(self, read_token: Callable[[], int | None]) -> tuple[torch.Tensor | None, int | None]:
+    def step_chosen(self, read_token: Callable[[], int | None],
+                    overlap: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, int | None]:
         """Decode the token the device just wrote into the token buffer (the engine's token choice,
         :mod:`psr_hf.engine.token_selection`), continuing a sequence: graph A_0 is launched before the host reads
         the token (``read_token()``), so the host's launch overlaps with the GPU's choice instead of waiting for
         it. ``read_token`` returns the token, or None to stop the sequence there (nothing is stepped: the
-        launched graph only wrote the KV row of a position the next step writes again). Returns ``(logits
-        buffer or None, token)``."""
+        launched graph only wrote the KV row of a position the next step writes again). ``overlap``: host work
+        run while the GPU computes the step (after the first MoE layer's replay is launched), such as the next
+        choice's random draw. Returns ``(logits buffer or None, token)``."""
+        if self.position == 0:
+            raise ValueError("step_chosen continues a sequence; its first token is a prefill or step(token)")
+        self.layers.check_position(self.position)
+        return self._continue(None, read_token, overlap)
+
+    def _continue(self, token: int | None, read_token: Callable[[], int | None],
+                  overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
+        """A step after the first of a sequence: graph A_0 reads only its inputs and the first router, so it is
+        launched before everything else the host checks (that overlaps with it)."""
         L, b, ctl = self.layers, self.layers.buffers, self.controller
         position = self.position
-        if position == 0:
-            raise ValueError("step_chosen continues a sequence; its first token is a prefill or step(token)")
-        L.check_position(position)
-        self._check_slot_buffers()
-        L.check_prefetch_source(ctl)
-        L.sync_routers(ctl)
-        b.position.fill_(position)
+        L.sync_routers(ctl, moe_layers=(0,))
+        self._write_inputs(token, position)  # token None: the choice wrote it
         stream = raw_current_stream(self.device) if self._runtime is not None else 0
         self._units[0](stream)
         self._record(stream)
+        self._check_slot_buffers()  # before the first graph B, which reads the slots
+        L.check_prefetch_source(ctl)
+        L.sync_routers(ctl, moe_layers=range(1, len(self.moe_layers)))
         token = read_token()
         if token is None:
             return None, None
         with ctl.step(int(token), position):
             for m in range(len(self.moe_layers)):
                 self._moe_layer(m, stream)
+                if m == 0 and overlap is not None:
+                    overlap()
         self.position = position + 1
         return b.logits, int(token)
+
+    def _write_inputs(self, token: int | None, position: int) -> None:
+        """The step's token (None: the one already in the buffer) and position into the static buffers."""
+        b = self.layers.buffers
+        if self._runtime is None:
+            if token is not None:
+                b.token.fill_(token)
+            b.position.fill_(position)
+            return
+        host = self._host_inputs_np
+        host[1] = position
+        stream = raw_current_stream(self.device)
+        if token is None:
+            self._runtime.copy_h2d(b.position.data_ptr(), self._host_inputs.data_ptr() + 8, 8, stream)
+        else:
+            host[0] = token
+            self._runtime.copy_h2d(b.token.data_ptr(), self._host_inputs.data_ptr(), 16, stream)
 
     @staticmethod
     def _one_token(token: Any) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Container
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,7 +37,7 @@ class DecodeBuffers:
     """The static buffers of :meth:`DecodeLayers.decode_step_reference` (and the shapes the graphs will use):
     allocated once, rewritten in place every step."""
 
-    token: torch.Tensor  # [1] int64
+    token: torch.Tensor  # [1] int64, followed in memory by
     position: torch.Tensor  # [] int64
     hidden: torch.Tensor  # [1, H] the residual stream
     normed: torch.Tensor  # [1, H] the post-attention RMSNorm output: the MLP / MoE / router input
@@ -250,12 +251,15 @@ class DecodeLayers(abc.ABC):
                                                source=_router_source(m.router, following))
         return routers
 
-    def sync_routers(self, ctl: Any) -> None:
+    def sync_routers(self, ctl: Any, moe_layers: Container[int] | None = None) -> None:
         """Before a step: a router weight changed in place or replaced since the engine read it
         (``load_state_dict``, ``param.copy_``, a new ``Parameter``) is stacked again into the same memory, so the
         captured graphs route with the new weights; the last MoE layer's router, which the graphs read where it
-        lives, must keep its memory (``RuntimeError`` otherwise)."""
+        lives, must keep its memory (``RuntimeError`` otherwise). ``moe_layers``: only the routers of these MoE
+        layers (each before the first graph that reads it; default all)."""
         for r in self._routers.values():
+            if moe_layers is not None and r.moe_index not in moe_layers:
+                continue
             source = _router_source(r.router, r.following)
             if source == r.source:
                 continue
@@ -289,9 +293,10 @@ class DecodeLayers(abc.ABC):
         width = max((self.router_width(i) for i in self._routers), default=1)
         rdt = self.router_dtype
         K = max(self.top_k, 1)
+        inputs = torch.zeros(2, dtype=torch.int64, device=dev)  # token and position side by side: one copy writes both
         return DecodeBuffers(
-            token=torch.zeros(1, dtype=torch.int64, device=dev),
-            position=torch.zeros((), dtype=torch.int64, device=dev),
+            token=inputs[0:1],
+            position=inputs[1],
             hidden=torch.zeros(1, H, dtype=dt, device=dev),
             normed=torch.zeros(1, H, dtype=dt, device=dev),
             router_logits=torch.zeros(1, width, dtype=rdt, device=dev),

@@ -9,6 +9,14 @@ tokens) with its check read together with the token; and on CUDA, where every pr
 scores alone, the whole choice as one CUDA graph (torch's graph-safe random state: a replay draws what the eager
 calls would). The minimum-length processors become a mask built once (:class:`MinimumLength`), and the
 processor list's per-call signature lookup is done once.
+
+Where the device time goes (``benchmarks/engine/token_choice_kernels.py``, its record in
+``benchmarks/engine/h200/engine_for_users/``): the random draw stays outside the graph (an eager ``exponential_``
+into a static buffer, the same numbers as in the graph or in ``torch.multinomial``), because torch's replay of a graph
+holding random numbers first sets the generator's seed and offset on the device: two more launches on the host
+path between one step and the next. The token lands in pinned host memory with an event after the choice
+(:class:`ChoiceOutput`), so the host reads it as soon as the choice is done, while the next step's first graph
+already runs, without a synchronising copy.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ import math
 from typing import Any, Callable
 
 import torch
+
+from ..offload import cuda_runtime
+from ..offload.cuda_runtime import Runtime, raw_current_stream
 
 logger = logging.getLogger("psr_hf.engine.generate")
 
@@ -89,16 +100,61 @@ def _graph_key(processors: list[Callable], do_sample: bool) -> tuple | None:
     return tuple(key)
 
 
+class ChoiceOutput:
+    """Where a choice lands: ``values`` ``[2]`` float64 on the logits' device (the token id, the sampling check),
+    and on CUDA its pinned host copy, written by the choice itself (captured into its graph) and marked by an
+    event (:meth:`mark`), which :meth:`read` waits for: the host reads the token when the choice is done, not
+    after the work launched behind it, and without a synchronising copy. One per attached engine."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.values = torch.zeros(2, dtype=torch.float64, device=self.device)
+        cuda = self.values.is_cuda
+        self.host = torch.zeros(2, dtype=torch.float64, pin_memory=True) if cuda else self.values
+        self._host_np = self.host.numpy()
+        self._runtime = Runtime(self.device) if cuda and cuda_runtime.available()[0] else None
+        self._event: Any = self._runtime.event() if self._runtime is not None else (
+            torch.cuda.Event() if cuda else None)
+        self._noise: torch.Tensor | None = None
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        """The float32 buffer of a sample's random draw (one per engine, so that every kept graph reads it)."""
+        if self._noise is None or self._noise.shape != shape:
+            self._noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self._noise
+
+    def publish(self) -> None:
+        """The host copy of ``values`` (part of the choice: inside its graph where it is one)."""
+        if self.host is not self.values:
+            self.host.copy_(self.values, non_blocking=True)
+
+    def mark(self) -> None:
+        """Mark the end of the choice just enqueued on the current stream."""
+        if self._runtime is not None:
+            self._runtime.record(self._event, raw_current_stream(self.device))
+        elif self._event is not None:
+            self._event.record()
+
+    def read(self) -> tuple[float, float]:
+        """``(token id, check value)`` of the choice before the latest :meth:`mark` (waiting for it)."""
+        if self._runtime is not None:
+            self._runtime.synchronize(self._event)
+        elif self._event is not None:
+            self._event.synchronize()
+        return float(self._host_np[0]), float(self._host_np[1])
+
+
 class TokenSelection:
     """The choice of each next token of one ``generate()`` call from the engine's static ``logits`` buffer
     ``[1, V]``: ``processors`` (:func:`prepared_processors`), sampling or greedy; ``keep`` the processed scores
     and the float32 logits of every token (``output_scores`` / ``output_logits``). ``graphs``: a dict that keeps
     the choice's CUDA graphs across calls (the attached engine's), or None for none; a graph is built where every
     processor is a function of the scores and nothing is kept, from the second token of a call on (a call of one
-    token chooses it eagerly). ``token``: the decoder's token buffer, which :meth:`launch` writes too."""
+    token chooses it eagerly). ``out``: the engine's :class:`ChoiceOutput`. ``token``: the decoder's token buffer,
+    which :meth:`launch` writes too."""
 
     def __init__(self, logits: torch.Tensor, processors: list[Callable], do_sample: bool, *, keep_scores: bool,
-                 keep_logits: bool, graphs: dict | None, out: torch.Tensor, token: torch.Tensor | None = None):
+                 keep_logits: bool, graphs: dict | None, out: ChoiceOutput, token: torch.Tensor | None = None):
         self.logits = logits
         self.processors = processors
         self.do_sample = do_sample
@@ -110,8 +166,12 @@ class TokenSelection:
         self._key = key if self.graphs is not None else None
         self._chosen = False  # a token of this call was chosen (the first one eagerly: a graph only after)
         self._replays: dict[tuple[bool, ...], Any] = {}  # this call's graphs by the minimum lengths' state
-        self._out = out  # [2] float64 on the logits' device: the token id and the check value
+        self._out = out
         self._token = token  # the decoder's token buffer, which a launched choice also writes (step_chosen)
+        # the draw of a sample: torch.multinomial's exponential numbers for [1, V] float32 probabilities, drawn
+        # eagerly into the engine's buffer before each choice (a graph reads it)
+        self._noise = out.noise(logits.shape) if do_sample else None
+        self._drawn = False  # the noise holds the next choice's draw (draw_ahead)
         #: whether :meth:`launch` chooses (a token buffer to write, no scores or logits to keep)
         self.launches = token is not None and not keep_scores and not keep_logits
 
@@ -119,7 +179,9 @@ class TokenSelection:
     def choose(self, sequence: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """The next token after ``sequence [1, L]`` (its values are read only by processors that read them):
         ``(token, processed scores or None, float32 logits or None)``."""
+        self._draw()
         next_logits, next_scores = self._compute(sequence, None)
+        self._out.mark()
         self._chosen = True
         return self.read(), next_scores if self.keep_scores else None, next_logits if self.keep_logits else None
 
@@ -130,26 +192,40 @@ class TokenSelection:
         if not self.launches:
             return False
         if self._key is None or not self._chosen:
+            self._draw()
             self._compute(sequence, None)
             self._chosen = True
-            return True
-        length = int(sequence.shape[-1])
-        active = tuple(m.active(length) for m in self.minimum) if self.minimum else ()
-        graph = self._replays.get(active)
-        if graph is None:
-            graph = self._replays[active] = self._graph(sequence, active)
-        graph.replay()
+        else:
+            length = int(sequence.shape[-1])
+            active = tuple(m.active(length) for m in self.minimum) if self.minimum else ()
+            graph = self._replays.get(active)
+            if graph is None:
+                graph = self._replays[active] = self._graph(sequence, active)
+            self._draw()  # after a capture, whose warm-up reads the buffer
+            graph.replay()
+        self._out.mark()
         return True
 
+    def draw_ahead(self) -> None:
+        """Draw the next choice's random numbers now (the decoder calls it while the GPU computes the step, off
+        the host's path between steps). The same numbers as a draw at the choice: nothing else draws from the
+        generator in between, and transformers' stopping criteria and streamer for the previous token have run."""
+        if self._noise is not None and not self._drawn:
+            self._noise.exponential_(1)
+            self._drawn = True
+
+    def _draw(self) -> None:
+        """The choice's draw (drawn ahead, or now)."""
+        if self._noise is not None and not self._drawn:
+            self._noise.exponential_(1)
+        self._drawn = False
+
     def _compute(self, sequence: torch.Tensor, active: tuple[bool, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The choice into ``self._out``: (float32 logits, processed scores). ``active``: the minimum-length
-        processors' state, fixed for a graph (None: from ``sequence``'s length)."""
+        """The choice from the drawn noise into the output: (float32 logits, processed scores). ``active``: the
+        minimum-length processors' state, fixed for a graph (None: from ``sequence``'s length)."""
         plain = not self.do_sample and not self.processors and not self.keep_scores and not self.keep_logits
         if plain:  # the argmax of the logits is the argmax of their float32 copy
-            index = torch.argmax(self.logits, dim=-1)
-            self._out[0] = index[0]
-            if self._token is not None:
-                self._token.copy_(index.reshape(self._token.shape))
+            self._write(torch.argmax(self.logits, dim=-1), None)
             return self.logits, self.logits
         next_logits = self.logits.to(copy=True, dtype=torch.float32)
         scores = next_logits
@@ -160,26 +236,28 @@ class TokenSelection:
                 scores = processor.apply(scores) if on else scores
             else:
                 scores = processor(sequence, scores)
-        self._choose(scores)
-        return next_logits, scores
-
-    def _choose(self, scores: torch.Tensor) -> None:
         if self.do_sample:
-            # torch.multinomial(probs, 1): q ~ Exp(1), argmax(probs / q); its check of the probabilities is the
+            # torch.multinomial(probs, 1): argmax(probs / q), q ~ Exp(1); its check of the probabilities is the
             # maximum of probs / q (NaN where any probability is: the softmax makes them NaN together)
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            q = torch.empty_like(probs).exponential_(1)
-            torch.div(probs, q, out=q)
-            value, index = torch.max(q, dim=-1)
-            self._out[0] = index[0]
-            self._out[1] = value[0]
+            value, index = torch.max(probs / self._noise, dim=-1)
+            self._write(index, value)
         else:
-            self._out[0] = torch.argmax(scores, dim=-1)[0]
+            self._write(torch.argmax(scores, dim=-1), None)
+        return next_logits, scores
+
+    def _write(self, index: torch.Tensor, value: torch.Tensor | None) -> None:
+        """The chosen ``index [1]`` (and the check ``value [1]``) into the output and the token buffer."""
+        values = self._out.values
+        values[0] = index[0]
+        if value is not None:
+            values[1] = value[0]
         if self._token is not None:
-            self._token.copy_(self._out[:1].to(self._token.dtype))
+            self._token.copy_(index.reshape(self._token.shape))
+        self._out.publish()
 
     def read(self) -> int:
-        token, check = self._out.tolist()  # the one read of the token (the next step feeds it from the host)
+        token, check = self._out.read()  # the one read of the token (the next step feeds it from the host)
         if self.do_sample and not check >= 0:  # NaN fails (an infinite maximum is a zero draw of q: valid)
             raise RuntimeError(f"{_INVALID} (the engine's logits or the processors' scores are not finite)")
         return int(token)
@@ -189,20 +267,22 @@ class TokenSelection:
         """The kept graph of this configuration and state (captured if there is none)."""
         key = (self._key, active)
         entry = self.graphs.get(key)
-        if entry is None or entry[2] is not self.logits or entry[3] is not self._out:
+        if entry is None or any(kept is not now for kept, now in zip(entry[2:], self._graph_inputs())):
             if len(self.graphs) >= _MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
-            # the graph reads this call's processors' tensors (the end-of-sequence mask): kept with it
-            entry = self.graphs[key] = (self._capture(sequence, active), self.processors, self.logits, self._out)
+            # the graph reads the capturing call's processors' tensors (the end-of-sequence mask, the same values
+            # for every call of this key): kept with it
+            entry = self.graphs[key] = (self._capture(sequence, active), self.processors, *self._graph_inputs())
         return entry[0]
+
+    def _graph_inputs(self) -> tuple:
+        """The buffers a graph reads and writes, by identity."""
+        return self.logits, self._out, self._token, self._noise
 
     def _capture(self, sequence: torch.Tensor, active: tuple[bool, ...]) -> Any:
         """The choice as a CUDA graph for one state of the minimum-length processors (warmed up on a side stream
-        first, as torch asks; the warm-up's random draws are given back by restoring the generator's state)."""
+        first, as torch asks; no random numbers inside: the noise is drawn before each replay)."""
         device = self.logits.device
-        generator = torch.cuda.default_generators[device.index if device.index is not None else
-                                                  torch.cuda.current_device()]
-        state = generator.get_state()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -213,7 +293,6 @@ class TokenSelection:
         with torch.cuda.graph(graph, stream=stream):
             self._compute(sequence, active)
         torch.cuda.synchronize(device)
-        generator.set_state(state)
         logger.debug("psr_hf.engine: the token choice captured as a CUDA graph (%d processors)",
                      len(self.processors))
         return graph
