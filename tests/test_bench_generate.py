@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from psr_hf.bench.generate_latency import SETUPS, GenerateBenchConfig
+import psr_hf
+import psr_hf.engine as engine
+from psr_hf.bench.generate_latency import SETUPS, GenerateBenchConfig, TokenClock
 from psr_hf.cli import main
+from psr_hf.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("quiet_psr_hf")
 
@@ -72,3 +76,22 @@ def test_bench_generate_times_only_the_setups_asked_for(tmp_path):
     assert list(record["setups"]) == ["engine_resident", "engine_offloaded"]  # in their fixed order
     assert record["config"]["setups"] == ["engine_offloaded", "engine_resident"]
     assert "ttft_by_token" not in record["setups"]["engine_resident"]
+
+
+def test_the_token_clock_notes_each_new_token_of_one_generate_call():
+    model = tiny_model("olmoe")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    for attached in (False, True):
+        if attached:
+            psr_hf.patch(model, psr_hf.RoutingConfig(policy="exact", capacity=8))
+            engine.attach(model, max_len=16)
+        clock = TokenClock()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                       pad_token_id=0, streamer=clock)
+        assert len(clock.times) == 5 and clock.times == sorted(clock.times)  # the prompt is not a new token
+        assert clock.decode_ms() > 0
+    assert engine.attached(model).loop_calls == 1  # the engine's own loop fed the clock
+    engine.detach(model)
+    psr_hf.unpatch(model)
+    with pytest.raises(RuntimeError, match="needs at least 2"):
+        TokenClock().decode_ms()

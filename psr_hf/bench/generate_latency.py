@@ -4,7 +4,9 @@ resident, the engine offloaded and the transformers offload path, and beside eac
 step on the same tokens, so that what ``generate()`` adds is a ratio measured side by side.
 
 Per round and setup: ``generate(max_new_tokens=1)`` (time to first token), ``generate(max_new_tokens=N + 1)``
-greedy and with sampling (decode = the difference over ``N`` tokens), the engine's ``step`` teacher-forced on the
+greedy and with sampling (decode = the time from the first new token to the last of that one call over ``N``, read
+by a streamer as each token reaches the host: a difference of two calls would carry the prompt's variance, which
+offloaded is several ms per token over 64 tokens), the engine's ``step`` teacher-forced on the
 greedy continuation and on the round's sampled one (sampling is compared with the step on the tokens it drew: a
 sampled continuation routes otherwise, and offloaded copies otherwise), and one forward of the prompt (the model's, or the patched one beneath the engine: what
 the prefill costs without the engine's KV cache and the generate() around it); the order of these rotates over
@@ -84,13 +86,47 @@ def _timed(sync: Callable[[], None], call: Callable[[], Any]) -> tuple[float, An
     return (time.perf_counter() - start) * 1e3, result
 
 
-def _generate(model: Any, ids: torch.Tensor, new: int, *, sample: bool, seed: int, pad: int) -> torch.Tensor:
+class TokenClock:
+    """A ``generate()`` streamer that notes when each new token reaches the host (transformers hands it the
+    prompt first): the decode time of one call without its prompt."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+    def decode_ms(self) -> float:
+        """Mean ms per token from the first new token to the last."""
+        if len(self.times) < 2:
+            raise RuntimeError(f"the streamer saw {len(self.times)} new tokens; decode needs at least 2")
+        return (self.times[-1] - self.times[0]) * 1e3 / (len(self.times) - 1)
+
+
+def _generate(model: Any, ids: torch.Tensor, new: int, *, sample: bool, seed: int, pad: int,
+              streamer: Any = None) -> torch.Tensor:
     kwargs: dict[str, Any] = dict(do_sample=False)
     if sample:
         torch.manual_seed(seed)
         kwargs = dict(do_sample=True, top_k=50, temperature=1.0)
+    if streamer is not None:
+        kwargs["streamer"] = streamer
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                           pad_token_id=pad, **kwargs)
+
+
+def _decode_ms(sync: Callable[[], None], model: Any, ids: torch.Tensor, new: int, *, sample: bool, seed: int,
+               pad: int) -> tuple[float, list[int]]:
+    """Decode ms/token of one ``generate()`` of ``new`` tokens (:class:`TokenClock`) and its new tokens."""
+    clock = TokenClock()
+    _, out = _timed(sync, lambda: _generate(model, ids, new, sample=sample, seed=seed, pad=pad, streamer=clock))
+    return clock.decode_ms(), out[0, ids.shape[1]:].tolist()
 
 
 def _step_ms(decoder: Any, prompt: list[int], tokens: list[int], sync: Callable[[], None]) -> float:
@@ -185,16 +221,14 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
         runs["ttft"].append(ttft_ms)
         for task in rotated(tasks[1:], r):
             if task == "greedy":
-                ms, out = _timed(sync, lambda: _generate(model, ids, N + 1, sample=False, seed=r, pad=pad))
-                runs["decode"].append((ms - ttft_ms) / N)
-                new = out[0, ids.shape[1]:].tolist()
+                ms, new = _decode_ms(sync, model, ids, N + 1, sample=False, seed=r, pad=pad)
+                runs["decode"].append(ms)
                 if continuation is not None and new != continuation:
                     raise RuntimeError(f"{name}: greedy generate() gave another continuation in round {r + 1}")
                 continuation = new
             elif task == "sampling":
-                ms, out = _timed(sync, lambda: _generate(model, ids, N + 1, sample=True, seed=r, pad=pad))
-                runs["decode_sampling"].append((ms - ttft_ms) / N)
-                new = out[0, ids.shape[1]:].tolist()
+                ms, new = _decode_ms(sync, model, ids, N + 1, sample=True, seed=r, pad=pad)
+                runs["decode_sampling"].append(ms)
                 if sampled.setdefault(r, new) != new:
                     raise RuntimeError(f"{name}: sampling generate() with seed {r} drew another continuation")
             elif task == "step":
