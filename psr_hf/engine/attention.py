@@ -23,6 +23,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5/3.6's RMSNorm: normalise in float32, times ``1 + weight`` in float32, cast back at the end."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
 def norm_params(module: nn.Module, what: str) -> tuple[torch.Tensor, float]:
     """The weight and epsilon of an RMSNorm module; ``ValueError`` naming ``what`` for anything else."""
     weight = getattr(module, "weight", None)
@@ -60,14 +67,15 @@ def write_kv(cache: torch.Tensor, position: torch.Tensor, row: torch.Tensor) -> 
 
 def attention_block(attention: Any, static: Any, tensors: dict, norms: tuple, hidden: torch.Tensor,
                     position: torch.Tensor, out_hidden: torch.Tensor, out_normed: torch.Tensor,
-                    cache: tuple) -> None:
+                    cache: tuple, norm: Any = rms_norm) -> None:
     """``out_hidden = hidden + attention(input_norm(hidden))``, ``out_normed = post_norm(out_hidden)``: one
     function of tensors and constants (the family's ``attention``, its ``static`` sizes, one layer's weights
-    ``tensors``, ``norms`` and KV ``cache``), so that ``torch.compile`` compiles it once for every layer."""
+    ``tensors``, ``norms`` and KV ``cache``, the family's ``norm``), so that ``torch.compile`` compiles it once
+    for every layer (once per attention function where a family mixes two)."""
     (w_in, eps_in), (w_post, eps_post) = norms
-    attn = attention(static, tensors, rms_norm(hidden, w_in, eps_in), position, *cache)
+    attn = attention(static, tensors, norm(hidden, w_in, eps_in), position, *cache)
     out_hidden.copy_(hidden + attn)
-    out_normed.copy_(rms_norm(out_hidden, w_post, eps_post))
+    out_normed.copy_(norm(out_hidden, w_post, eps_post))
 
 
 def rope_params(config: Any) -> dict:

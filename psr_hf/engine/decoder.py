@@ -78,9 +78,11 @@ class DecoderBase(abc.ABC):
 
     def check_sequence_start(self) -> None:
         """What a new sequence checks before its first position: the prefetch ranking the router stacks were built
-        for, and that the model tensors the engine reads have not moved (``RuntimeError`` otherwise)."""
+        for, and that the model tensors the engine reads have not moved (``RuntimeError`` otherwise); then the
+        layers' recurrent state, where the family has one, is cleared (:meth:`DecodeLayers.begin_sequence`)."""
         self.layers.check_prefetch_source(self.controller)
         self.layers.check_references(self.controller)
+        self.layers.begin_sequence()
 
     @torch.no_grad()
     def step_chosen(self, read_token: Any, overlap: Any = None) -> tuple[torch.Tensor | None, int | None]:

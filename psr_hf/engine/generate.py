@@ -35,6 +35,14 @@ _KNOWN = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_valu
           "logits_to_keep", "return_dict", "tokenizer"}
 
 
+def _carries_nothing(value: Any) -> bool:
+    """An argument the engine may ignore: None, False, or a mapping of nothing (transformers passes a text-only
+    call of an image-text model ``mm_encoder_outputs={}``)."""
+    if value is None or value is False:
+        return True
+    return isinstance(value, dict) and all(v is None for v in value.values())
+
+
 def _output_class() -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -191,7 +199,7 @@ class _Attachment:
         if kwargs.get("input_ids") is None:
             return "inputs_embeds instead of input_ids"
         for key, value in kwargs.items():
-            if key in _KNOWN or value is None or value is False:
+            if key in _KNOWN or _carries_nothing(value):
                 continue
             return f"argument {key!r}"
         if kwargs.get("use_cache") is False:
@@ -213,13 +221,15 @@ class _Attachment:
             return "logits_to_keep as a tensor"
         if not (keep == 1 or S == 1):
             return "logits of more positions than the last one"
+        expected = np.arange(start, start + S)
         for key in ("position_ids", "cache_position"):
             value = kwargs.get(key)
             if value is None:
                 continue
-            # one read of the values (a transfer on CUDA) compared on the host with start .. start + S - 1
+            # one read of the values (a transfer on CUDA) compared on the host with start .. start + S - 1; every
+            # stream of multi-stream positions (Qwen3.5's text, temporal, height and width rows) the same
             host = value.detach().reshape(-1).cpu().numpy()
-            if host.shape[0] != S or host[0] != start or (S > 1 and not (np.diff(host) == 1).all()):
+            if host.shape[0] % S or not (host.reshape(-1, S) == expected).all():
                 return f"{key} do not continue the engine's sequence"
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.shape[-1] != start + S:

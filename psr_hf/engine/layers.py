@@ -29,7 +29,7 @@ from .families import layers_class, supported_model_types
 logger = logging.getLogger(__name__)
 
 #: families psr_hf patches but the engine refuses: their decoders mix in linear-attention (Gated DeltaNet) layers
-HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next",)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class _Router:
     transposed: bool
     act: nn.Module
     shared: nn.Module | None
+    shared_gate: nn.Module | None  # a sigmoid gate on the shared expert's output (Qwen3.5/3.6), or None
     predicted: bool = False  # the pre-gate half of ``stacked`` is a learned predictor's (softmax priorities)
     source: tuple = ()  # the router weights' versions and addresses when ``stacked`` was built (see sync_routers)
 
@@ -243,11 +244,15 @@ class DecodeLayers(abc.ABC):
                                  f"match hidden size {H} (is_transposed={transposed})")
             self._ref(f"layers.{m.decoder_index}.experts.gate_up", gate_up)
             self._ref(f"layers.{m.decoder_index}.experts.down", down)
-            shared = getattr(m.block, "shared_experts", None)
+            # DeepSeek-V3's shared_experts; Qwen3.5/3.6's shared_expert, with its sigmoid gate
+            shared = getattr(m.block, "shared_experts", None) or getattr(m.block, "shared_expert", None)
+            shared_gate = getattr(m.block, "shared_expert_gate", None) if shared is not None else None
             if shared is not None:
                 self._ref_mlp(f"layers.{m.decoder_index}.shared", shared)
+            if shared_gate is not None:
+                self._ref(f"layers.{m.decoder_index}.shared_gate", shared_gate.weight)
             routers[m.decoder_index] = _Router(n, m.block, m.router, following, stacked, gate_up, down, transposed,
-                                               experts.act_fn, shared, predicted=predictor is not None,
+                                               experts.act_fn, shared, shared_gate, predicted=predictor is not None,
                                                source=_router_source(m.router, following))
         return routers
 
@@ -378,6 +383,8 @@ class DecodeLayers(abc.ABC):
     # output after o_proj of the normed input ``x``; it writes the cache at ``position``) and its constants
     _attention_fn: Any = None
     _static: Any = None
+    #: the family's RMSNorm (inputs, post-attention, final): transformers' by default
+    norm_fn: Any = staticmethod(rms_norm)
 
     def compile_blocks(self, enabled: bool = True, **options: Any) -> None:
         """Run :meth:`attention_block` through ``torch.compile`` (``fullgraph=True, dynamic=False`` and
@@ -473,8 +480,18 @@ class DecodeLayers(abc.ABC):
         for x, what in ((hidden, "hidden"), (out_hidden, "out_hidden"), (out_normed, "out_normed")):
             self._check_row(x, what, self.hidden_size)
         self._check_position_tensor(position)
-        self._block(self._attention_fn, self._static, self._attn[layer], self._norms[layer], hidden, position,
-                    out_hidden, out_normed, self._cache(layer))
+        attention, static, tensors = self._layer_attention(layer)
+        self._block(attention, static, tensors, self._norms[layer], hidden, position, out_hidden, out_normed,
+                    self._cache(layer), self.norm_fn)
+
+    def _layer_attention(self, layer: int) -> tuple:
+        """``(attention function, its static sizes, the layer's tensors)`` of decoder layer ``layer`` (a family
+        that mixes two kinds of layer overrides it)."""
+        return self._attention_fn, self._static, self._attn[layer]
+
+    def begin_sequence(self) -> None:
+        """Before a sequence's first position (host side, outside any graph): a family with a recurrent state
+        clears it here; the KV cache needs nothing (the position mask hides later slots)."""
 
     @torch.no_grad()
     def router_logits(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:
@@ -527,13 +544,17 @@ class DecodeLayers(abc.ABC):
 
     @torch.no_grad()
     def shared_expert(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:
-        """``out [1, H]``: the shared experts of a MoE layer (DeepSeek-V3; OLMoE has none)."""
+        """``out [1, H]``: the shared experts of a MoE layer (DeepSeek-V3; Qwen3.5/3.6's gated one; OLMoE has
+        none)."""
         r = self._moe(layer)
         if r.shared is None:
             raise ValueError(f"{self.model_type} decoder layer {layer} has no shared experts")
         self._check_row(normed, "normed", self.hidden_size)
         self._check_row(out, "shared expert out", self.hidden_size)
-        out.copy_(self._mlp(r.shared, normed))
+        shared = self._mlp(r.shared, normed)
+        if r.shared_gate is not None:  # transformers: sigmoid(gate(x)) * shared_expert(x)
+            shared = torch.sigmoid(F.linear(normed, r.shared_gate.weight, r.shared_gate.bias)) * shared
+        out.copy_(shared)
 
     def has_shared_experts(self, layer: int) -> bool:
         return self._moe(layer).shared is not None
@@ -549,7 +570,7 @@ class DecodeLayers(abc.ABC):
         """``out_logits [1, V]`` = lm_head(final_norm(hidden))."""
         self._check_row(hidden, "hidden", self.hidden_size)
         self._check_row(out_logits, "logits out", self.lm_head_weight.shape[0])
-        x = rms_norm(hidden, self.final_norm_weight, self.final_norm_eps)
+        x = self.norm_fn(hidden, self.final_norm_weight, self.final_norm_eps)
         out_logits.copy_(F.linear(x, self.lm_head_weight, self.lm_head_bias))
 
     # ------------------------------------------------------------------ references (tests, the eager path)
@@ -584,7 +605,9 @@ class DecodeLayers(abc.ABC):
 
         ``token``/``position``: Python ints (checked, then written into the static token/position buffers) or
         device tensors (``[1]``/0-d int64, used as they are and not range-checked: see :meth:`check_position`).
-        Positions must be decoded in order from 0 for a sequence: a step attends to slots ``0..position``."""
+        Positions must be decoded in order from 0 for a sequence: a step attends to slots ``0..position``; at an
+        int position 0 the recurrent state of a family that has one is cleared (a tensor position 0: call
+        :meth:`begin_sequence` first)."""
         b = self.buffers
         if isinstance(token, torch.Tensor):
             tok = token
@@ -595,6 +618,8 @@ class DecodeLayers(abc.ABC):
             pos = position
         else:
             self.check_position(position)
+            if int(position) == 0:
+                self.begin_sequence()
             b.position.fill_(int(position))
             pos = b.position
         self.embed(tok, b.hidden)

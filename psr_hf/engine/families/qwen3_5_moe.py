@@ -1,0 +1,259 @@
+"""Qwen3.5 / Qwen3.6 MoE's engine layers (``Qwen3_5MoeForCausalLM``, and the language model of
+``Qwen3_5MoeForConditionalGeneration``): a hybrid decoder whose ``config.layer_types`` mix Gated DeltaNet layers
+(``linear_attention``) with gated full attention (``full_attention``), zero-centred RMSNorms (``1 + weight``), a
+softmax router renormalised over the selected experts and one shared expert behind a sigmoid gate.
+
+State layout, all static and written in place (no allocation, no host synchronisation per step):
+
+- a full-attention layer: ``keys`` / ``values`` ``[max_len, num_key_value_heads, head_dim]``, keys after the
+  k-norm and the partial RoPE (the first ``head_dim * partial_rotary_factor`` dimensions of each head);
+- a Gated DeltaNet layer: ``conv`` ``[conv_dim, kernel]``, the last ``kernel`` inputs of the short convolution
+  (model dtype), and ``recurrent`` ``[num_value_heads, key_head_dim, value_head_dim]`` float32, as transformers
+  keeps them. Both are cleared at a sequence's first position (:meth:`Qwen35MoeLayers.begin_sequence`).
+
+The prompt runs token by token (no batched prefill: the family defines no ``_prompt_kv``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import apply_rope, cos_sin, norm_params, write_kv, zero_centred_rms_norm
+from ..layers import DecodeLayers
+from . import register_layers
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class HybridState:
+    """The engine's per-sequence state of a hybrid decoder: a KV cache for each full-attention layer and the
+    convolution and recurrent state of each Gated DeltaNet layer (``None`` where a layer has the other kind)."""
+
+    def __init__(self, layer_types: list[str], max_len: int, *, kv_heads: int, head_dim: int, conv_dim: int,
+                 kernel: int, value_heads: int, key_head_dim: int, value_head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        if max_len < 1:
+            raise ValueError(f"max_len must be at least 1, got {max_len}")
+        self.max_len = max_len
+        self.separate_values = True
+        full = [t == FULL for t in layer_types]
+        self.keys = [torch.zeros(max_len, kv_heads, head_dim, dtype=dtype, device=device) if f else None
+                     for f in full]
+        self.values = [torch.zeros(max_len, kv_heads, head_dim, dtype=dtype, device=device) if f else None
+                       for f in full]
+        self.conv = [None if f else torch.zeros(conv_dim, kernel, dtype=dtype, device=device) for f in full]
+        self.recurrent = [None if f else torch.zeros(value_heads, key_head_dim, value_head_dim, dtype=torch.float32,
+                                                     device=device) for f in full]
+        self.slots = torch.arange(max_len, dtype=torch.int64, device=device)
+
+    def clear_recurrent(self) -> None:
+        """Zero the Gated DeltaNet layers' states (a new sequence starts from none)."""
+        for t in self.conv + self.recurrent:
+            if t is not None:
+                t.zero_()
+
+    def reset(self) -> None:
+        """Zero everything (the KV cache needs it for no sequence: this clears old data)."""
+        for t in self.keys + self.values:
+            if t is not None:
+                t.zero_()
+        self.clear_recurrent()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        owned: dict[str, torch.Tensor] = {}
+        for name in ("keys", "values", "conv", "recurrent"):
+            owned.update({f"kv.{name}.{i}": t for i, t in enumerate(getattr(self, name)) if t is not None})
+        owned["kv.slots"] = self.slots
+        return owned
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "kv.slots")
+
+
+@register_layers("qwen3_5_moe", "qwen3_5_moe_text")
+class Qwen35MoeLayers(DecodeLayers):
+    """Qwen3.5/3.6 MoE: Gated DeltaNet and gated full-attention layers in ``config.layer_types``' pattern,
+    zero-centred RMSNorms, the gated shared expert (:meth:`DecodeLayers.shared_expert`)."""
+
+    listing_order = 3
+    norm_fn = staticmethod(zero_centred_rms_norm)
+
+    def _build_attention(self) -> None:
+        c = self.config
+        self.layer_types = list(getattr(c, "layer_types", None) or [])
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"config.layer_types {self.layer_types!r}: expected one of {LINEAR!r} / {FULL!r} per "
+                             f"decoder layer ({self.num_layers})")
+        if FULL not in self.layer_types or LINEAR not in self.layer_types:
+            raise ValueError("the Qwen3.5 engine layers expect both linear-attention and full-attention layers")
+        self.num_heads = int(c.num_attention_heads)
+        self.num_kv_heads = int(c.num_key_value_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                             f"{self.num_kv_heads}")
+        self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // self.num_heads)
+        self.rotary_dim = int(self.inv_freq.numel() * 2)
+        if not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dimension {self.rotary_dim} is not within head_dim {self.head_dim}")
+        self.v_heads, self.k_heads = int(c.linear_num_value_heads), int(c.linear_num_key_heads)
+        self.k_dim, self.v_dim = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"linear_num_value_heads {self.v_heads} is not a multiple of linear_num_key_heads "
+                             f"{self.k_heads}")
+        self.kernel = int(c.linear_conv_kernel_dim)
+        self.conv_dim = 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+        self._attn = []
+        for i, layer in enumerate(self.layers):
+            if self.layer_types[i] == FULL:
+                self._attn.append(self._full_refs(i, layer.self_attn))
+            else:
+                self._attn.append(self._linear_refs(i, layer.linear_attn))
+        self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
+                                 self.head_dim ** -0.5, self.rope_scaling)
+        self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim)
+
+    def _full_refs(self, i: int, a: torch.nn.Module) -> dict:
+        refs = {}
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            module = getattr(a, proj)
+            refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
+                          self._ref(f"layers.{i}.{proj}.bias", module.bias))
+        refs["q_norm"] = norm_params(a.q_norm, f"layer {i} q_norm")
+        refs["k_norm"] = norm_params(a.k_norm, f"layer {i} k_norm")
+        self._ref(f"layers.{i}.q_norm", refs["q_norm"][0])
+        self._ref(f"layers.{i}.k_norm", refs["k_norm"][0])
+        if refs["q_proj"][0].shape[0] != 2 * self.num_heads * self.head_dim:
+            raise ValueError(f"layer {i} q_proj {tuple(refs['q_proj'][0].shape)}: expected the query and its gate "
+                             f"({2 * self.num_heads * self.head_dim} rows)")
+        refs["inv_freq"] = self.inv_freq
+        return refs
+
+    def _linear_refs(self, i: int, a: torch.nn.Module) -> dict:
+        refs = {}
+        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            module = getattr(a, proj)
+            refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
+                          self._ref(f"layers.{i}.{proj}.bias", module.bias))
+        conv = a.conv1d
+        if tuple(conv.weight.shape) != (self.conv_dim, 1, self.kernel):
+            raise ValueError(f"layer {i} conv1d weight {tuple(conv.weight.shape)}: expected "
+                             f"({self.conv_dim}, 1, {self.kernel})")
+        refs["conv_weight"] = self._ref(f"layers.{i}.conv1d", conv.weight)[:, 0]  # [conv_dim, kernel]
+        refs["conv_bias"] = self._ref(f"layers.{i}.conv1d.bias", conv.bias)
+        refs["A_log"] = self._ref(f"layers.{i}.A_log", a.A_log)
+        refs["dt_bias"] = self._ref(f"layers.{i}.dt_bias", a.dt_bias)
+        refs["norm"] = norm_params(a.norm, f"layer {i} gated norm")
+        self._ref(f"layers.{i}.gated_norm", refs["norm"][0])
+        if getattr(a, "activation", "silu") != "silu":
+            raise ValueError(f"layer {i}: the short convolution's activation {a.activation!r} is not silu")
+        return refs
+
+    def _layer_attention(self, layer: int) -> tuple:
+        if self.layer_types[layer] == FULL:
+            return _gated_attention, self._full, self._attn[layer]
+        return _gated_delta_net, self._linear, self._attn[layer]
+
+    def _build_kv_cache(self) -> HybridState:
+        return HybridState(self.layer_types, self.max_len, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           conv_dim=self.conv_dim, kernel=self.kernel, value_heads=self.v_heads,
+                           key_head_dim=self.k_dim, value_head_dim=self.v_dim, dtype=self.dtype, device=self.device)
+
+    def _cache(self, layer: int) -> tuple:
+        if self.layer_types[layer] == FULL:
+            return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
+        return self.kv.conv[layer], self.kv.recurrent[layer]
+
+    def begin_sequence(self) -> None:
+        self.kv.clear_recurrent()
+
+
+@dataclass(frozen=True)
+class _FullStatic:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    scaling: float
+    rope_scaling: float
+
+
+@dataclass(frozen=True)
+class _LinearStatic:
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """RoPE (rotate-half) over the first ``rotary_dim`` dimensions of each head, the rest passed through."""
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin, False), x[..., rotary_dim:]), dim=-1)
+
+
+def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's gated full attention of one token: the query and its gate from one projection, per-head
+    zero-centred q/k norms, partial RoPE, grouped-query attention over the static cache, the output times
+    ``sigmoid(gate)``."""
+    nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
+    q, gate = torch.chunk(F.linear(x, *a["q_proj"]).view(nH, 2 * D), 2, dim=-1)
+    q = zero_centred_rms_norm(q, *a["q_norm"])
+    k = zero_centred_rms_norm(F.linear(x, *a["k_proj"]).view(nKV, D), *a["k_norm"])
+    v = F.linear(x, *a["v_proj"]).view(nKV, D)
+    cos, sin = cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, False)
+    q = _partial_rope(q, cos, sin, s.rotary_dim)
+    k = _partial_rope(k, cos, sin, s.rotary_dim)
+    write_kv(keys, position, k)
+    write_kv(values, position, v)
+    scores = torch.matmul(q.reshape(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
+    scores = scores.masked_fill(slots > position, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values.transpose(0, 1)).reshape(1, nH * D)  # [nKV, G, D] -> heads in order
+    return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
+
+
+def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _gated_delta_net(s: _LinearStatic, a: dict, x: torch.Tensor, position: torch.Tensor, conv: torch.Tensor,
+                     recurrent: torch.Tensor) -> torch.Tensor:
+    """One token of a Gated DeltaNet layer, updating its convolution window and recurrent state in place:
+    the short causal convolution (silu) over q, k and v, the L2-normalised q and k, the gated delta rule in
+    float32 (decay ``exp(g)``, write strength ``beta``), the gated RMSNorm of the output and its projection."""
+    dtype = x.dtype
+    mixed = F.linear(x, *a["in_proj_qkv"])[0]  # [conv_dim]
+    z = F.linear(x, *a["in_proj_z"]).view(s.v_heads, s.v_dim)
+    b = F.linear(x, *a["in_proj_b"])[0]
+    g_in = F.linear(x, *a["in_proj_a"])[0]
+    conv.copy_(torch.cat((conv[:, 1:], mixed[:, None].to(conv.dtype)), dim=1))
+    weight = a["conv_weight"]
+    mixed = (conv.to(torch.float32) * weight.to(torch.float32)).sum(dim=-1)
+    if a["conv_bias"] is not None:
+        mixed = mixed + a["conv_bias"].to(torch.float32)
+    mixed = F.silu(mixed.to(weight.dtype)).to(dtype)
+    key_dim = s.k_heads * s.k_dim
+    q, k, v = torch.split(mixed, (key_dim, key_dim, s.v_heads * s.v_dim))
+    repeat = s.v_heads // s.k_heads
+    q = q.view(s.k_heads, s.k_dim).repeat_interleave(repeat, dim=0).to(torch.float32)
+    k = k.view(s.k_heads, s.k_dim).repeat_interleave(repeat, dim=0).to(torch.float32)
+    v = v.view(s.v_heads, s.v_dim).to(torch.float32)
+    beta = torch.sigmoid(b).to(torch.float32)
+    g = -a["A_log"].to(torch.float32).exp() * F.softplus(g_in.to(torch.float32) + a["dt_bias"])
+    q = _l2_normalised(q) / (s.k_dim ** 0.5)
+    k = _l2_normalised(k)
+    state = recurrent * g.exp()[:, None, None]  # [Hv, Dk, Dv]
+    memory = (state * k[:, :, None]).sum(dim=-2)  # [Hv, Dv]
+    delta = (v - memory) * beta[:, None]
+    state = state + k[:, :, None] * delta[:, None, :]
+    recurrent.copy_(state)
+    out = (state * q[:, :, None]).sum(dim=-2).to(dtype)  # [Hv, Dv]
+    w_norm, eps = a["norm"]
+    h = out.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = (w_norm * h.to(dtype)) * F.silu(z.to(torch.float32))
+    return F.linear(h.to(dtype).reshape(1, s.v_heads * s.v_dim), *a["out_proj"])
