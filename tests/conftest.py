@@ -48,7 +48,7 @@ ENGINE_TEXT = "The engine decodes one token at a time, and every step"
 @pytest.fixture(scope="module")
 def engine_case():
     """``engine_case(name)``: ``(model, prompt ids [1, S], calibration, pad id)`` for the engine tests: the tiny
-    random "olmoe" or "deepseek_v3" (8 seeded random ids, no calibration) or "shipped" (olmoe-routing with its
+    random model of that name ("olmoe", "deepseek_v3", "qwen3_5_moe_text"; 8 seeded random ids, no calibration) or "shipped" (olmoe-routing with its
     calibration, :data:`ENGINE_TEXT`). Built once per test module."""
     import torch
 

@@ -1,8 +1,8 @@
 """psr_hf.engine.GraphDecoder: the decode step split into graphs A_m / host / B_m per MoE layer and C.
 
 CPU (``graphs=False``): the same functions in the same order on the same buffers as the eager Decoder, so tokens,
-logits and recorded selections are bitwise equal (tiny OLMoE, tiny DeepSeek-V3, the shipped OLMoE; exact and psr;
-resident and offloaded to CPU slots). CUDA (marked ``cuda``, skipped without a GPU): the captured graphs against
+logits and recorded selections are bitwise equal (tiny OLMoE, tiny DeepSeek-V3, tiny Qwen3.5-MoE, the shipped OLMoE;
+exact and psr; resident and offloaded to CPU slots). CUDA (marked ``cuda``, skipped without a GPU): the captured graphs against
 the eager bodies in float32, a bf16 smoke run, timing independence of the offload's outputs, and a ms/token print.
 """
 
@@ -60,7 +60,7 @@ def _assert_bitwise(actual, expected) -> None:
 # ---------------------------------------------------------------------------------------------- CPU: bitwise
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("policy", ["exact", "psr"])
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "shipped"])
 def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloaded):
     model, ids, calibration, _ = case(name)
     offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None
@@ -127,7 +127,7 @@ def _cuda_model(name: str, dtype: torch.dtype = torch.float32):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("policy", ["exact", "psr"])
 def test_cuda_graphs_match_eager_float32(name, policy, offloaded):
     model = _cuda_model(name)
@@ -143,7 +143,7 @@ def test_cuda_graphs_match_eager_float32(name, policy, offloaded):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_cuda_bf16_smoke(name):
     model = _cuda_model(name, torch.bfloat16)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -156,7 +156,7 @@ def test_cuda_bf16_smoke(name):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_cuda_timing_never_changes_outputs(name):
     model = _cuda_model(name)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -177,7 +177,7 @@ def test_cuda_timing_never_changes_outputs(name):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_cuda_one_graph_per_layer_equals_one_graph_per_body(name, offloaded):
     """B_m and A_{m+1} captured as one graph (the default: one launch per MoE layer) against one graph per body:
     the same kernels in the same order, so tokens, logits and selections are bitwise equal."""
@@ -224,7 +224,7 @@ def test_cuda_ms_per_token(offloaded, capsys):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_cuda_compiled_blocks_match_uncompiled_float32(name):
     """torch.compile'd attention blocks (the default on CUDA) against the same graphs without compile: logits
     within 1e-4 of the largest, the same selections."""

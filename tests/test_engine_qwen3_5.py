@@ -132,3 +132,18 @@ def test_a_layer_pattern_without_full_attention_is_refused():
     model = tiny_model("qwen3_5_moe_text", layer_types=["linear_attention"] * 4)
     with pytest.raises(ValueError, match="expect both linear-attention and full-attention layers"):
         build_layers(model, max_len=8)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("policy", ["exact", "psr"])
+def test_cuda_graphs_equal_the_transformers_path_float32(policy, offloaded):
+    """On the GPU (CUDA graphs, compiled attention blocks, the Triton slot MoE) in float32: the transformers path's
+    greedy tokens, its scores within 1e-4, its routing decisions."""
+    model = _model("qwen3_5_moe_text", seed=7).to("cuda")
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    hf, ours, (served, fallbacks, loops) = _both(model, _ids(6, 9).to("cuda"), policy, offload=offload,
+                                                 do_sample=False)
+    assert (served, fallbacks, loops) == (NEW, 0, 1)
+    _same(hf, ours)
