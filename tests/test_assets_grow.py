@@ -25,6 +25,8 @@ from psr_hf import RoutingConfig
 from psr_hf.assets import TINY_MOE, load_tiny_moe
 from psr_hf.assets.grow import (MOONLIGHT_16B_A3B, OLMOE_1B_7B, PRESETS, GrowTarget, default_target, grow,
                                 grow_pretrained, target_by_name)
+from psr_hf.assets.grow_families.base import norm_input_scale
+from psr_hf.assets.grow_families.qwen3_5_moe import QWEN3_6_35B_A3B
 from psr_hf.cli import main
 from psr_hf.testing import tiny_model
 
@@ -46,6 +48,13 @@ DEEPSEEK_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads
 MOONLIGHT_CI = MOONLIGHT_16B_A3B.with_dims(hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
                                            expert_intermediate_size=24, dense_intermediate_size=96, kv_lora_rank=64,
                                            qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32)
+# Qwen3.5/3.6-MoE: its head dimensions are kept (the tiny config's 16); the hidden size x4, the heads x2 with
+# the grouping kept (query heads per key/value head, value heads per key head)
+QWEN_SMALL = dict(num_hidden_layers=4)
+QWEN_CI = QWEN3_6_35B_A3B.with_dims(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                    expert_intermediate_size=64, shared_expert_intermediate_size=64,
+                                    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                                    linear_value_head_dim=16)
 # the shipped tiny-moe (hidden 128, 4 heads of 32, experts of 64) to hidden 512, 8 heads of 64, experts of 96
 TINY_MOE_CI = OLMOE_1B_7B.with_dims(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
                                     expert_intermediate_size=96)
@@ -71,13 +80,32 @@ def _assert_same_logits(small: torch.Tensor, big: torch.Tensor) -> float:
     return diff
 
 
+def _qwen(seed: int = 3, **overrides):
+    """A tiny Qwen3.5-MoE with non-trivial norms (its zero-centred norms start at zero, the gated norm at one)."""
+    model = tiny_model("qwen3_5_moe_text", seed=seed, **{**QWEN_SMALL, **overrides})
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    return model
+
+
 def _case(family: str):
     if family == "olmoe":
         return tiny_model("olmoe", seed=3, **OLMOE_SMALL), OLMOE_CI
+    if family == "qwen3_5_moe_text":
+        return _qwen(), QWEN_CI
     return tiny_model("deepseek_v3", seed=3, **DEEPSEEK_SMALL), MOONLIGHT_CI
 
 
-@pytest.fixture(scope="module", params=["olmoe", "deepseek_v3"])
+def _stream_scale(small, big) -> float:
+    """The factor the grown residual stream carries (1 where the grown epsilon shrank with the hidden ratio)."""
+    r = big.config.hidden_size / small.config.hidden_size
+    return norm_input_scale(r, small.config.rms_norm_eps, big.config.rms_norm_eps)
+
+
+@pytest.fixture(scope="module", params=["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def grown(request):
     small, target = _case(request.param)
     return small, grow(small, target), target
@@ -93,10 +121,12 @@ def test_the_grown_model_has_the_target_dims_and_computes_the_small_models_logit
         out_small = small(ids, output_hidden_states=True)
         out_big = big(ids, output_hidden_states=True)
     _assert_same_logits(out_small.logits, out_big.logits)
-    H = small.config.hidden_size
-    for hs_small, hs_big in zip(out_small.hidden_states, out_big.hidden_states, strict=True):
+    H, c = small.config.hidden_size, _stream_scale(small, big)
+    last = len(out_small.hidden_states) - 1  # the final norm's output: not the stream, not scaled
+    for i, (hs_small, hs_big) in enumerate(zip(out_small.hidden_states, out_big.hidden_states, strict=True)):
         assert torch.count_nonzero(hs_big[..., H:]) == 0  # padded hidden dimensions stay exactly zero
-        assert (hs_small - hs_big[..., :H]).abs().max() <= LOGIT_RTOL * max(1.0, hs_small.abs().max().item())
+        real = hs_big[..., :H] / (1.0 if i == last else c)
+        assert (hs_small - real).abs().max() <= LOGIT_RTOL * max(1.0, hs_small.abs().max().item())
 
 
 def test_the_small_model_is_untouched_and_the_defaults_follow_it():
@@ -130,6 +160,37 @@ def test_grouped_query_attention_and_clip_qkv_are_exact():
     ids = _ids(small.config.vocab_size, seed=3)
     with torch.no_grad():
         _assert_same_logits(small(ids).logits, big(ids).logits)
+
+
+def test_qwen_gated_delta_net_and_gated_attention_grow_exactly_with_repeated_key_heads():
+    """Fewer heads per key head in the target (one query head per key/value head, one value head per Gated DeltaNet
+    key head): each small key head is repeated; the stream carries sqrt(4) = 2."""
+    small = _qwen(seed=5)
+    big = grow(small, QWEN_CI.with_dims(num_key_value_heads=8, linear_num_key_heads=8))
+    assert _stream_scale(small, big) == 2.0 and big.config.rms_norm_eps == small.config.rms_norm_eps
+    assert big.config.layer_types == small.config.layer_types
+    ids = _ids(small.config.vocab_size, seed=4)
+    with torch.no_grad():
+        _assert_same_logits(small(ids).logits, big(ids).logits)
+
+
+def test_qwen_grow_keeps_the_head_dimensions_and_its_preset_is_transformers_defaults():
+    from transformers import Qwen3_5MoeTextConfig
+
+    defaults = Qwen3_5MoeTextConfig()
+    assert default_target("qwen3_5_moe_text") is QWEN3_6_35B_A3B and target_by_name("Qwen3.6-35B-A3B") is QWEN3_6_35B_A3B
+    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim"):
+        assert getattr(QWEN3_6_35B_A3B, field) == getattr(defaults, field), field
+    assert QWEN3_6_35B_A3B.expert_intermediate_size == defaults.moe_intermediate_size
+    with pytest.raises(ValueError, match="keeps Qwen3.5/3.6's head dimensions.*target head_dim=32 against the "
+                                         "model's 16"):
+        grow(_qwen(), QWEN_CI.with_dims(head_dim=32))
+    with pytest.raises(ValueError, match="linear_num_value_heads=6 is not a multiple of linear_num_key_heads=4"):
+        QWEN_CI.with_dims(linear_num_value_heads=6)
+    with pytest.raises(ValueError, match="are Qwen3.5/3.6-MoE fields; leave them None for an OLMoE target"):
+        OLMOE_CI.with_dims(linear_num_key_heads=4)
 
 
 # ---------------------------------------------------------------------------------------------------- routing
@@ -217,9 +278,11 @@ def test_rope_types_that_depend_on_the_head_size_are_refused():
 
 
 def test_bad_preset_names_and_bad_targets_say_what_is_known():
-    with pytest.raises(ValueError, match="known targets: olmoe-1b-7b, moonlight-16b-a3b; did you mean olmoe-1b-7b"):
+    with pytest.raises(ValueError, match="known targets: olmoe-1b-7b, moonlight-16b-a3b, qwen3.6-35b-a3b; did you "
+                                         "mean olmoe-1b-7b"):
         target_by_name("olmoe-1b7b")
-    assert target_by_name("OLMoE-1B-7B") is OLMOE_1B_7B and set(PRESETS) == {"olmoe-1b-7b", "moonlight-16b-a3b"}
+    assert target_by_name("OLMoE-1B-7B") is OLMOE_1B_7B
+    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b"]
     assert default_target(tiny_model("deepseek_v3").config) is MOONLIGHT_16B_A3B
     with pytest.raises(ValueError, match="grow has no target for model type 'llama'"):
         default_target("llama")

@@ -162,11 +162,11 @@ def _family_files(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 def test_a_new_family_is_one_file_per_layer(tmp_path, monkeypatch):
     assert len(FILES) == 3  # the transformers path, the engine, grow: what full support of a family touches
     assert "mixtral" not in supported_model_types() and "mixtral" not in grow_model_types()
-    engine_families = supported_model_types()
-    assert engine_families[:2] == ["olmoe", "deepseek_v3"]
+    engine_families, grow_families = supported_model_types(), grow_model_types()
+    assert engine_families[:2] == grow_families[:2] == ["olmoe", "deepseek_v3"]
     with _family_files(tmp_path, monkeypatch):
         assert supported_model_types() == [*engine_families, "mixtral"]  # listed after the project's own
-        assert grow_model_types() == ["olmoe", "deepseek_v3", "mixtral"]
+        assert grow_model_types() == [*grow_families, "mixtral"]
         model = tiny_model("mixtral")
         ids = list(range(3, 17))
         with torch.no_grad():
@@ -205,8 +205,8 @@ def test_a_new_family_is_one_file_per_layer(tmp_path, monkeypatch):
 
 def test_the_shipped_families_are_found_on_the_paths():
     assert supported_model_types() == ["olmoe", "deepseek_v3", "qwen3_5_moe", "qwen3_5_moe_text"]
-    assert grow_model_types() == ["olmoe", "deepseek_v3"]
-    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b"]
+    assert grow_model_types() == ["olmoe", "deepseek_v3", "qwen3_5_moe_text"]
+    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b"]
     assert type(build_layers(tiny_model("deepseek_v3"), 4)).__module__ == "psr_hf.engine.families.deepseek_v3"
     assert type(build_layers(tiny_model("qwen3_5_moe"), 4)).__module__ == "psr_hf.engine.families.qwen3_5_moe"
 

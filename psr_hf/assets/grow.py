@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .grow_families import grow_family, grow_model_types
-from .grow_families.base import DIM_FIELDS, Dims, Filler, GrowFamily, GrowTarget
+from .grow_families.base import DIM_FIELDS, Dims, Filler, GrowFamily, GrowTarget, norm_input_scale
 from .grow_families.deepseek_v3 import MOONLIGHT_16B_A3B
 from .grow_families.olmoe import OLMOE_1B_7B
 
@@ -116,7 +116,7 @@ def _check_model(model: Any) -> tuple[str, GrowFamily]:
     return config.model_type, family
 
 
-def _check_rope(config: Any) -> None:
+def _check_rope(config: Any, rotary_grows: bool) -> None:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, Mapping) else None
     if rope_type not in _ROPE_TYPES:
@@ -124,8 +124,9 @@ def _check_rope(config: Any) -> None:
                          f"head dimension's size, so a grown head cannot keep them exactly; grow maps "
                          f"{', '.join(_ROPE_TYPES)} RoPE only")
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={factor}: grow maps RoPE over the whole head dimension only")
+    if rotary_grows and factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={factor}: grow maps RoPE over the whole head dimension only where "
+                         "the head dimension grows (keep the model's head dimension in the target)")
 
 
 def _check_target(family: str, mapping: GrowFamily, small: Dims, big: Dims, target: GrowTarget,
@@ -144,6 +145,7 @@ def _check_target(family: str, mapping: GrowFamily, small: Dims, big: Dims, targ
                          "query LoRA cannot be added or removed exactly (the RMSNorm inside it is not linear); use "
                          f"q_lora_rank={'None' if small.q_lora is None else '>= ' + str(small.q_lora)}")
     mapping.check_model(small)
+    mapping.check_growth(small, big)
     rotary, what = (getattr(small, mapping.rotary), getattr(big, mapping.rotary)), DIM_FIELDS[mapping.rotary]
     if rotary[1] % rotary[0]:
         raise ValueError(f"grow target {target.name!r}: {what}={rotary[1]} must be a multiple of the model's "
@@ -152,17 +154,10 @@ def _check_target(family: str, mapping: GrowFamily, small: Dims, big: Dims, targ
     if g_small % g_big:
         raise ValueError(f"grow target {target.name!r}: {g_big} query heads per key/value head, the model {g_small}; "
                          "the model's must be a multiple of the target's (key/value heads can be repeated, not merged)")
-    _check_rope(config)
+    _check_rope(config, rotary[1] != rotary[0])
 
 
 # ---------------------------------------------------------------------------------------------------- filling
-def _mlp(fill: Filler, big: Any, small: Any, hid: Any) -> None:
-    """A gate/up/down MLP (dense layer or shared experts): padded intermediate units are zero."""
-    fill.linear(big.gate_proj, small.gate_proj, None, hid)
-    fill.linear(big.up_proj, small.up_proj, None, hid)
-    fill.linear(big.down_proj, small.down_proj, hid, None)
-
-
 def _experts(fill: Filler, big: Any, small: Any, I_small: int, I_big: int, hid: Any) -> None:
     """Fused experts ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]`` (stored
     transposed where the experts class says ``is_transposed``)."""
@@ -172,20 +167,23 @@ def _experts(fill: Filler, big: Any, small: Any, I_small: int, I_big: int, hid: 
     gate_up = torch.cat((torch.arange(I_small), I_big + torch.arange(I_small)))
     rows_cols = lambda rows, cols: (None, cols, rows) if transposed else (None, rows, cols)  # noqa: E731
     fill.put(big.gate_up_proj, small.gate_up_proj, rows_cols(gate_up, hid))
-    fill.put(big.down_proj, small.down_proj, rows_cols(hid, None))
+    fill.put(big.down_proj, small.down_proj, rows_cols(hid, None), fill.stream_scale)
     for name, rows in (("gate_up_proj_bias", gate_up), ("down_proj_bias", hid)):
         if getattr(small, name, None) is not None:
-            fill.put(getattr(big, name), getattr(small, name), (None, rows))
+            fill.put(getattr(big, name), getattr(small, name), (None, rows),
+                     fill.stream_scale if name == "down_proj_bias" else 1.0)
 
 
 
 def _grown_config(small_config: Any, mapping: GrowFamily, s: Dims, b: Dims, r_hidden: float,
                   dtype: torch.dtype) -> Any:
-    """The grown model's config: the small one's with the target's dimensions, the hidden norms' epsilon divided
-    by the hidden ratio, and the family's fields (:meth:`GrowFamily.update_config`)."""
+    """The grown model's config: the small one's with the target's dimensions, the norms' epsilon of the family
+    (:meth:`GrowFamily.grown_epsilon`: the small one's divided by the hidden ratio by default), and the family's
+    fields (:meth:`GrowFamily.update_config`)."""
     data = small_config.to_dict()
     data.update(hidden_size=b.hidden, num_attention_heads=b.heads, num_key_value_heads=b.kv_heads,
-                rms_norm_eps=small_config.rms_norm_eps / r_hidden, dtype=str(dtype).removeprefix("torch."))
+                rms_norm_eps=mapping.grown_epsilon(small_config.rms_norm_eps, r_hidden),
+                dtype=str(dtype).removeprefix("torch."))
     mapping.update_config(data, s, b)
     return type(small_config).from_dict(data)
 
@@ -258,14 +256,20 @@ def grow(model: torch.nn.Module, target: GrowTarget | str | None = None, *, devi
     if getattr(model, "generation_config", None) is not None:
         big.generation_config = copy.deepcopy(model.generation_config)
 
-    fill = Filler()
+    # the residual stream's scale: 1 where the hidden norms' epsilon shrank with the hidden ratio, sqrt(ratio)
+    # where the family kept it (the norms over the hidden size then read a stream scaled to match)
+    fill = Filler(norm_input_scale(r_hidden, config.rms_norm_eps, big_config.rms_norm_eps))
     hid = None  # hidden dimensions keep their positions: the first s.hidden of b.hidden
-    fill.put(big.model.embed_tokens.weight, model.model.embed_tokens.weight, (None, hid))
+    if big.lm_head.weight is big.model.embed_tokens.weight and fill.stream_scale != 1.0:
+        raise ValueError("grow: tied embeddings with a scaled residual stream cannot be mapped exactly (the "
+                         "embeddings write the stream, lm_head reads the normed output)")
+    fill.put(big.model.embed_tokens.weight, model.model.embed_tokens.weight, (None, hid), fill.stream_scale)
     if big.lm_head.weight is not big.model.embed_tokens.weight:
         fill.put(big.lm_head.weight, model.lm_head.weight, (None, hid))
 
     def hidden_norm(big_norm: Any, small_norm: Any) -> None:
-        if fill.norm(big_norm, small_norm, hid, r_hidden) != 1.0:
+        if fill.norm(big_norm, small_norm, hid, r_hidden, zero_centred=mapping.zero_centred_norms) != \
+                fill.stream_scale:
             raise ValueError(f"grow: {type(small_norm).__name__} over the hidden size does not use "
                              "config.rms_norm_eps; its epsilon cannot be matched without scaling the residual stream")
 
@@ -273,7 +277,7 @@ def grow(model: torch.nn.Module, target: GrowTarget | str | None = None, *, devi
     for index, (bl, sl) in enumerate(zip(big.model.layers, model.model.layers, strict=True)):
         hidden_norm(bl.input_layernorm, sl.input_layernorm)
         hidden_norm(bl.post_attention_layernorm, sl.post_attention_layernorm)
-        mapping.attention(fill, bl.self_attn, sl.self_attn, s, b, config)
+        mapping.token_mixer(fill, bl, sl, s, b, config)
         big_mlp, small_mlp = bl.mlp, sl.mlp
         if hasattr(small_mlp, "experts"):
             router_small, router_big = small_mlp.gate, big_mlp.gate
@@ -284,9 +288,11 @@ def grow(model: torch.nn.Module, target: GrowTarget | str | None = None, *, devi
             _experts(fill, big_mlp.experts, small_mlp.experts, s.expert, b.expert, hid)
             shared = getattr(small_mlp, "shared_experts", None)
             if shared is not None:
-                _mlp(fill, big_mlp.shared_experts, shared, hid)
+                fill.mlp(big_mlp.shared_experts, shared, hid)
+            else:
+                mapping.shared_expert(fill, big_mlp, small_mlp, hid)
         elif hasattr(small_mlp, "gate_proj"):
-            _mlp(fill, big_mlp, small_mlp, hid)
+            fill.mlp(big_mlp, small_mlp, hid)
         else:
             raise ValueError(f"grow: decoder layer {index}'s {type(small_mlp).__name__} is neither an MoE block "
                              "nor a gate/up/down MLP")

@@ -37,6 +37,9 @@ class GrowTarget:
         dense_intermediate_size: DeepSeek-V3's ``intermediate_size`` (the dense first layers' MLP); None for OLMoE.
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: DeepSeek-V3's multi-head latent
             attention (``q_lora_rank`` None: no query LoRA); None for OLMoE.
+        shared_expert_intermediate_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+            linear_value_head_dim: Qwen3.5/3.6-MoE's gated shared expert and Gated DeltaNet layers (the config
+            fields of those names); None for the others.
     """
 
     name: str
@@ -52,6 +55,11 @@ class GrowTarget:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         def fail(why: str) -> None:
@@ -117,19 +125,32 @@ class Dims:
     nope: int | None = None
     rope: int | None = None
     v: int | None = None
+    shared: int | None = None  # Qwen3.5/3.6 from here
+    linear_k_heads: int | None = None
+    linear_v_heads: int | None = None
+    linear_k_dim: int | None = None
+    linear_v_dim: int | None = None
 
     @classmethod
     def of_target(cls, t: GrowTarget) -> "Dims":
         return cls(t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.expert_intermediate_size,
                    head_dim=t.head_dim, dense=t.dense_intermediate_size, kv_lora=t.kv_lora_rank,
-                   q_lora=t.q_lora_rank, nope=t.qk_nope_head_dim, rope=t.qk_rope_head_dim, v=t.v_head_dim)
+                   q_lora=t.q_lora_rank, nope=t.qk_nope_head_dim, rope=t.qk_rope_head_dim, v=t.v_head_dim,
+                   shared=t.shared_expert_intermediate_size, linear_k_heads=t.linear_num_key_heads,
+                   linear_v_heads=t.linear_num_value_heads, linear_k_dim=t.linear_key_head_dim,
+                   linear_v_dim=t.linear_value_head_dim)
 
 
 # which target field each dimension comes from (for messages)
 DIM_FIELDS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
               "expert": "expert_intermediate_size", "head_dim": "head_dim", "dense": "dense_intermediate_size",
               "kv_lora": "kv_lora_rank", "q_lora": "q_lora_rank", "nope": "qk_nope_head_dim",
-              "rope": "qk_rope_head_dim", "v": "v_head_dim"}
+              "rope": "qk_rope_head_dim", "v": "v_head_dim", "shared": "shared_expert_intermediate_size",
+              "linear_k_heads": "linear_num_key_heads", "linear_v_heads": "linear_num_value_heads",
+              "linear_k_dim": "linear_key_head_dim", "linear_v_dim": "linear_value_head_dim"}
+#: the target fields only Qwen3.5/3.6-MoE has (the other families refuse them)
+QWEN_FIELDS = ("shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim")
 
 
 # ---------------------------------------------------------------------------------------------------- filling
@@ -143,10 +164,14 @@ def _snap(x: float) -> float:
 
 
 class Filler:
-    """Writes the grown model's tensors from the small one's and remembers which it wrote."""
+    """Writes the grown model's tensors from the small one's and remembers which it wrote. ``stream_scale``: the
+    factor the grown residual stream carries against the small one's (1 but where a family keeps the config's
+    epsilon, :meth:`GrowFamily.grown_epsilon`): the embeddings and every projection that writes into the stream
+    are scaled by it, and the norms that read the stream undo it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream_scale: float = 1.0) -> None:
         self.filled: set[int] = set()
+        self.stream_scale = stream_scale
 
     @torch.no_grad()
     def put(self, dst: torch.Tensor, src: torch.Tensor, maps: Sequence[Any], scale: Any = 1.0) -> None:
@@ -188,20 +213,45 @@ class Filler:
         if small.bias is not None:
             self.put(big.bias, small.bias, (rows,), row_scale)
 
-    def norm(self, big: Any, small: Any, where: Any, r: float, scale: float = 1.0) -> float:
+    def mlp(self, big: Any, small: Any, hid: Any) -> None:
+        """A gate/up/down MLP (a dense layer or shared experts): padded intermediate units are zero; its output
+        goes into the residual stream (times the stream's scale)."""
+        self.linear(big.gate_proj, small.gate_proj, None, hid)
+        self.linear(big.up_proj, small.up_proj, None, hid)
+        self.linear(big.down_proj, small.down_proj, hid, None, self.stream_scale)
+
+    def norm(self, big: Any, small: Any, where: Any, r: float, scale: float = 1.0, *,
+             zero_centred: bool = False) -> float:
         """An RMSNorm over a vector that grows ``r`` times (real entries at ``where``); returns the factor ``c``
         that its input must be scaled by.
 
         Over a zero-padded vector (``n`` real of ``n' = r n`` entries) the mean of squares is ``ms / r``. With the
         input scaled by ``c`` and the grown epsilon ``eps'``: ``c x / sqrt(c^2 ms / r + eps') = sqrt(r) x /
         sqrt(ms + r eps' / c^2)``, so ``c^2 = r eps' / eps`` and the weight ``w / sqrt(r)`` on the real entries
-        give the small norm's output exactly (with ``r`` a power of 4 the scaling is exact in bfloat16 too)."""
-        eps_small = getattr(small, "variance_epsilon", None)
-        eps_big = getattr(big, "variance_epsilon", None)
+        give the small norm's output exactly (with ``r`` a power of 4 the scaling is exact in bfloat16 too).
+        ``zero_centred``: a norm that multiplies by ``1 + weight`` (Qwen3.5/3.6's), whose real entries become
+        ``(1 + w) scale / sqrt(r) - 1`` (exact in float32; rounded in bfloat16, where ``-1`` costs bits)."""
+        eps_small = _epsilon(small)
+        eps_big = _epsilon(big)
         if eps_small is None or eps_big is None or eps_small <= 0:
             raise ValueError(f"grow: {type(small).__name__} is not an RMSNorm with a positive variance_epsilon")
-        self.put(big.weight, small.weight, (where,), scale / math.sqrt(r))
-        return math.sqrt(_snap(r * eps_big / eps_small))
+        if zero_centred and scale / math.sqrt(r) != 1.0:
+            effective = (1.0 + small.weight.detach().to(torch.float32)) * (scale / math.sqrt(r)) - 1.0
+            self.put(big.weight, effective, (where,))
+        else:
+            self.put(big.weight, small.weight, (where,), scale / math.sqrt(r))
+        return norm_input_scale(r, eps_small, eps_big)
+
+
+def norm_input_scale(r: float, eps_small: float, eps_big: float) -> float:
+    """The factor ``c`` an RMSNorm's input must carry when its vector grows ``r`` times and its epsilon goes from
+    ``eps_small`` to ``eps_big`` (:meth:`Filler.norm`): ``c^2 = r eps_big / eps_small``."""
+    return math.sqrt(_snap(r * eps_big / eps_small))
+
+
+def _epsilon(norm: Any) -> float | None:
+    value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if value is None else float(value)
 
 
 def head_positions(heads: int, dim_small: int, dim_big: int, inner: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,6 +285,8 @@ class GrowFamily(abc.ABC):
     #: the family's default target, the real model's dimensions: set by the family's module after the class,
     #: since a target is validated by its family's (registered) mapping
     preset: GrowTarget
+    #: whether the family's RMSNorms multiply by ``1 + weight`` (Qwen3.5/3.6) rather than ``weight``
+    zero_centred_norms: bool = False
     model_name: str = ""
     rotary: str = "head_dim"
     listing_order: float = math.inf
@@ -255,10 +307,29 @@ class GrowFamily(abc.ABC):
     def check_model(self, small: Dims) -> None:
         """``ValueError`` for a model of this family that grow cannot map (default: none)."""
 
+    def check_growth(self, small: Dims, big: Dims) -> None:
+        """``ValueError`` for a growth from ``small`` to ``big`` this family cannot map exactly (default: none;
+        the checks every family shares run after it)."""
+
     @abc.abstractmethod
     def attention(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, config: Any) -> None:
         """Fill one decoder layer's attention module ``big`` from ``small`` (dimensions ``s`` -> ``b``; the
         small model's ``config``)."""
+
+    def token_mixer(self, fill: Filler, big_layer: Any, small_layer: Any, s: Dims, b: Dims, config: Any) -> None:
+        """Fill one decoder layer's token mixer (default: its ``self_attn``, :meth:`attention`)."""
+        self.attention(fill, big_layer.self_attn, small_layer.self_attn, s, b, config)
+
+    def grown_epsilon(self, eps: float, r_hidden: float) -> float:
+        """The grown config's ``rms_norm_eps`` (default ``eps / r_hidden``: the hidden norms stay exact on the
+        unscaled residual stream). A family whose other norms read ``rms_norm_eps`` too keeps ``eps`` and scales
+        the residual stream instead (:attr:`Filler.stream_scale`)."""
+        return eps / r_hidden
+
+    def shared_expert(self, fill: Filler, big_block: Any, small_block: Any, hid: Any) -> bool:
+        """Fill a MoE block's shared experts a family of its own has; False where it has none (DeepSeek-V3's
+        ``shared_experts``, a plain gate/up/down MLP, grow maps itself)."""
+        return False
 
     @abc.abstractmethod
     def update_config(self, data: dict[str, Any], s: Dims, b: Dims) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import register_grow
-from .base import Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
+from .base import QWEN_FIELDS, Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
 
 # the target fields of multi-head latent attention that a DeepSeek-V3 target must have
 _MLA = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -32,6 +32,9 @@ class DeepseekV3Grow(GrowFamily, model_name="Moonlight-16B-A3B", rotary="rope", 
         missing = [f for f in ("dense_intermediate_size", *_MLA) if getattr(target, f) is None]
         if missing:
             fail(f"{', '.join(missing)} required for a DeepSeek-V3 target")
+        qwen = [f for f in QWEN_FIELDS if getattr(target, f) is not None]
+        if qwen:
+            fail(f"{', '.join(qwen)} are Qwen3.5/3.6-MoE fields; leave them None for a DeepSeek-V3 target")
         if target.head_dim is not None:
             fail("head_dim is OLMoE's; a DeepSeek-V3 target has qk_nope_head_dim, qk_rope_head_dim and "
                  "v_head_dim instead (leave head_dim None)")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from . import register_grow
-from .base import Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
+from .base import QWEN_FIELDS, Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
 
 # the target fields OLMoE does not have (DeepSeek-V3's)
 _NOT_OLMOE = ("dense_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -32,6 +32,9 @@ class OlmoeGrow(GrowFamily, model_name="OLMoE-1B-7B", rotary="head_dim", listing
         extra = [f for f in _NOT_OLMOE if getattr(target, f) is not None]
         if extra:
             fail(f"{', '.join(extra)} are DeepSeek-V3 fields; leave them None for an OLMoE target")
+        qwen = [f for f in QWEN_FIELDS if getattr(target, f) is not None]
+        if qwen:
+            fail(f"{', '.join(qwen)} are Qwen3.5/3.6-MoE fields; leave them None for an OLMoE target")
         if target.head_dim is None:
             fail("head_dim is required for an OLMoE target")
         if target.head_dim * target.num_attention_heads != target.hidden_size:
