@@ -1,13 +1,15 @@
 """Grow a small trained MoE model to real-size dimensions, exactly: an upcycle that computes the same function.
 
 Latency benchmarks need trained routing *and* real-size experts. :func:`grow` builds a model of a target's
-dimensions (:class:`GrowTarget`; presets :data:`OLMOE_1B_7B`, :data:`MOONLIGHT_16B_A3B`) whose every real
-dimension computes what the small model's did: padded rows and columns are zero and every norm, scale and rotary
-frequency is mapped; layers, experts, top-k, router options and vocabulary are the small model's, so it routes
-identically (up to floating-point rounding). Linear layers, embeddings, lm_head and routers: the small block at
-the mapped positions. Fused experts: gate rows ``i -> i``, up rows ``I + i -> I' + i`` (a padded unit gives
-``act(0) * 0 = 0``). The hidden-size norms read the unscaled residual stream, so the grown ``rms_norm_eps`` is
-``eps / r_hidden`` (the RMSNorm rule: :meth:`~psr_hf.assets.grow_families.base.Filler.norm`). Extra query heads
+dimensions (:class:`GrowTarget`; presets :data:`OLMOE_1B_7B`, :data:`MOONLIGHT_16B_A3B`,
+:data:`QWEN3_6_35B_A3B`) whose every real dimension computes what the small model's did: padded rows and columns
+are zero and every norm, scale and rotary frequency is mapped; layers, experts, top-k, router options and
+vocabulary are the small model's, so it routes identically (up to floating-point rounding). Linear layers,
+embeddings, lm_head and routers: the small block at the mapped positions. Fused experts: gate rows ``i -> i``, up
+rows ``I + i -> I' + i`` (a padded unit gives ``act(0) * 0 = 0``). The hidden-size norms read the unscaled
+residual stream, so the grown ``rms_norm_eps`` is ``eps / r_hidden`` (the RMSNorm rule:
+:meth:`~psr_hf.assets.grow_families.base.Filler.norm`), except for a family whose other norms share that epsilon
+(Qwen3.5/3.6), which keeps it and scales the residual stream by ``sqrt(r_hidden)`` instead. Extra query heads
 have zero q rows and o_proj columns; only RoPE types whose frequencies do not depend on the head size are mapped.
 A family's attention and config fields: its module in :mod:`psr_hf.assets.grow_families`. Anything that cannot
 be mapped exactly raises ``ValueError`` naming it. Page: docs/models.md. The library logs, never prints.
@@ -31,8 +33,9 @@ from .grow_families import grow_family, grow_model_types
 from .grow_families.base import DIM_FIELDS, Dims, Filler, GrowFamily, GrowTarget, norm_input_scale
 from .grow_families.deepseek_v3 import MOONLIGHT_16B_A3B
 from .grow_families.olmoe import OLMOE_1B_7B
+from .grow_families.qwen3_5_moe import QWEN3_6_35B_A3B
 
-__all__ = ["GrowTarget", "OLMOE_1B_7B", "MOONLIGHT_16B_A3B", "PRESETS", "target_by_name", "default_target", "grow",
+__all__ = ["GrowTarget", "OLMOE_1B_7B", "MOONLIGHT_16B_A3B", "QWEN3_6_35B_A3B", "PRESETS", "target_by_name", "default_target", "grow",
            "grow_pretrained"]
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,7 @@ def target_by_name(name: str) -> GrowTarget:
 
 def default_target(config: Any) -> GrowTarget:
     """The preset of a model's family: ``olmoe`` -> :data:`OLMOE_1B_7B`, ``deepseek_v3`` ->
-    :data:`MOONLIGHT_16B_A3B`. ``config``: a transformers config, a ``config.json`` dict or a model type."""
+    :data:`MOONLIGHT_16B_A3B`, ``qwen3_5_moe_text`` -> :data:`QWEN3_6_35B_A3B`. ``config``: a transformers config, a ``config.json`` dict or a model type."""
     model_type = config if isinstance(config, str) else (
         config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None))
     family = grow_family(model_type) if isinstance(model_type, str) else None
