@@ -27,8 +27,11 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return get_patch(family).tiny_config(family, **overrides)
 
 
-def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
-    """A seeded random tiny ``family`` model in eval mode (the composite image-text class for ``qwen3_5_moe``)."""
+def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, norm_noise: float = 0.0,
+               **overrides: Any) -> torch.nn.Module:
+    """A seeded random tiny ``family`` model in eval mode (the composite image-text class for ``qwen3_5_moe``).
+    ``norm_noise``: the std of seeded noise added to every norm weight (initialised norms are the identity: a
+    zero-centred norm's weight starts at zero, so a mapping error of it would go unseen)."""
     patch = get_patch(family)
     config = patch.tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
@@ -42,6 +45,11 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(std=0.05)
+        if norm_noise:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.add_(torch.randn_like(param) * norm_noise)
     return model.to(dtype).eval()
 
 

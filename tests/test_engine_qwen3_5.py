@@ -14,6 +14,7 @@ import psr_hf
 from psr_hf import RoutingConfig, engine
 from psr_hf.engine.layers import build_layers
 from psr_hf.testing import tiny_model
+from test_engine_generate import _generate as _fresh_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
@@ -23,13 +24,7 @@ NEW = 8
 
 def _model(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny model with non-trivial norms (the zero-centred norms start at zero, the gated norm at one)."""
-    model = tiny_model(model_type, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
-    return model
+    return tiny_model(model_type, seed=seed, norm_noise=0.2)
 
 
 def _ids(seed: int, length: int) -> torch.Tensor:
@@ -37,16 +32,11 @@ def _ids(seed: int, length: int) -> torch.Tensor:
 
 
 def _generate(model, ids, seed=None, **kwargs):
-    ctl = psr_hf.controller(model)
-    ctl.reset()
-    ctl.reset_stats()
-    if seed is not None:
-        torch.manual_seed(seed)
-    with torch.no_grad(), ctl.record() as recorder:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
-    (recording,) = recorder.recordings
-    return out, recording, ctl.stats()
+    """generate() from a fresh routing state: (output, its one recording, stats)."""
+    out, (recording,), stats = _fresh_generate(model, ids, seed, attention_mask=torch.ones_like(ids),
+                                               max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0,
+                                               output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out, recording, stats
 
 
 def _both(model, ids, policy, offload=None, seed=None, **kwargs):

@@ -152,6 +152,24 @@ class DecodeLayers(abc.ABC):
             self._ref_places[name] = (tensor.data_ptr(), tensor.dtype, tensor.device)
         return tensor
 
+    def _projections(self, layer: int, module: nn.Module, names: tuple[str, ...]) -> dict[str, tuple]:
+        """``{name: (weight, bias or None)}`` of the linear layers ``names`` of ``module`` (decoder layer
+        ``layer``'s), recorded as used in place."""
+        refs = {}
+        for name in names:
+            linear = getattr(module, name)
+            refs[name] = (self._ref(f"layers.{layer}.{name}", linear.weight),
+                          self._ref(f"layers.{layer}.{name}.bias", linear.bias))
+        return refs
+
+    def _norms_of(self, layer: int, module: nn.Module, names: tuple[str, ...]) -> dict[str, tuple]:
+        """``{name: (weight, eps)}`` of the RMSNorms ``names`` of ``module``, recorded as used in place."""
+        refs = {}
+        for name in names:
+            refs[name] = norm_params(getattr(module, name), f"layer {layer} {name}")
+            self._ref(f"layers.{layer}.{name}", refs[name][0])
+        return refs
+
     def _own(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self._owned[name] = tensor
         return tensor

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import StaticKVCache, apply_rope, cos_sin, norm_params, rms_norm, write_kv
+from ..attention import StaticKVCache, apply_rope, cos_sin, rms_norm, write_kv
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -38,16 +38,8 @@ class OlmoeLayers(DecodeLayers):
         self._attn = []
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            refs = {}
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                module = getattr(a, proj)
-                refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
-                              self._ref(f"layers.{i}.{proj}.bias", module.bias))
-            refs["q_norm"] = norm_params(a.q_norm, f"layer {i} q_norm")
-            refs["k_norm"] = norm_params(a.k_norm, f"layer {i} k_norm")
-            self._ref(f"layers.{i}.q_norm", refs["q_norm"][0])
-            self._ref(f"layers.{i}.k_norm", refs["k_norm"][0])
-            self._attn.append(refs)
+            self._attn.append({**self._projections(i, a, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                               **self._norms_of(i, a, ("q_norm", "k_norm"))})
         q_out = self._attn[0]["q_proj"][0].shape[0]
         self.head_dim = int(getattr(self.layers[0].self_attn, "head_dim", 0) or q_out // self.num_heads)
         if self.inv_freq.numel() * 2 != self.head_dim:

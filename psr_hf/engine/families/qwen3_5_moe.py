@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import apply_rope, cos_sin, norm_params, write_kv, zero_centred_rms_norm
+from ..attention import apply_rope, cos_sin, write_kv, zero_centred_rms_norm
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -117,15 +117,8 @@ class Qwen35MoeLayers(DecodeLayers):
         self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim)
 
     def _full_refs(self, i: int, a: torch.nn.Module) -> dict:
-        refs = {}
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            module = getattr(a, proj)
-            refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
-                          self._ref(f"layers.{i}.{proj}.bias", module.bias))
-        refs["q_norm"] = norm_params(a.q_norm, f"layer {i} q_norm")
-        refs["k_norm"] = norm_params(a.k_norm, f"layer {i} k_norm")
-        self._ref(f"layers.{i}.q_norm", refs["q_norm"][0])
-        self._ref(f"layers.{i}.k_norm", refs["k_norm"][0])
+        refs = {**self._projections(i, a, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                **self._norms_of(i, a, ("q_norm", "k_norm"))}
         if refs["q_proj"][0].shape[0] != 2 * self.num_heads * self.head_dim:
             raise ValueError(f"layer {i} q_proj {tuple(refs['q_proj'][0].shape)}: expected the query and its gate "
                              f"({2 * self.num_heads * self.head_dim} rows)")
@@ -133,11 +126,8 @@ class Qwen35MoeLayers(DecodeLayers):
         return refs
 
     def _linear_refs(self, i: int, a: torch.nn.Module) -> dict:
-        refs = {}
-        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-            module = getattr(a, proj)
-            refs[proj] = (self._ref(f"layers.{i}.{proj}", module.weight),
-                          self._ref(f"layers.{i}.{proj}.bias", module.bias))
+        refs = {**self._projections(i, a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
+                **self._norms_of(i, a, ("norm",))}
         conv = a.conv1d
         if tuple(conv.weight.shape) != (self.conv_dim, 1, self.kernel):
             raise ValueError(f"layer {i} conv1d weight {tuple(conv.weight.shape)}: expected "
@@ -146,8 +136,6 @@ class Qwen35MoeLayers(DecodeLayers):
         refs["conv_bias"] = self._ref(f"layers.{i}.conv1d.bias", conv.bias)
         refs["A_log"] = self._ref(f"layers.{i}.A_log", a.A_log)
         refs["dt_bias"] = self._ref(f"layers.{i}.dt_bias", a.dt_bias)
-        refs["norm"] = norm_params(a.norm, f"layer {i} gated norm")
-        self._ref(f"layers.{i}.gated_norm", refs["norm"][0])
         if getattr(a, "activation", "silu") != "silu":
             raise ValueError(f"layer {i}: the short convolution's activation {a.activation!r} is not silu")
         return refs
