@@ -14,7 +14,7 @@ EXTRAS ?= dev,eval
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs install bench-policy moonlight-routing clean
+.PHONY: demo test docs install bench-policy moonlight-routing qwen36-routing clean
 
 demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
@@ -56,6 +56,10 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 # into ~/.cache/psr_hf/models/moonlight-routing (or $$PSR_HF_MODELS), where `--model moonlight-routing` finds it
 moonlight-routing: $(STAMP)
 	PYTHON=$(PY) bash examples/train_tiny_moe/build_routing_model.sh moonlight-routing
+
+# the same for the small trained Qwen3.6-routing model (~/.cache/psr_hf/models/qwen36-routing)
+qwen36-routing: $(STAMP)
+	PYTHON=$(PY) bash examples/train_tiny_moe/build_routing_model.sh qwen36-routing
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache

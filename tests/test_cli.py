@@ -61,7 +61,7 @@ def test_a_local_model_directory_resolves_with_its_config(tmp_path, no_network):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("tiny_moe", "no model 'tiny_moe': not a named model (tiny-moe, olmoe-routing, moonlight-routing), not a local directory, not a hub id "
+    ("tiny_moe", "no model 'tiny_moe': not a named model (tiny-moe, olmoe-routing, moonlight-routing, qwen36-routing), not a local directory, not a hub id "
                  "(owner/name); did you mean tiny-moe?"),
     ("tinymoe", "did you mean tiny-moe?"),
     ("/nonexistent/path/model", "no model '/nonexistent/path/model': no such local directory"),

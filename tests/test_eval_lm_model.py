@@ -435,7 +435,7 @@ def test_trust_remote_code_is_refused_before_the_remote_code_runs(lm_eval_api, t
 
 def test_a_misspelt_pretrained_names_the_shipped_model_without_asking_the_hub(lm_eval_api):
     PSRLM = lm_eval_api[2]
-    with pytest.raises(ValueError, match=r"no model 'tiny_moe': not a named model \(tiny-moe, olmoe-routing, moonlight-routing\).*did you mean "
+    with pytest.raises(ValueError, match=r"no model 'tiny_moe': not a named model \(tiny-moe, olmoe-routing, moonlight-routing, qwen36-routing\).*did you mean "
                                          r"tiny-moe\?"):
         PSRLM(pretrained="tiny_moe", device="cpu", residency=0.5)
 

@@ -111,8 +111,9 @@ def test_routing_presets_have_the_real_routing_geometry_and_fit_the_size_limit()
     from transformers import AutoModelForCausalLM
 
     train = _train_module()
-    expected = {"olmoe-routing": (8_528_000, 16), "moonlight-routing": (13_330_144, 26)}
-    for arch, (params, moe_layers) in expected.items():
+    expected = {"olmoe-routing": (8_528_000, 16, 64, 128), "moonlight-routing": (13_330_144, 26, 64, 128),
+                "qwen36-routing": (23_281_592, 40, 256, 64)}
+    for arch, (params, moe_layers, experts, hidden) in expected.items():
         args = argparse.Namespace(arch=arch, layers=None, hidden=None, expert_size=None, heads=None, tie=False,
                                   aux=None, bias_gamma=None, seq=512)
         preset = train.apply_preset(args)
@@ -122,8 +123,8 @@ def test_routing_presets_have_the_real_routing_geometry_and_fit_the_size_limit()
         count = sum(p.numel() for p in model.parameters())
         assert count == params and count * 2 / 2**20 <= preset["max_mib"]
         gates = train.routers(model)
-        assert len(gates) == moe_layers and all(g.weight.shape == (64, 128) for g in gates)
-        assert config.tie_word_embeddings and config.hidden_size == 128 and config.max_position_embeddings == 512
+        assert len(gates) == moe_layers and all(g.weight.shape == (experts, hidden) for g in gates)
+        assert config.tie_word_embeddings and config.hidden_size == hidden and config.max_position_embeddings == 512
     olmoe = train.model_config(8192, 0, 1, argparse.Namespace(
         arch="olmoe-routing", layers=16, hidden=128, expert_size=16, heads=4, tie=True, aux=0.01, seq=512))
     assert (olmoe.num_experts, olmoe.num_experts_per_tok, olmoe.norm_topk_prob, olmoe.intermediate_size,
@@ -197,6 +198,39 @@ def test_the_card_counts_moe_layers_of_a_model_with_a_dense_first_layer(shards, 
     card = json.loads((tmp_path / "card" / "card.json").read_text())
     assert card["moe_decoder_layers"] == [1] and (card["num_experts"], card["top_k"]) == (64, 6)
     assert card["routing"]["pregate_accuracy"] == [None] and len(card["divergence"]) == 14
+
+
+def test_qwen36_routing_trains_and_grows_exactly_to_a_reduced_qwen36_target(shards, tmp_path):
+    """Four layers (three Gated DeltaNet, one gated attention: the real pattern's first block), then grow's exact
+    upcycle of the trained model (its head dimensions are the real model's, so the preset's code path applies)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from psr_hf.assets.grow import QWEN3_6_35B_A3B, grow
+
+    _run("train.py", "--arch", "qwen36-routing", "--shards", shards, "--out", tmp_path / "run", *ROUTING[:1], "3",
+         "--layers", "4", *ROUTING[4:])
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"], config["head_dim"], config["linear_key_head_dim"],
+            config["layer_types"]) == (256, 8, 256, 128, ["linear_attention"] * 3 + ["full_attention"])
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["steps"] == 3 and log["moe_layers"] == 4 and log["log"][-1]["aux_loss"] > 0
+    out = _run("model_card.py", "--model", tmp_path / "run" / "model", "--shards", shards, "--out", tmp_path / "card",
+               "--windows", "2", "--tokens", "64", "--calibration-tokens", "1024", "--loss-tokens", "1024")
+    assert "top-8 reuse (random 8/256" in out
+    card = json.loads((tmp_path / "card" / "card.json").read_text())
+    assert card["moe_decoder_layers"] == [0, 1, 2, 3] and (card["num_experts"], card["top_k"]) == (256, 8)
+    accuracy = card["routing"]["pregate_accuracy"]  # of each MoE layer's pre-gate, from the layer before
+    assert len(accuracy) == 4 and accuracy[0] is None and all(0 <= a <= 1 for a in accuracy[1:])
+    small = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", dtype=torch.float32).eval()
+    target = QWEN3_6_35B_A3B.with_dims(hidden_size=256, num_attention_heads=16, num_key_value_heads=2,
+                                       expert_intermediate_size=16, shared_expert_intermediate_size=16,
+                                       linear_num_key_heads=2, linear_num_value_heads=4)
+    big = grow(small, target)
+    ids = torch.randint(3, config["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = small(ids).logits, big(ids).logits
+    assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
 
 
 def test_olmoe_routing_trains(shards, tmp_path):

@@ -8,7 +8,7 @@
 #    destination, which psr_hf's model names resolve to: $PSR_HF_MODELS/NAME, default ~/.cache/psr_hf/models/NAME.
 # PYTHON (default python3) must have psr_hf installed (e.g. .venv/bin/python).
 set -euo pipefail
-NAME=${1:?usage: build_routing_model.sh NAME (moonlight-routing or olmoe-routing)}
+NAME=${1:?usage: build_routing_model.sh NAME (moonlight-routing, qwen36-routing or olmoe-routing)}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 SHARDS=${SHARDS:-shards_tiny_moe}

@@ -3,6 +3,7 @@
     python examples/train_tiny_moe/train.py --shards SHARDS_DIR --out RUN_DIR --minutes 10     # on the GPU
     python examples/train_tiny_moe/train.py --shards SHARDS_DIR --out RUN_DIR --resume         # continue
     python examples/train_tiny_moe/train.py --arch moonlight-routing --shards SHARDS_DIR --out RUN_DIR --minutes 7
+    python examples/train_tiny_moe/train.py --arch qwen36-routing --shards SHARDS_DIR --out RUN_DIR --minutes 7
 
 ``--arch`` picks the model (every preset uses the shards' tokenizer, 8,192 tokens, and context ``--seq``):
 
@@ -16,10 +17,18 @@
   shared experts, sigmoid scores plus ``e_score_correction_bias`` for the choice, ``norm_topk_prob=True``,
   ``routed_scaling_factor=2.446``; hidden 128, 4 heads, MLA (no q LoRA, kv LoRA 32, qk nope 32 + rope 16, v 32),
   experts of 16, RoPE theta 50,000 without scaling, tied embeddings.
+- ``qwen36-routing``: ``Qwen3_5MoeForCausalLM`` with Qwen3.6-35B-A3B's routing geometry and layer pattern: 40
+  layers, three Gated DeltaNet layers to one gated full-attention layer (transformers' default ``layer_types``),
+  256 experts top-8, softmax renormalised over the selected, one shared expert behind its sigmoid gate; hidden 64,
+  experts and shared expert of 8, tied embeddings. Its head dimensions are the real model's (attention 8 heads x
+  256 with one key/value head, partial RoPE over a quarter; Gated DeltaNet one key head and two value heads of 128,
+  convolution kernel 4), and its head groupings divide the real ones (8 query heads per key/value head, 2 value
+  heads per key head), because ``psr-hf grow`` keeps this family's head dimensions and repeats key heads only.
 
 The routing presets fix their shape (a separate upcycling step relies on these sizes); only ``--layers`` may be
 lowered, for tests. Balancing: the OLMoE presets train with the load-balancing loss (``router_aux_loss_coef``
-through ``output_router_logits=True``, ``--aux``, default 0.01). ``moonlight-routing`` balances as DeepSeek-V3 does:
+through ``output_router_logits=True``, ``--aux``, default 0.01; ``qwen36-routing`` too, as Qwen's own training does).
+``moonlight-routing`` balances as DeepSeek-V3 does:
 auxiliary-loss-free, i.e. after every optimizer step each MoE layer's ``e_score_correction_bias`` (a buffer, never
 in the optimizer) moves by ``--bias-gamma`` (0.001) times ``sign(mean load - load_i)``, the loads being the top-k
 counts of the step's batch, read by a forward hook on the router; plus DeepSeek-V3's sequence-wise balance loss at
@@ -66,7 +75,12 @@ PRESETS: dict[str, dict] = {
     # 13.33 M parameters = 25.4 MiB (26.7 MB) in bf16: its fixed sizes do not fit 25 MiB, hence 26
     "moonlight-routing": dict(family="deepseek_v3", layers=27, hidden=128, expert_size=16, heads=4, tie=True,
                               fixed=True, aux=1e-4, bias_gamma=1e-3, max_mib=26.0, shard=15 * 2**20),
+    # 256 experts in each of 40 layers: 23.28 M parameters (44.4 MiB in bf16) at hidden 64; built, not shipped
+    "qwen36-routing": dict(family="qwen3_5_moe_text", layers=40, hidden=64, expert_size=8, heads=8, tie=True,
+                           fixed=True, aux=0.01, bias_gamma=0.0, max_mib=45.0, shard=15 * 2**20),
 }
+#: the families whose training adds transformers' load-balancing loss (``output_router_logits=True``)
+AUX_LOSS_FAMILIES = ("olmoe", "qwen3_5_moe_text")
 MAX_CHECKPOINT_MB = PRESETS["tiny-moe"]["max_mib"]  # the default preset's limit (MiB)
 
 
@@ -103,6 +117,20 @@ def model_config(vocab_size: int, eos: int, pad: int, args: argparse.Namespace):
             num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=args.aux,
             output_router_logits=False, max_position_embeddings=args.seq, tie_word_embeddings=args.tie,
             bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, rms_norm_eps=1e-5,
+        )
+    if family == "qwen3_5_moe_text":
+        from transformers import Qwen3_5MoeTextConfig
+
+        # the real model's head dimensions and a divisor of its head groupings (grow keeps the former)
+        return Qwen3_5MoeTextConfig(
+            vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=1, head_dim=256,
+            moe_intermediate_size=args.expert_size, shared_expert_intermediate_size=args.expert_size,
+            num_experts=256, num_experts_per_tok=8, linear_num_key_heads=1, linear_num_value_heads=2,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            router_aux_loss_coef=args.aux, output_router_logits=False, max_position_embeddings=args.seq,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, rms_norm_eps=1e-6,
         )
     from transformers import DeepseekV3Config
 
@@ -370,7 +398,7 @@ def main() -> None:
         logging = (step + 1) % 50 == 0 or step + 1 == total
         tap.active = True
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            if family == "olmoe":
+            if family in AUX_LOSS_FAMILIES:
                 out = model(input_ids=ids[:, :-1], labels=ids[:, :-1], output_router_logits=True)
             else:
                 out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
@@ -407,7 +435,8 @@ def main() -> None:
         if step % 50 == 0 or step == total:
             # aux_loss: OLMoE's load-balancing loss, or the sequence-wise balance per MoE layer (1 = balanced);
             # max_vio: the batch's (max load - mean load) / mean load, mean over layers
-            aux = out.aux_loss if family == "olmoe" else (balance / len(gates) if balance is not None else None)
+            aux = out.aux_loss if family in AUX_LOSS_FAMILIES else (
+                balance / len(gates) if balance is not None else None)
             entry = {"step": step, "loss": loss.item(), "aux_loss": None if aux is None else aux.item(),
                      "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - start}
             if counts is not None:

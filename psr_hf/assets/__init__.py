@@ -25,17 +25,20 @@ TINY_MOE_NAME = "tiny-moe"  # its name wherever a model is named: psr-hf --model
 # the small trained models with real models' routing geometry (examples/train_tiny_moe, --arch); psr_hf.assets.grow
 # grows them exactly to the real models' sizes. olmoe-routing (OLMoE-1B-7B's routing: 16 MoE layers, 64 experts,
 # top-8, softmax) is shipped; moonlight-routing (Moonlight-16B-A3B's: 27 layers with a dense first one, 64 experts
-# top-6, 2 shared, sigmoid + bias) is built on the user's machine with one command (its 27 MB would push the
+# top-6, 2 shared, sigmoid + bias) and qwen36-routing (Qwen3.6-35B-A3B's: 40 hybrid layers, 256 experts top-8, a
+# gated shared expert) are built on the user's machine with one command (their 27 and 47 MB would push the
 # repository past what a lent GPU machine accepts), into the per-user cache
 OLMOE_ROUTING = _HERE / "olmoe_routing"
 OLMOE_ROUTING_NAME = "olmoe-routing"
 MOONLIGHT_ROUTING_NAME = "moonlight-routing"
+QWEN36_ROUTING_NAME = "qwen36-routing"
 #: name -> directory of every model shipped in the package
 SHIPPED: dict[str, Path] = {TINY_MOE_NAME: TINY_MOE, OLMOE_ROUTING_NAME: OLMOE_ROUTING}
 #: name -> the command that builds it (into :func:`built_dir`), for the models built on the user's machine
 BUILT: dict[str, str] = {
     MOONLIGHT_ROUTING_NAME: "make moonlight-routing (trains it on a GPU for about 8 minutes: "
                             "examples/train_tiny_moe/build_routing_model.sh)",
+    QWEN36_ROUTING_NAME: "make qwen36-routing (trains it on a GPU: examples/train_tiny_moe/build_routing_model.sh)",
 }
 # Volume I of Jane Austen's *Persuasion* (public domain): the held-out text of the demo, psr-hf kl and the
 # psr_heldout_ppl task; the tiny MoE never saw any of it (eval_configs/data/extract_persuasion.py rebuilds it)

@@ -22,6 +22,7 @@ TINY_MOE = "tiny-moe"  # the trained tiny OLMoE shipped in psr_hf.assets (psr_hf
 GROWN: dict[str, tuple[str, str]] = {
     "grown-olmoe-routing": ("olmoe-routing", "olmoe-1b-7b"),
     "grown-moonlight-routing": ("moonlight-routing", "moonlight-16b-a3b"),
+    "grown-qwen36-routing": ("qwen36-routing", "qwen3.6-35b-a3b"),
 }
 GROWN_OLMOE = "grown-olmoe-routing"  # the GPU benchmarks' default model
 BUILT_MODELS = (RANDOM_OLMOE, TINY, *GROWN)  # built here; every other name goes to resolve_model

@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
                                            "Moonlight-16B-A3B) that compute exactly its function: same routing, "
                                            "real-size experts for latency benchmarks")
     add_model(p, built=False, note="; a hub id must be in the local hub cache")
-    p.add_argument("--target", help="olmoe-1b-7b, moonlight-16b-a3b or qwen3.6-35b-a3b (default: the preset of the model's family)")
+    p.add_argument("--target", help="olmoe-1b-7b, moonlight-16b-a3b or qwen3.6-35b-a3b (default: the preset of the "
+                                    "model's family)")
     p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="replace one dimension of the target (repeatable), e.g. a reduced target of the same code "
                         "path for tests: --override hidden_size=512 --override num_attention_heads=8 "

@@ -15,7 +15,7 @@ from ..assets.loading import BUILT_HIDDEN_SIZES, GROWN, RANDOM_OLMOE, TINY, load
 from .console import err
 
 #: the models small enough for a CPU: where --device is not given, they run there
-SMALL_MODELS = ("tiny", "tiny-moe", "olmoe-routing", "moonlight-routing")
+SMALL_MODELS = ("tiny", "tiny-moe", "olmoe-routing", "moonlight-routing", "qwen36-routing")
 THREADS_HELP = ("torch intra-op threads (and numba's); default: 1 for a small model on a CPU (hidden size <= "
                 f"{SMALL_HIDDEN}), torch's default otherwise, or OMP_NUM_THREADS where it is set")
 _OUTPUTS = ("out", "json", "plot", "markdown")  # every option that names a path the command writes
