@@ -467,3 +467,29 @@ def test_compiled_attention_block_is_one_graph_compiled_once_and_exact(models, p
     assert eng.num_layers > 1 and len(ids) > 1
     eng.compile_blocks(False)
     assert torch.equal(_decode(eng, ids), eager)
+
+
+def test_engines_of_many_shapes_in_one_process_stay_within_dynamo_s_recompile_limit():
+    """dynamo compiles a code object at most 8 times (then fullgraph raises): nine engines of different
+    ``max_len`` each compile and run, two equal engines share one compiled block, and the copy computes what the
+    block function does."""
+    from psr_hf.engine.attention import attention_block
+    from psr_hf.engine.layers import own_code_copy
+
+    copy = own_code_copy(attention_block)
+    assert copy.__code__ is not attention_block.__code__ and copy.__code__ == attention_block.__code__
+    assert copy.__defaults__ == attention_block.__defaults__ and copy.__name__ == attention_block.__name__
+    torch._dynamo.reset()
+    model = tiny_model("olmoe")
+    ids = [3, 4]
+    eager = _decode(build_layers(model, max_len=4), ids)
+    blocks = []
+    for max_len in range(4, 13):
+        eng = build_layers(model, max_len=max_len)
+        eng.compile_blocks(backend="aot_eager")
+        assert torch.equal(_decode(eng, ids), eager)
+        blocks.append(eng._block)
+    assert len({id(b) for b in blocks}) == 9
+    twin = build_layers(model, max_len=12)
+    twin.compile_blocks(backend="aot_eager")
+    assert twin._block is blocks[-1]

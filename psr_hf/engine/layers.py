@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import types
 from collections.abc import Container
 from dataclasses import dataclass, fields
 from typing import Any
@@ -409,10 +410,20 @@ class DecodeLayers(abc.ABC):
         ``options``; it compiles once, on the first call, for every layer: the function takes each layer's
         weights and cache as arguments) or, ``enabled=False``, eagerly again. Compiled, the elementwise work of
         the block (norms, RoPE, masking, softmax) is fused into a few kernels; the result is the same function
-        with another rounding order in low precision. On a GPU this needs triton (inductor's code generator)."""
+        with another rounding order in low precision. On a GPU this needs triton (inductor's code generator).
+
+        Engines that differ in what the compiled code depends on (family, attention constants, dtype, device,
+        ``max_len``, options) compile separate copies of the block function, and equal ones share one (and its
+        compiled code): dynamo allows 8 compilations per code object, and with ``fullgraph=True`` one more
+        raises, so engines of several models or dtypes in one process would otherwise exhaust one budget."""
         if enabled:
             options = {"fullgraph": True, "dynamic": False, **options}
-            self._block = torch.compile(attention_block, **options)
+            attentions = tuple(dict.fromkeys(self._layer_attention(i)[:2] for i in range(self.num_layers)))
+            key = (type(self), attentions, self.dtype, str(self.device), self.max_len, repr(sorted(options.items())))
+            block = _COMPILED_BLOCKS.get(key)
+            if block is None:
+                block = _COMPILED_BLOCKS[key] = torch.compile(own_code_copy(attention_block), **options)
+            self._block = block
         else:
             self._block = attention_block
         self.compiled = bool(enabled)
@@ -659,6 +670,20 @@ class DecodeLayers(abc.ABC):
             b.hidden.add_(b.mlp_out)
         self.final(b.hidden, b.logits)
         return b.logits
+
+
+#: the compiled attention blocks by what their code depends on (DecodeLayers.compile_blocks)
+_COMPILED_BLOCKS: dict[tuple, Any] = {}
+
+
+def own_code_copy(function: Any) -> Any:
+    """``function`` with a code object of its own (equal, not the same): what torch.compile counts its
+    recompilations against."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+    return copy
 
 
 def build_layers(model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> DecodeLayers:
