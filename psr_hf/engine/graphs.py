@@ -25,7 +25,7 @@ from psr_hf.hf.patching import controller as _controller
 from .decoder import DecoderBase, moe_layers_of
 from .layers import DecodeLayers, build_layers
 from psr_hf.offload import cuda_runtime
-from psr_hf.offload.cuda_runtime import Runtime, raw_current_stream
+from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
 
 logger = logging.getLogger(__name__)
@@ -98,16 +98,12 @@ class GraphDecoder(DecoderBase):
         self._host_slots_np = [t.numpy() for t in self._host_slots]
         # the host's wait for graph A: a raw event when cuda-python imports (0.5 us to record, against 5.2)
         self._runtime = Runtime(self.device) if self.cuda and cuda_runtime.available()[0] else None
-        self._event: Any = None
         # the step's token and position, written by one raw copy from pinned memory (a torch fill_ costs a
         # launch of 13-16 us on the host path before graph A_0); safe to rewrite at the next step: every step
         # waits for graph A_0's event, which follows the copy
         self._host_inputs = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self._host_inputs_np = self._host_inputs.numpy()
-        if self._runtime is not None:
-            self._event = self._runtime.event()
-        elif self.cuda:
-            self._event = torch.cuda.Event()
+        self._event = HostEvent(self.device, self._runtime) if self.cuda else None
         # the graph bodies: A_0, B_0, A_1, B_1, ..., C
         self._bodies: dict[str, Callable[[], None]] = {}
         previous = -1
@@ -432,20 +428,15 @@ class GraphDecoder(DecoderBase):
 
     def _record(self, stream: int) -> None:
         """Mark the end of the replay just enqueued on the current stream (``stream``: its raw handle)."""
-        if self._runtime is not None:
-            self._runtime.record(self._event, stream)
-        elif self._event is not None:
-            self._event.record()
+        if self._event is not None:
+            self._event.record(stream)
 
     def _wait(self) -> None:
         """The host waits for the latest :meth:`_record` (graph A's scores are in the pinned buffer)."""
         if self._event is None:
             return
         begin = time.perf_counter()
-        if self._runtime is not None:
-            self._runtime.synchronize(self._event)
-        else:
-            self._event.synchronize()
+        self._event.synchronize()
         self.blocked_s += time.perf_counter() - begin
 
     def _moe_layer(self, m: int, stream: int) -> None:

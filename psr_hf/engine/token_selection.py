@@ -28,8 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..offload import cuda_runtime
-from ..offload.cuda_runtime import Runtime, raw_current_stream
+from ..offload.cuda_runtime import HostEvent
 
 logger = logging.getLogger("psr_hf.engine.generate")
 
@@ -112,9 +111,7 @@ class ChoiceOutput:
         cuda = self.values.is_cuda
         self.host = torch.zeros(2, dtype=torch.float64, pin_memory=True) if cuda else self.values
         self._host_np = self.host.numpy()
-        self._runtime = Runtime(self.device) if cuda and cuda_runtime.available()[0] else None
-        self._event: Any = self._runtime.event() if self._runtime is not None else (
-            torch.cuda.Event() if cuda else None)
+        self._event = HostEvent(self.device)
         self._noise: torch.Tensor | None = None
 
     def noise(self, shape: torch.Size) -> torch.Tensor:
@@ -130,17 +127,11 @@ class ChoiceOutput:
 
     def mark(self) -> None:
         """Mark the end of the choice just enqueued on the current stream."""
-        if self._runtime is not None:
-            self._runtime.record(self._event, raw_current_stream(self.device))
-        elif self._event is not None:
-            self._event.record()
+        self._event.record()
 
     def read(self) -> tuple[float, float]:
         """``(token id, check value)`` of the choice before the latest :meth:`mark` (waiting for it)."""
-        if self._runtime is not None:
-            self._runtime.synchronize(self._event)
-        elif self._event is not None:
-            self._event.synchronize()
+        self._event.synchronize()
         return float(self._host_np[0]), float(self._host_np[1])
 
 

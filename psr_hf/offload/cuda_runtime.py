@@ -154,3 +154,32 @@ class Runtime:
         events, self._events = self._events, []
         for event in events:
             self.rt.cudaEventDestroy(event)
+
+
+class HostEvent:
+    """An event the host waits on after work it enqueued: a raw CUDA event where cuda-python imports (about 2 us
+    to record, against 9 for torch's), torch's otherwise, nothing on a CPU (the work is done when it returns).
+    ``runtime``: the caller's :class:`Runtime`, or None to make one where possible."""
+
+    def __init__(self, device: torch.device, runtime: Runtime | None = None):
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        if runtime is None and cuda and available()[0]:
+            runtime = Runtime(self.device)
+        self._runtime = runtime if cuda else None
+        self._event: Any = (self._runtime.event() if self._runtime is not None
+                            else torch.cuda.Event() if cuda else None)
+
+    def record(self, stream: int | None = None) -> None:
+        """Mark the work enqueued so far on the current stream (``stream``: its raw handle, if known)."""
+        if self._runtime is not None:
+            self._runtime.record(self._event, raw_current_stream(self.device) if stream is None else stream)
+        elif self._event is not None:
+            self._event.record()
+
+    def synchronize(self) -> None:
+        """The host waits for the work before the latest :meth:`record`."""
+        if self._runtime is not None:
+            self._runtime.synchronize(self._event)
+        elif self._event is not None:
+            self._event.synchronize()
