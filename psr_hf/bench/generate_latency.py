@@ -6,11 +6,11 @@ step on the same tokens, so that what ``generate()`` adds is a ratio measured si
 Per round and setup: ``generate(max_new_tokens=1)`` (time to first token), ``generate(max_new_tokens=N + 1)``
 greedy and with sampling (decode = the time from the first new token to the last of that one call over ``N``, read
 by a streamer as each token reaches the host: a difference of two calls would carry the prompt's variance, which
-offloaded is several ms per token over 64 tokens), the engine's ``step`` teacher-forced on the
-greedy continuation and on the round's sampled one (sampling is compared with the step on the tokens it drew: a
-sampled continuation routes otherwise, and offloaded copies otherwise), and one forward of the prompt (the model's, or the patched one beneath the engine: what
-the prefill costs without the engine's KV cache and the generate() around it); the order of these rotates over
-the rounds. Ratios are paired by round on log latency
+offloaded is several ms per token over 64 tokens), the engine's ``step`` teacher-forced on the greedy continuation
+and on the round's sampled one (sampling is compared with the step on the tokens it drew: a sampled continuation
+routes otherwise, and offloaded copies otherwise), and one forward of the prompt (the model's, or the patched one
+beneath the engine: what the prefill costs without the engine's KV cache and the generate() around it); the order
+of these rotates over the rounds. Ratios are paired by round on log latency
 (:func:`~psr_hf.bench.common.paired_summary`). The batched prefill's routing decisions are compared with the
 token-by-token prefill's on the same prompt (their share of identical expert sets: 1 in float32, near-ties aside in
 bf16), and its time beside the token-by-token one.
@@ -262,10 +262,10 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
         high = result["ttft"]["ci95"][1]
         result["ttft_goal"] = {"goal_ms": goal, "met": bool(np.isfinite(high) and high <= goal)}
     if decoder is not None:  # greedy and sampling, each against the step on its own tokens
-        for goal, ratio in (("generate_goal", "generate_over_step"), ("sampling_goal", "sampling_over_step")):
+        for goal_name, ratio in (("generate_goal", "generate_over_step"), ("sampling_goal", "sampling_over_step")):
             high = result[ratio]["ci95"][1]
-            result[goal] = {"goal_ratio": GENERATE_OVER_STEP_GOAL,
-                            "met": bool(np.isfinite(high) and high <= GENERATE_OVER_STEP_GOAL)}
+            result[goal_name] = {"goal_ratio": GENERATE_OVER_STEP_GOAL,
+                                 "met": bool(np.isfinite(high) and high <= GENERATE_OVER_STEP_GOAL)}
     return result
 
 

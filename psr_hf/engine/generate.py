@@ -229,7 +229,7 @@ class _Attachment:
             # one read of the values (a transfer on CUDA) compared on the host with start .. start + S - 1; every
             # stream of multi-stream positions (Qwen3.5's text, temporal, height and width rows) the same
             host = value.detach().reshape(-1).cpu().numpy()
-            if host.shape[0] % S or not (host.reshape(-1, S) == expected).all():
+            if host.size == 0 or host.size % S or not (host.reshape(-1, S) == expected).all():
                 return f"{key} do not continue the engine's sequence"
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.shape[-1] != start + S:
