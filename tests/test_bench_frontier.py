@@ -26,7 +26,8 @@ WINDOWS = 7
 
 def point(policy: str, lam: float | None = None, *, budget: int = 0, eviction: str = "lru", top_j: int = 0,
           delta_mode: str = "fixed", residency: float = 0.5, ms: float = 10.0, sg: float = 0.0,
-          noise: float = 0.01, sg_noise: float = 0.002, phase: float = 0.0, name: str | None = None) -> dict[str, Any]:
+          noise: float = 0.01, sg_noise: float = 0.002, phase: float = 0.0, name: str | None = None,
+          window: int | None = None) -> dict[str, Any]:
     """A sweep point with ``round_ms`` around ``ms`` (relative deterministic noise ``noise``) and per-window excess
     NLLs around log(1 + sg/100) (absolute noise ``sg_noise``); ``phase`` shifts both noises so that two points'
     noises differ."""
@@ -42,7 +43,7 @@ def point(policy: str, lam: float | None = None, *, budget: int = 0, eviction: s
         name = f"{policy}{lam_part}_n{budget}_{eviction}_j{top_j}_{delta_mode}_res{round(100 * residency)}"
     return {
         "name": name, "policy": policy, "lam": lam, "budget": budget, "eviction": eviction, "top_j": top_j,
-        "delta_mode": delta_mode, "residency": residency, "capacity": capacity,
+        "delta_mode": delta_mode, "window": window, "residency": residency, "capacity": capacity,
         "ms": ms_iv.mean, "ms_ci95": [ms_iv.low, ms_iv.high], "p99_ms": max(rounds) * 1.2, "round_ms": rounds,
         "copies_per_token": 3.0, "demand_per_token": 1.0,
         "sg_pct": 0.0 if policy == "exact" else 100.0 * math.expm1(w_iv.mean),
@@ -92,6 +93,8 @@ def by_key(entries: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     ({"policy": "psr", "lam": 0.2, "budget": 2, "eviction": "score"}, "PSR n=2"),
     ({"policy": "psr", "lam": 0.2, "budget": 8, "eviction": "score"}, "PSR n=8"),
     ({"policy": "psr", "lam": 0.2, "budget": 1, "eviction": "lru"}, "PSR n=1 (LRU)"),
+    ({"policy": "psr", "lam": 0.2, "budget": 1, "eviction": "score", "window": 2}, "PSR n=1, window 2"),
+    ({"policy": "psr", "lam": 0.2, "budget": 1, "eviction": "score", "window": None}, "PSR n=1"),
     ({"policy": "spec"}, "spec"),
 ])
 def test_family_names_each_curve(kwargs, expected):

@@ -32,7 +32,7 @@ def test_every_row_of_the_grid_reads_back_from_its_unique_name(settings, capacit
 
 def test_every_grid_entry_is_named_by_its_fields_and_reads_back():
     grids = [BASELINES, sweep_grid(), sweep_grid(evictions=("score",), published=False, lams=(0.125, 1e-3)),
-             prefetch_configs((1, 2, 64))]
+             sweep_grid(lams=(0.2,), psr_windows=(2, 16)), prefetch_configs((1, 2, 64))]
     for grid in grids:
         for name, fields in grid.items():
             assert entry_name(fields) == name and routing_from_name(name) == fields

@@ -40,6 +40,11 @@ def test_grid_covers_the_papers_configurations():
         sweep_grid(evictions=("fifo",))
     with pytest.raises(ValueError, match="budgets"):
         sweep_grid(budgets=(0,))
+    windowed = sweep_grid(lams=(0.2,), budgets=(1,), psr_windows=(2,))
+    assert windowed["psr_lam0.2_n1_w2"] == dict(policy="psr", lam=0.2, eviction="score", budget=1, window=2)
+    assert len(windowed) == len(sweep_grid(lams=(0.2,), budgets=(1,))) + 1  # PSR with the A priority only
+    with pytest.raises(ValueError, match="psr_windows"):
+        sweep_grid(psr_windows=(0,))
     with pytest.raises(ValueError, match="unknown psr_lam9"):
         select(grid, ["psr_lam9"])
 
@@ -132,18 +137,21 @@ def test_cli_sweep_writes_record_plot_and_tables(tmp_path, capsys):
 
     out = tmp_path / "s.json"
     args = ["sweep", "--model", "tiny", "--device", "cpu", "--residencies", "0.5", "--lams", "0.3", "--budgets", "1",
-            "--no-published", "--configs", "exact_lru,cp_lam0.3,psr_lam0.3_n1", "--windows", "1", "--tokens", "4",
+            "--no-published", "--psr-windows", "2", "--configs", "exact_lru,cp_lam0.3,psr_lam0.3_n1,psr_lam0.3_n1_w2",
+            "--windows", "1", "--tokens", "4",
             "--selfgen-windows", "2", "--selfgen-tokens", "10", "--heldout-windows", "2", "--heldout-tokens", "10",
             "--calibration-tokens", "256", "--json", str(out), "--plot", str(tmp_path / "f.png"),
             "--markdown", str(tmp_path / "t.md")]
     assert main(args) == 0
     text = capsys.readouterr().out
     # the PSR row of Table 2 (the configuration's own name appears only in some timing-dependent verdicts)
-    assert "PSR n=1, lam=0.3" in text and "sg%" in text
+    assert "PSR n=1, lam=0.3" in text and "PSR n=1, window 2, lam=0.3" in text and "sg%" in text
     assert (tmp_path / "f.png").stat().st_size > 0 and "exact" in (tmp_path / "t.md").read_text()
     assert main(args[:-6] + ["--json", str(out), "--max-minutes", "0"]) == 0  # complete: nothing left to stop
     assert main(["sweep", "--model", "tiny", "--device", "cpu", "--evictions", "fifo"]) == 2
     assert "evictions" in capsys.readouterr().err
+    assert main(["sweep", "--model", "tiny", "--device", "cpu", "--psr-windows", "0"]) == 2
+    assert "--psr-windows" in capsys.readouterr().err
 
 
 def test_timing_first_then_the_divergence(tmp_path):

@@ -211,6 +211,19 @@ def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_loads(tm
     assert time.perf_counter() - started < 5.0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+def test_a_sweeps_divergence_stage_alone_needs_only_its_quality_device():
+    from psr_hf.cli import build_parser
+    from psr_hf.cli.options import check_device
+
+    base = ["sweep", "--model", "grown-olmoe-routing", "--device", "cuda:0"]
+    check_device(build_parser().parse_args(base + ["--quality-device", "cpu", "--stage", "quality"]))
+    for extra, option in ((["--quality-device", "cpu"], "--device"), (["--stage", "quality"], "--device"),
+                          (["--quality-device", "cuda:0", "--stage", "quality"], "--quality-device")):
+        with pytest.raises(ValueError, match=f"{option} cuda:0: torch sees no CUDA device"):
+            check_device(build_parser().parse_args(base + extra))
+
+
 @pytest.mark.parametrize("model, device", [("tiny-moe", "cpu"), ("olmoe-routing", "cpu"), ("tiny", "cpu"),
                                            ("grown-olmoe-routing", "cuda:0")])
 @pytest.mark.parametrize("command", ["sweep", "bench", "profile-window"])

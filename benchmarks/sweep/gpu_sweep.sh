@@ -25,11 +25,16 @@ source benchmarks/device_env.sh
 # every lam; CONFIGS= (empty) times the whole grid
 LAMS="0.1 0.15 0.2 0.25 0.3"
 MAIN="exact_lru,exact_a_pf,spec$(for l in $LAMS; do printf ',cp_lam%s,psr_lam%s_n1' "$l" "$l"; done)"
+# the Qwen3.6 shape (Section 6.9, Figure 6): exact+LRU, exact+A+prefetch, and per lam 0.1, 0.2, 0.3 Cache-Prior (LRU),
+# Cache-Prior with the router's top-2 kept, PSR n=1 with the architecture's pre-gate window of 4 and with 2
+QWEN36="exact_lru,exact_a_pf$(for l in 0.1 0.2 0.3; do printf ',cp_lam%s,cp_lam%s_j2,psr_lam%s_n1,psr_lam%s_n1_w2' "$l" "$l" "$l" "$l"; done)"
+EXTRA=""
 case "$MODEL" in
   grown-moonlight-routing) RES=0.5,0.375,0.25; CONFIGS=${CONFIGS-$MAIN} ;;
+  grown-qwen36-routing) RES=0.5,0.375,0.25; CONFIGS=${CONFIGS-$QWEN36}; EXTRA="--lams 0.1,0.2,0.3 --psr-windows 2" ;;
   *) RES=0.5,0.25; CONFIGS=${CONFIGS-} ;;
 esac
-SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu${CONFIGS:+ --configs $CONFIGS}"
+SETTINGS="--residencies $RES --selfgen-windows 16 --heldout-windows 8 --quality-device cpu${EXTRA:+ $EXTRA}${CONFIGS:+ --configs $CONFIGS}"
 [ -f "$OUT/$MODEL.json" ] || [ -n "${NEW:-}" ] || cp "benchmarks/sweep/$MODEL.json" "$OUT/$MODEL.json"
 python3 -m psr_hf.cli sweep --model "$MODEL" --device cuda:0 $SETTINGS --stage "${STAGE:-all}" --max-minutes "${MINUTES:-7}" \
     --json "$OUT/$MODEL.json" --plot "$OUT/$MODEL.png" --markdown "$OUT/$MODEL.md" 2>"$OUT/$MODEL.err"

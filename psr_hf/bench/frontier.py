@@ -8,7 +8,8 @@ A point is one routing configuration at one residency, as the sweep writes it: `
 ``ms_ci95``, ``p99_ms``, ``round_ms`` (per-round means, paired by index across the points of one residency),
 ``copies_per_token``, ``demand_per_token``, ``sg_pct`` (excess perplexity on self-generated text, %),
 ``sg_pct_ci95``, ``selfgen_excess_nll``, ``selfgen_window_excess`` (per-window excess NLL, paired by index),
-``heldout_excess_nll`` and ``heldout_excess_nll_ci95``.
+``heldout_excess_nll`` and ``heldout_excess_nll_ci95``; optionally ``window`` (PSR's pre-gate window, None for the
+architecture's default).
 
 Latency comparisons are paired by round (:func:`psr_hf.bench.common.paired_summary`), divergence comparisons by
 text window (:func:`psr_hf.eval.stats.mean_interval` of the per-window differences). matplotlib is imported when
@@ -51,7 +52,8 @@ def family(point: Point) -> str:
     """The curve ``point`` belongs to, as the paper's figure and tables name it: ``exact+LRU`` / ``exact+A+prefetch``
     (and ``exact+A`` / ``exact+LRU+prefetch`` for the other two exact combinations), ``Cache-Prior``,
     ``Cache-Prior (A)``, ``Cache-Prior J={j}``, ``Cache-Prior J={j} running``, ``PSR n={budget}`` (A eviction),
-    ``PSR n={budget} (LRU)``, ``spec``, or another policy of the policy table by its name. Raises ``ValueError``
+    ``PSR n={budget} (LRU)`` (``PSR n={budget}, window {w}`` with a pre-gate window other than the default),
+    ``spec``, or another policy of the policy table by its name. Raises ``ValueError``
     for a policy that is not in the table or an unknown eviction."""
     policy = point.get("policy")
     eviction = point.get("eviction")
@@ -68,7 +70,8 @@ def family(point: Point) -> str:
             return "exact+LRU" if budget == 0 else "exact+LRU+prefetch"
         return "exact+A+prefetch" if budget > 0 else "exact+A"
     if policy == "psr":
-        return f"PSR n={budget}" if eviction == "score" else f"PSR n={budget} (LRU)"
+        window = f", window {int(point['window'])}" if point.get("window") is not None else ""
+        return f"PSR n={budget}{window}" if eviction == "score" else f"PSR n={budget}{window} (LRU)"
     if policy != "cache_prior":
         return str(policy)
     top_j = int(point.get("top_j") or 0)
@@ -96,7 +99,7 @@ def _order_key(point: Point) -> tuple:
     elif fam == "Cache-Prior":
         head = (3,)
     elif point["policy"] == "psr" and point["eviction"] == "score":
-        head = (4, budget)
+        head = (4, budget, point.get("window") is not None, int(point.get("window") or 0))
     elif point["policy"] == "cache_prior":
         head = (5, 0, int(point.get("top_j") or 0), point.get("delta_mode") == "running", point["eviction"] != "lru")
     elif point["policy"] == "psr":

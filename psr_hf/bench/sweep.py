@@ -48,13 +48,15 @@ class SweepStopped(Exception):
 
 
 def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = SWEEP_BUDGETS,
-               evictions: Sequence[str] = EVICTIONS, published: bool = True) -> dict[str, dict[str, Any]]:
+               evictions: Sequence[str] = EVICTIONS, published: bool = True,
+               psr_windows: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
     """name -> :class:`RoutingConfig` fields (no residency): ``exact_lru``, ``exact_a_pf`` (A priority, prefetch
     budget 1), ``spec``, and per lam ``cp_lam{lam}`` (Cache-Prior, LRU) and ``cp_lam{lam}_a`` (A priority),
     ``psr_lam{lam}_n{n}`` (A priority) and ``psr_lam{lam}_n{n}_lru`` per budget ``n``, and with ``published``
     Cache-Prior as published: ``cp_lam{lam}_j1``, ``cp_lam{lam}_j2`` (top-J protected, LRU) and
     ``cp_lam{lam}_j2_run`` (J = 2 with the running bonus scale). ``evictions`` ("score", "lru") limits the
-    Cache-Prior and PSR rows to those evictions."""
+    Cache-Prior and PSR rows to those evictions. ``psr_windows`` adds PSR (A priority) with each of these pre-gate
+    windows, ``psr_lam{lam}_n{n}_w{window}`` (the paper times 2 beside Qwen3.6's default of 4)."""
     unknown = sorted(set(evictions) - set(EVICTIONS))
     if unknown or not evictions:
         raise ValueError(f"evictions {list(evictions)}: give a non-empty subset of {', '.join(EVICTIONS)}")
@@ -62,6 +64,9 @@ def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = S
         raise ValueError(f"lams {list(lams)}: give one or more bonus scales > 0 (the paper sweeps 0.1 .. 0.3)")
     if not budgets or any(not isinstance(n, int) or n < 1 for n in budgets):
         raise ValueError(f"budgets {list(budgets)}: give prefetch budgets n as ints >= 1 (the paper: 1, 2, 8)")
+    if any(not isinstance(w, int) or w < 1 for w in psr_windows):
+        raise ValueError(f"psr_windows {list(psr_windows)}: give pre-gate windows as ints >= 1 (the paper: 4 and 2 "
+                         "on Qwen3.6)")
     entries = [exact_lru(), exact_a_pf()]
     for lam in lams:
         lam = float(lam)
@@ -72,6 +77,7 @@ def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = S
         for n in budgets:
             if "score" in evictions:
                 entries.append(psr(lam, n))
+                entries += [psr(lam, n, window=w) for w in psr_windows]
             if "lru" in evictions:
                 entries.append(psr(lam, n, eviction="lru"))
         if published:
@@ -186,6 +192,7 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "lam": routing["lam"] if "lam" in POLICY_TABLE[routing["policy"]].options else None,
                 "budget": 0 if routing["budget"] is None else int(routing["budget"]),  # None: spec's K
                 "eviction": routing["eviction"], "top_j": int(routing["top_j"]), "delta_mode": routing["delta_mode"],
+                "window": routing.get("window"),
                 "residency": float(residency), "capacity": row["capacity"],
                 "ms": row["ms_per_token"]["mean"], "ms_ci95": row["ms_per_token"]["ci95"], "p99_ms": row["p99_ms"],
                 "round_ms": [r["ms_per_token"] for r in row["rounds"]],

@@ -107,17 +107,20 @@ def comma_ints(option: str, text: str) -> list[int]:
 
 def check_device(args: argparse.Namespace) -> None:
     """Resolve a --device left out (small models: cpu, others: cuda:0) and refuse a CUDA device that this torch
-    cannot use, before anything loads."""
+    cannot use, before anything loads (a sweep's ``--stage quality`` uses only its ``--quality-device``)."""
     if not hasattr(args, "device"):
         return
     if args.device is None:
         args.device = "cpu" if getattr(args, "model", None) in SMALL_MODELS else "cuda:0"
-    if str(args.device).startswith("cuda"):
+    option, used = "--device", args.device
+    if getattr(args, "stage", None) == "quality" and getattr(args, "quality_device", None):
+        option, used = "--quality-device", args.quality_device  # a sweep's divergence stage alone runs there
+    if str(used).startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device visible"
-            raise ValueError(f"--device {args.device}: torch sees no CUDA device ({build}); use --device cpu")
+            raise ValueError(f"{option} {used}: torch sees no CUDA device ({build}); use {option} cpu")
 
 
 def check_outputs(args: argparse.Namespace) -> None:

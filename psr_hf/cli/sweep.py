@@ -23,6 +23,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lams", default="0.1,0.15,0.2,0.25,0.3", help="bonus scales (default 0.1,0.15,0.2,0.25,0.3)")
     p.add_argument("--budgets", default="1,2,8", help="PSR prefetch budgets n (default 1,2,8; 8 = unbounded)")
     p.add_argument("--evictions", default="score,lru", help="Cache-Prior and PSR evictions (default score,lru)")
+    p.add_argument("--psr-windows", default="",
+                   help="also time PSR (A priority) with these pre-gate windows, e.g. 2 (rows psr_lam0.2_n1_w2; "
+                        "default none: the architecture's window, 8, or 4 on Moonlight and Qwen3.6)")
     p.add_argument("--no-published", action="store_true",
                    help="leave out Cache-Prior as published (top-J 1 and 2, running bonus scale)")
     p.add_argument("--configs", help="comma-separated grid names to keep (e.g. exact_lru,cp_lam0.2,psr_lam0.2_n1)")
@@ -57,7 +60,8 @@ def sweep(args: argparse.Namespace) -> int:
 
     grid = select(sweep_grid(lams=comma_floats("--lams", args.lams), budgets=comma_ints("--budgets", args.budgets),
                              evictions=[e.strip() for e in args.evictions.split(",") if e.strip()],
-                             published=not args.no_published),
+                             published=not args.no_published,
+                             psr_windows=comma_ints("--psr-windows", args.psr_windows) if args.psr_windows else ()),
                   None if args.configs is None else args.configs.split(","))
     residencies = comma_floats("--residencies", args.residencies)
     set_threads_for_model(args)

@@ -2,7 +2,7 @@
 
 A grid entry is the dict of :class:`~psr_hf.policy.RoutingConfig` fields the constructors here build
 (:func:`exact_lru`, :func:`exact_a_pf`, :func:`cache_prior`, :func:`psr`, :func:`spec`, :func:`prefetch_only`).
-:func:`routing_name` derives an entry's name (``exact_lru``, ``cp_lam0.2_a_j2_run``, ``psr_lam0.3_n1_lru_pred``,
+:func:`routing_name` derives an entry's name (``exact_lru``, ``cp_lam0.2_a_j2_run``, ``psr_lam0.3_n1_lru_pred``, ``psr_lam0.2_n1_w2``,
 ``specprefetch_m2``, ...) and :func:`routing_from_name` is its inverse: the one place a name is read back (records
 and the rows of the goals carry names only). :func:`routing_grid` keys entries by their names. The divergence
 (``psr-hf kl``), the latency bench and the sweep (:mod:`psr_hf.bench.rows`) build their configurations here.
@@ -46,10 +46,13 @@ def cache_prior(lam: float, *, eviction: str = "lru", top_j: int = 0, running: b
     return fields
 
 
-def psr(lam: float, budget: int, *, eviction: str = "score", predictor: bool = False) -> dict[str, Any]:
-    """PSR at ``lam`` with prefetch budget ``budget``; ``predictor``: the pre-gate is a learned predictor's ranking."""
+def psr(lam: float, budget: int, *, eviction: str = "score", predictor: bool = False,
+        window: int | None = None) -> dict[str, Any]:
+    """PSR at ``lam`` with prefetch budget ``budget``; ``predictor``: the pre-gate is a learned predictor's ranking;
+    ``window``: the pre-gate candidates ranked per step (None: the architecture's default, as the paper's main
+    rows; Qwen3.6's also times 2)."""
     return dict(policy="psr", lam=float(lam), eviction=eviction, budget=budget,
-                **({"prefetch": "predictor"} if predictor else {}))
+                **({"prefetch": "predictor"} if predictor else {}), **({"window": window} if window else {}))
 
 
 def spec() -> dict[str, Any]:
@@ -80,8 +83,9 @@ def routing_name(config: RoutingConfig) -> str:
     if plain and pregate and c.policy == "cache_prior":
         return (f"cp_lam{c.lam:g}" + "_a" * (c.eviction == "score") + (f"_j{c.top_j}" if c.top_j else "")
                 + "_run" * (c.delta_mode == "running"))
-    if plain and unbiased and c.policy == "psr" and c.window is None and c.prefetch in ("pregate", "predictor"):
-        return f"psr_lam{c.lam:g}_n{c.budget}" + "_lru" * (c.eviction == "lru") + "_pred" * (c.prefetch == "predictor")
+    if plain and unbiased and c.policy == "psr" and c.prefetch in ("pregate", "predictor"):
+        return (f"psr_lam{c.lam:g}_n{c.budget}" + (f"_w{c.window}" if c.window is not None else "")
+                + "_lru" * (c.eviction == "lru") + "_pred" * (c.prefetch == "predictor"))
     if plain and unbiased and pregate and c.policy == "spec" and c.window is None:
         return "spec"
     raise ValueError(f"the routing grid has no name for {c}; build grid entries with psr_hf.eval.grid's constructors")
@@ -101,8 +105,9 @@ _NAMES = (
     (re.compile(r"cp_lam([0-9.e+-]+)(_a)?(?:_j(\d+))?(_run)?"),
      lambda m: cache_prior(float(m[1]), eviction="score" if m[2] else "lru", top_j=int(m[3] or 0),
                            running=bool(m[4]))),
-    (re.compile(r"psr_lam([0-9.e+-]+)_n(\d+)(_lru)?(_pred)?"),
-     lambda m: psr(float(m[1]), int(m[2]), eviction="lru" if m[3] else "score", predictor=bool(m[4]))),
+    (re.compile(r"psr_lam([0-9.e+-]+)_n(\d+)(?:_w(\d+))?(_lru)?(_pred)?"),
+     lambda m: psr(float(m[1]), int(m[2]), eviction="lru" if m[4] else "score", predictor=bool(m[5]),
+                   window=int(m[3]) if m[3] else None)),
 )
 
 
