@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from psr_hf import OffloadConfig, RoutingConfig, patch, unpatch
+from psr_hf import controller as psr_hf_controller
 from psr_hf.bench.accelerate_baseline import accelerate_copy, accelerate_device_map
 from psr_hf.bench.common import experts_modules, paired_summary
 from psr_hf.bench.decode import decode_window
@@ -161,6 +162,36 @@ def test_fewer_than_three_rounds_are_rejected_with_the_reason(tiny_model, window
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--rounds", "2"]) == 2
     err = capsys.readouterr().err
     assert "psr-hf bench: error: rounds=2: at least 3 rounds" in err and "paired t-test" in err
+
+
+def test_the_benchs_copies_share_the_weights_and_offloading_one_leaves_the_source_as_it_was(
+        tiny_model, window, quiet_psr_hf):
+    """A real-size model and a copy of it do not fit one GPU (Qwen3.6-35B-A3B in bf16: 67 GB): the bench's copies
+    alias the source's weights; offloading a copy moves only the copy's tensors, and dropping it does not put a
+    second copy of the experts back on the device."""
+    from psr_hf.bench.runners import drop_offloaded_copy, weight_sharing_copy
+
+    source = {name: (p, p.data_ptr(), p.detach().clone()) for name, p in tiny_model.named_parameters()}
+    reference = decode_window(tiny_model, window, keep_logits=True)
+    copied = weight_sharing_copy(tiny_model)
+    pairs = list(zip(tiny_model.named_parameters(), copied.named_parameters()))
+    assert all(a is not b and a.data_ptr() == b.data_ptr() and na == nb for (na, a), (nb, b) in pairs)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(tiny_model.buffers(), copied.buffers()))
+    patch(copied, RoutingConfig(policy="exact", eviction="lru", budget=0, residency=0.25),
+          offload=OffloadConfig(device="cpu", pin_memory=False))
+    experts = {id(p) for layer in psr_hf_controller(copied).offload.placement.expert_params for _, p, _ in layer}
+    moved = [name for name, p in copied.named_parameters() if id(p) in experts]
+    assert moved and all(dict(copied.named_parameters())[name].data_ptr() != source[name][1] for name in moved)
+    run = decode_window(copied, window, keep_logits=True)
+    torch.testing.assert_close(run.logits, reference.logits, rtol=1e-4, atol=1e-5)
+    drop_offloaded_copy(copied, tiny_model)
+    for name, p in copied.named_parameters():  # back on the source's storage: no second copy was made
+        assert p.data_ptr() == source[name][1], name
+    for name, p in tiny_model.named_parameters():
+        param, address, values = source[name]
+        assert p is param and p.data_ptr() == address and torch.equal(p, values), name
+    torch.testing.assert_close(decode_window(tiny_model, window, keep_logits=True).logits, reference.logits,
+                               rtol=0, atol=0)
 
 
 def test_the_bench_frees_its_model_copies_when_it_returns(tiny_model, window):

@@ -57,6 +57,29 @@ def _predictor_for(routing: RoutingConfig, predictor: Any) -> Any:
     return predictor
 
 
+def weight_sharing_copy(source: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``source`` whose parameters and buffers are new tensors on the SAME storage: a copy costs no
+    weight memory (a real-size model and its copy do not fit one GPU), and patching or offloading the copy, which
+    rebinds its tensors (``param.data = ...``) but never writes into them, leaves ``source`` as it was."""
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
+                            for p in source.parameters()}
+    memo.update({id(b): b.detach() for b in source.buffers()})
+    return copy.deepcopy(source, memo)
+
+
+def drop_offloaded_copy(model: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Unpatch a :func:`weight_sharing_copy` that is thrown away: its offloaded experts are pointed at the source's
+    tensors first, so that restoring them does not make a second device copy of every expert."""
+    ctl = controller(model)
+    if ctl.offload is not None:
+        originals = dict(source.named_parameters(remove_duplicate=False))
+        prefix = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        for layer in ctl.offload.placement.expert_params:
+            for _, param, _ in layer:
+                param.data = originals[prefix[id(param)]].data
+    unpatch(model)
+
+
 class _SharedCopy:
     """One patched copy of the model that several routed rows run on: patched with the first configuration,
     switched with ``Controller.reconfigure`` afterwards."""
@@ -71,8 +94,7 @@ class _SharedCopy:
     def activate(self, routing: RoutingConfig) -> torch.nn.Module:
         predictor = _predictor_for(routing, self.predictor)
         if self.model is None:
-            # on a GPU the copy doubles the experts only until patch() has moved them to the host store
-            model = copy.deepcopy(self.source)
+            model = weight_sharing_copy(self.source)
             patch(model, routing, calibration=self.calibration, offload=self.offload, predictor=predictor)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -88,7 +110,7 @@ class _SharedCopy:
 
     def close(self) -> None:
         if self.model is not None:
-            unpatch(self.model)
+            drop_offloaded_copy(self.model, self.source)
             self.model = None
             release(self.device)
 
@@ -190,7 +212,7 @@ class EngineRunner(Runner):
             routing = row.routing if row.copies_skipped else RoutingConfig(policy="exact", capacity=num_experts)
             predictor = _predictor_for(routing, self.predictor)
             if self.resident is None:
-                model = copy.deepcopy(self.source)
+                model = weight_sharing_copy(self.source)
                 patch(model, routing, calibration=self.calibration, predictor=predictor)
                 self.resident = model
             elif controller(self.resident).config != routing:

@@ -143,9 +143,11 @@ class Placement:
 
     def restore(self) -> None:
         """Put every tensor back on its original device (values unchanged) and release the host store."""
-        for layer_params in self.expert_params:
+        for layer, layer_params in enumerate(self.expert_params):
             for name, param, device in layer_params:
-                if device.type == "cpu":  # a fresh pageable copy: the pinned store is released below
+                if param.data_ptr() != self.store[layer][name].data_ptr():
+                    data = param.data.to(device)  # pointed elsewhere already (a bench copy given its source's)
+                elif device.type == "cpu":  # a fresh pageable copy: the pinned store is released below
                     data = torch.empty(param.shape, dtype=param.dtype)
                     data.copy_(param.data)
                 else:
