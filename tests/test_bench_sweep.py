@@ -182,3 +182,36 @@ def test_a_timing_stopped_by_the_deadline_continues(tmp_path):
     with pytest.raises(SweepStopped, match="divergence stage is still to run"):
         run_sweep(**SMALL, grid=grid, json_path=path, stage="latency")
     assert len(json.loads(path.read_text())["latency"]["_res50"]["rows"][0]["rounds"]) == 3
+
+
+def test_the_two_stages_run_apart_join_into_the_sweep_run_in_one_record(tmp_path):
+    """The divergence stage on one machine and the timing on another, joined (``psr-hf sweep --join``), give the
+    record of one sweep: the same divergence, the timing, and the points derived from both."""
+    from psr_hf.bench.sweep import join_stages
+
+    grid = select(sweep_grid(lams=(0.3,), budgets=(1,), published=False), ["exact_lru", "psr_lam0.3_n1"])
+    quality, latency = tmp_path / "quality.json", tmp_path / "latency.json"
+    with pytest.raises(SweepStopped, match="divergence stage is done"):
+        run_sweep(**SMALL, grid=grid, json_path=quality, stage="quality")
+    with pytest.raises(SweepStopped, match="rows are timed"):
+        run_sweep(**SMALL, grid=grid, json_path=latency, stage="latency")
+    with pytest.raises(ValueError, match="the same record"):
+        join_stages(quality, quality)
+    started = tmp_path / "started.json"
+    with pytest.raises(SweepStopped):
+        run_sweep(**SMALL, grid=grid, json_path=started, max_minutes=0.0)  # nothing measured yet
+    with pytest.raises(ValueError, match="neither .* holds the whole latency stage"):
+        join_stages(quality, started)
+    other = tmp_path / "other.json"
+    with pytest.raises(SweepStopped):
+        run_sweep(**{**SMALL, "tokens": 6}, grid=grid, json_path=other, stage="latency")
+    with pytest.raises(ValueError, match="different sweeps .*tokens"):
+        join_stages(quality, other)
+    join_stages(latency, quality)
+    joined = json.loads(latency.read_text())
+    assert joined["quality"] == json.loads(quality.read_text())["quality"] and joined["latency"]
+    record = run_sweep(**SMALL, grid=grid, json_path=latency)  # complete: nothing is measured again
+    assert {p["name"] for p in record["points"]} == {"exact_lru_res50", "psr_lam0.3_n1_res50"}
+    assert all(p["ms"] > 0 and p["sg_pct"] is not None for p in record["points"])
+    with pytest.raises(ValueError, match="both .* hold the divergence stage"):
+        join_stages(latency, quality)

@@ -438,3 +438,14 @@ def test_warm_up_fills_the_numba_cache_so_a_first_generate_compiles_nothing(tmp_
     assert _compiles("deepseek_v3", env) == 0  # the sigmoid-with-bias router's argument types too
     package = Path(__file__).resolve().parents[1] / "psr_hf"
     assert not list(package.rglob("*.nbi")) and not list(package.rglob("*.nbc"))  # nothing beside the sources
+
+
+def test_sweep_join_needs_the_record_it_completes(tmp_path, capsys):
+    from psr_hf.cli import main
+
+    assert main(["sweep", "--model", "tiny", "--join", str(tmp_path / "quality.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--join RECORD needs --json" in err and "Traceback" not in err
+    assert main(["sweep", "--model", "tiny", "--json", str(tmp_path / "a.json"),
+                 "--join", str(tmp_path / "missing.json")]) == 2
+    assert "no such sweep record" in capsys.readouterr().err

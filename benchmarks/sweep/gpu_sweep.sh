@@ -17,6 +17,13 @@
 # then, on the CPU with the returned model unpacked into ~/.cache/psr_hf/models/:
 #   psr-hf sweep --model grown-moonlight-routing --device cuda:0 <SETTINGS below> --stage quality --json RECORD
 #   psr-hf sweep ... --stage all --json RECORD --plot ... --markdown ...          # joins both (no device needed)
+#
+# grown-qwen36-routing (Section 6.9; benchmarks/qwen36/): the model is built (benchmarks/qwen36/gpu_qwen36.sh) and
+# carried xz-compressed (benchmarks/qwen36/qwen36_routing_sha256.txt names its files); the divergence stage runs on
+# the CPU while the GPU times, and the two records are joined:
+#   psr-hf sweep --model grown-qwen36-routing --device cuda:0 <SETTINGS> --stage quality --json QUALITY   # CPU
+#   NEW=1 STAGE=latency PSR_HF_MODELS=$PWD/.models bash benchmarks/sweep/gpu_sweep.sh grown-qwen36-routing   # GPU
+#   psr-hf sweep --model grown-qwen36-routing --device cuda:0 <SETTINGS> --join QUALITY --json RECORD ...  # CPU
 set -uo pipefail
 MODEL=${1:-grown-olmoe-routing}
 source benchmarks/device_env.sh

@@ -154,6 +154,54 @@ def _load_record(path: Path | None, settings: Mapping[str, Any]) -> dict[str, An
     return record
 
 
+_QUALITY_KEYS = ("quality", "heldout", "selfgen", "quality_model", "quality_machine")
+_LATENCY_KEYS = ("latency", "latency_windows", "model", "machine", "versions")
+
+
+def join_stages(path: str | Path, other: str | Path) -> None:
+    """Complete the record at ``path`` with the stage it lacks from the record at ``other``: the divergence stage
+    (``--stage quality``, e.g. on a CPU) and the timing (``--stage latency``, on the GPU) of one sweep, run at the
+    same time on two machines. Both must hold the same settings and grid, and each stage must be complete in
+    exactly one of them; ``ValueError`` otherwise. The record at ``path`` is rewritten with both stages (then
+    ``--stage all`` derives the points)."""
+    path, other = Path(path), Path(other)
+    if path.resolve() == other.resolve():
+        raise ValueError(f"--join {other} is the same record as --json; give the record of the other stage")
+    records = []
+    for p in (path, other):
+        if not p.is_file():
+            raise ValueError(f"{p}: no such sweep record; give the records of the two stages")
+        records.append(_load_record(p, json.loads(p.read_text()).get("settings", {})))
+    mine, theirs = records
+    if theirs is None or mine is None:
+        raise ValueError(f"{path} and {other} must be psr-hf sweep records")
+    differing = sorted(k for k in set(mine["settings"]) | set(theirs["settings"])
+                       if k != "max_minutes" and mine["settings"].get(k) != theirs["settings"].get(k))
+    if differing or mine["grid"] != theirs["grid"]:
+        raise ValueError(f"{path} and {other} are different sweeps (settings differ: {', '.join(differing) or 'grid'}); "
+                         "join the two stages of one command only")
+    residencies = mine["settings"]["residencies"]
+    names = [point_name(fields, r) for r in residencies for fields in mine["grid"].values()]
+
+    def has_quality(record: Mapping[str, Any]) -> bool:
+        return "selfgen" in record and all(n in record["quality"] for n in names)
+
+    def has_latency(record: Mapping[str, Any]) -> bool:
+        return all("rows" in record["latency"].get(capacity_suffix(r), {}) for r in residencies)
+
+    for stage, has, keys in (("divergence", has_quality, _QUALITY_KEYS), ("latency", has_latency, _LATENCY_KEYS)):
+        if has(mine) and has(theirs):
+            raise ValueError(f"both {path} and {other} hold the {stage} stage; join a record of each stage")
+        if not has(mine) and not has(theirs):
+            raise ValueError(f"neither {path} nor {other} holds the whole {stage} stage; finish it first (the same "
+                             f"command with --stage {'quality' if stage == 'divergence' else 'latency'})")
+        if has(theirs):
+            for key in keys:
+                if key in theirs:
+                    mine[key] = theirs[key]
+    _save(mine, path)
+
+
 # ---------------------------------------------------------------------------------------------------- points
 def _interval_pct(ci: Sequence[float]) -> list[float]:
     from ..eval.divergence import excess_ppl_percent

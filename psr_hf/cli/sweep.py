@@ -44,6 +44,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stage", choices=("quality", "latency", "all"), default="all",
                    help="quality: only the divergence stage; latency: only the timing (each exits 3 while the "
                         "other is missing; --stage all with the same record completes it)")
+    p.add_argument("--join", metavar="RECORD",
+                   help="first take the stage that --json lacks from this record of the same sweep (the divergence "
+                        "stage and the timing run on two machines at once), then complete as --stage all")
     p.add_argument("--max-minutes", type=float,
                    help="stop (saving the record) once this much time has passed; the same command continues")
     add_seed(p, "the selfgen sampling and random weights")
@@ -56,7 +59,7 @@ def register(subparsers: Any) -> None:
 
 def sweep(args: argparse.Namespace) -> int:
     from ..bench.frontier import ablation_markdown, orderings_markdown, plot_frontier, table2_markdown
-    from ..bench.sweep import SweepStopped, run_sweep, select, sweep_grid
+    from ..bench.sweep import SweepStopped, join_stages, run_sweep, select, sweep_grid
 
     grid = select(sweep_grid(lams=comma_floats("--lams", args.lams), budgets=comma_ints("--budgets", args.budgets),
                              evictions=[e.strip() for e in args.evictions.split(",") if e.strip()],
@@ -68,6 +71,11 @@ def sweep(args: argparse.Namespace) -> int:
     print(f"psr-hf sweep: {args.model} on {args.device}, {len(grid)} configurations x {len(residencies)} "
           f"residencies; latency: {args.windows} window(s) x {args.tokens} tokens, {args.rounds} interleaved rounds; "
           f"divergence: {args.selfgen_windows} selfgen and {args.heldout_windows} held-out windows")
+    if args.join:
+        if not args.json:
+            raise ValueError("--join RECORD needs --json: the record it completes")
+        join_stages(args.json, args.join)
+        print(f"psr-hf sweep: took the stage {args.json} lacked from {args.join}")
     try:
         with compile_notice():
             record = run_sweep(
