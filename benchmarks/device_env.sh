@@ -3,3 +3,17 @@
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
 export PYTHONPATH=$PWD
+
+# unxz_copy SRC DEST: DEST holds SRC's files, those compressed with xz decompressed (a carry is at most 64 MiB, so
+# shards and built models travel compressed)
+unxz_copy() {
+    mkdir -p "$2"
+    python3 -c "import lzma, pathlib, shutil, sys
+for p in pathlib.Path(sys.argv[1]).iterdir():
+    if p.is_file():
+        dst = pathlib.Path(sys.argv[2]) / (p.stem if p.suffix == '.xz' else p.name)
+        with (lzma.open(p) if p.suffix == '.xz' else open(p, 'rb')) as src, open(dst, 'wb') as out:
+            shutil.copyfileobj(src, out)
+    elif p.is_dir():
+        shutil.copytree(p, pathlib.Path(sys.argv[2]) / p.name, dirs_exist_ok=True)" "$1" "$2"
+}

@@ -17,11 +17,7 @@ export PYTHONPATH=$PWD CUBLAS_WORKSPACE_CONFIG=:4096:8
 export PSR_HF_MODELS=${PSR_HF_MODELS:-$(mktemp -d)}
 if [ -z "${SHARDS:-}" ] && [ -d shards_xz ]; then
     SHARDS=$(mktemp -d)/shards
-    cp -r shards_xz "$SHARDS"
-    python3 -c "import lzma, pathlib, shutil, sys
-for p in pathlib.Path(sys.argv[1]).glob('*.xz'):
-    with lzma.open(p) as src, open(p.with_suffix(''), 'wb') as dst: shutil.copyfileobj(src, dst)
-    p.unlink()" "$SHARDS"
+    unxz_copy shards_xz "$SHARDS"
 fi
 SHARDS=${SHARDS:-shards_tiny_moe} MINUTES=${MINUTES:-4.5} PYTHON=${PYTHON:-python3} \
     CARD_ARGS=${CARD_ARGS:---windows 16 --tokens 512 --calibration-tokens 131072} \

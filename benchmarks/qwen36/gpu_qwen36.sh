@@ -6,8 +6,10 @@
 #                 $OUT/qwen36-routing.tar.part-* (`cat ... | tar x -C ~/.cache/psr_hf/models/`) with its train log,
 #                 and runs the engine's CUDA test files in one process beside it ($OUT/cuda_tests.txt; TESTS=0 skips)
 #   STAGE=check   the bf16 check of grown-qwen36-routing (bf16_check.py: agreement with the float32 small model,
-#                 held-out loss at full size), with the model in $PSR_HF_MODELS/qwen36-routing (a fresh machine:
-#                 carry it xz-compressed, as the Section 6.9 page of docs/ shows)
+#                 held-out loss at full size), with the model in $PSR_HF_MODELS/qwen36-routing; on a fresh machine
+#                 carry it compressed (the tree without the shipped weights and the 39 MB of xz fit one call):
+#                   mkdir -p .models/qwen36-routing.xz; for f in ~/.cache/psr_hf/models/qwen36-routing/*; do
+#                       xz -c "$f" > .models/qwen36-routing.xz/$(basename "$f").xz; done   # carry [".models/qwen36-routing.xz"]
 #   STAGE=latency the latency stage of `psr-hf sweep` on grown-qwen36-routing (SETTINGS in benchmarks/sweep/gpu_sweep.sh)
 # Card and calibration are made on the CPU from the returned model (model_card.py), like olmoe-routing's.
 set -uo pipefail
@@ -17,14 +19,13 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1
 export PSR_HF_MODELS=${PSR_HF_MODELS:-$PWD/.models}
 ENGINE_TESTS="tests/test_engine_graphs.py tests/test_engine_generate.py tests/test_engine_prefill.py
   tests/test_engine_qwen3_5.py tests/test_hf_cuda.py tests/test_offload_cuda.py tests/test_prefetch_runtime.py"
+if [ -d "$PSR_HF_MODELS/qwen36-routing.xz" ] && [ ! -d "$PSR_HF_MODELS/qwen36-routing" ]; then
+    unxz_copy "$PSR_HF_MODELS/qwen36-routing.xz" "$PSR_HF_MODELS/qwen36-routing"
+fi
 case "${STAGE:?STAGE=train, check or latency}" in
 train)
     SHARDS=$(mktemp -d)/shards
-    cp -r shards_xz "$SHARDS"
-    python3 -c "import lzma, pathlib, shutil, sys
-for p in pathlib.Path(sys.argv[1]).glob('*.xz'):
-    with lzma.open(p) as src, open(p.with_suffix(''), 'wb') as dst: shutil.copyfileobj(src, dst)
-    p.unlink()" "$SHARDS"
+    unxz_copy shards_xz "$SHARDS"
     if [ "${TESTS:-1}" != 0 ]; then  # the engine's CUDA tests, all files in one process, beside the training
         ( python3 -m pytest -m cuda -q -rA -p no:cacheprovider $ENGINE_TESTS ${DESELECT:-} > "$OUT/cuda_tests.txt" 2>&1
           echo "pytest exit $?" >> "$OUT/cuda_tests.txt" ) &
