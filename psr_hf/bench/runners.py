@@ -73,10 +73,10 @@ def drop_offloaded_copy(model: torch.nn.Module, source: torch.nn.Module) -> None
     ctl = controller(model)
     if ctl.offload is not None:
         originals = dict(source.named_parameters(remove_duplicate=False))
-        prefix = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         for layer in ctl.offload.placement.expert_params:
             for _, param, _ in layer:
-                param.data = originals[prefix[id(param)]].data
+                param.data = originals[names[id(param)]].data
     unpatch(model)
 
 

@@ -167,19 +167,16 @@ def join_stages(path: str | Path, other: str | Path) -> None:
     path, other = Path(path), Path(other)
     if path.resolve() == other.resolve():
         raise ValueError(f"--join {other} is the same record as --json; give the record of the other stage")
-    records = []
     for p in (path, other):
         if not p.is_file():
             raise ValueError(f"{p}: no such sweep record; give the records of the two stages")
-        records.append(_load_record(p, json.loads(p.read_text()).get("settings", {})))
-    mine, theirs = records
-    if theirs is None or mine is None:
-        raise ValueError(f"{path} and {other} must be psr-hf sweep records")
+    mine = _load_record(path, {})  # the format checked; the settings are compared below
+    theirs = _load_record(other, {})
     differing = sorted(k for k in set(mine["settings"]) | set(theirs["settings"])
                        if k != "max_minutes" and mine["settings"].get(k) != theirs["settings"].get(k))
     if differing or mine["grid"] != theirs["grid"]:
-        raise ValueError(f"{path} and {other} are different sweeps (settings differ: {', '.join(differing) or 'grid'}); "
-                         "join the two stages of one command only")
+        raise ValueError(f"{path} and {other} are different sweeps (settings differ: "
+                         f"{', '.join(differing) or 'grid'}); join the two stages of one command only")
     residencies = mine["settings"]["residencies"]
     names = [point_name(fields, r) for r in residencies for fields in mine["grid"].values()]
 

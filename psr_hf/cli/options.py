@@ -107,15 +107,15 @@ def comma_ints(option: str, text: str) -> list[int]:
 
 def check_device(args: argparse.Namespace) -> None:
     """Resolve a --device left out (small models: cpu, others: cuda:0) and refuse a CUDA device that this torch
-    cannot use, before anything loads (a sweep's ``--stage quality`` uses only its ``--quality-device``; ``--join`` brings
-    measured stages)."""
+    cannot use, before anything loads (a sweep's ``--stage quality`` uses only its ``--quality-device``;
+    ``--join`` brings measured stages)."""
     if not hasattr(args, "device"):
         return
     if args.device is None:
         args.device = "cpu" if getattr(args, "model", None) in SMALL_MODELS else "cuda:0"
-    option, used = "--device", args.device
     if getattr(args, "join", None):
         return  # joined stages are measured already (a stage still missing needs its device: load_model says so)
+    option, used = "--device", args.device
     if getattr(args, "stage", None) == "quality" and getattr(args, "quality_device", None):
         option, used = "--quality-device", args.quality_device  # a sweep's divergence stage alone runs there
     if str(used).startswith("cuda"):

@@ -2,8 +2,8 @@
 
 A grid entry is the dict of :class:`~psr_hf.policy.RoutingConfig` fields the constructors here build
 (:func:`exact_lru`, :func:`exact_a_pf`, :func:`cache_prior`, :func:`psr`, :func:`spec`, :func:`prefetch_only`).
-:func:`routing_name` derives an entry's name (``exact_lru``, ``cp_lam0.2_a_j2_run``, ``psr_lam0.3_n1_lru_pred``, ``psr_lam0.2_n1_w2``,
-``specprefetch_m2``, ...) and :func:`routing_from_name` is its inverse: the one place a name is read back (records
+:func:`routing_name` derives an entry's name (``exact_lru``, ``cp_lam0.2_a_j2_run``, ``psr_lam0.3_n1_lru_pred``,
+``psr_lam0.2_n1_w2``, ``specprefetch_m2``, ...) and :func:`routing_from_name` is its inverse: the one place a name is read back (records
 and the rows of the goals carry names only). :func:`routing_grid` keys entries by their names. The divergence
 (``psr-hf kl``), the latency bench and the sweep (:mod:`psr_hf.bench.rows`) build their configurations here.
 """
