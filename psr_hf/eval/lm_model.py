@@ -15,6 +15,11 @@ processes that never use lm-eval import nothing of psr_hf.
 With ``engine=true`` the engine (:func:`psr_hf.engine.attach`) serves the ``generate_until`` requests at batch 1
 (CUDA graphs on a GPU, the eager decoder on the CPU); the loglikelihood requests stay on the batched transformers
 path (docs/lm-eval.md, "Generating on the engine").
+
+With ``speculative=exact|position|confidence`` and ``drafter=MODEL`` the ``generate_until`` requests run at batch 1
+through :func:`psr_hf.hf.speculative.speculative_generate` (the drafter proposes, the target verifies a block at a
+time with block-level expert selection, greedy acceptance; docs/speculative.md); the loglikelihood requests stay on
+the batched path (docs/lm-eval.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +47,8 @@ from ..policy.config import RoutingConfig
 logger = logging.getLogger("lm_eval.models.psr_hf")
 
 ROUTING_ARGS = tuple(field.name for field in dataclasses.fields(RoutingConfig))
-PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor", "engine", "engine_max_len")
+PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor", "engine", "engine_max_len",
+            "speculative", "drafter", "draft_tokens", "pool", "block_threshold")
 # HFLM args the engine cannot serve: it needs the whole model's own weights on one device, computed in their dtype
 _ENGINE_EXCLUDES = {
     "parallelize": "the engine runs every layer on one device; drop parallelize=True",
@@ -212,17 +219,82 @@ def _check_engine_family(model_type: str | None) -> None:
                          "attention); drop engine=true, and the generations run on the transformers path")
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeArgs:
+    """The speculative model args as checked before anything loads: the block ``mode``, the ``drafter``
+    (resolved, not loaded), ``draft_tokens``, ``pool`` (None: the routing config's capacity) and ``threshold``."""
+
+    mode: str
+    drafter: Any  # a ModelSource
+    draft_tokens: int
+    pool: int | None
+    threshold: float
+
+
+def _positive_int(name: str, value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"psr_hf model arg {name}={value!r} must be a positive int ({what})")
+    return value
+
+
+def speculative_args(speculative: Any, drafter: Any, draft_tokens: Any, pool: Any, block_threshold: Any, *,
+                     engine: bool, offload: Any) -> SpeculativeArgs | None:
+    """The checked speculative args, None without ``speculative``; ``ValueError`` naming the arg for a mode that
+    is not one of :data:`~psr_hf.policy.blocks.BLOCK_MODES`, a missing or unresolvable ``drafter``, a bad number,
+    an arg given without ``speculative``, and ``engine=true`` or ``offload`` (the harness routes logically)."""
+    from ..hf.speculative import DEFAULT_DRAFT_TOKENS
+    from ..policy.blocks import BLOCK_MODES, DEFAULT_THRESHOLD
+
+    if speculative is None:
+        given = [name for name, value in (("drafter", drafter), ("draft_tokens", draft_tokens), ("pool", pool),
+                                          ("block_threshold", block_threshold)) if value is not None]
+        if given:
+            raise ValueError(f"psr_hf model arg(s) {', '.join(given)} are used only with speculative= (one of "
+                             f"{', '.join(BLOCK_MODES)}); add speculative=MODE or drop them")
+        return None
+    if not isinstance(speculative, str) or speculative not in BLOCK_MODES:
+        raise ValueError(f"psr_hf model arg speculative={speculative!r} must be one of {', '.join(BLOCK_MODES)} "
+                         "(docs/speculative.md); leave it out for normal decoding")
+    if drafter in (None, ""):
+        raise ValueError(f"psr_hf model arg speculative={speculative} needs drafter=MODEL: a small model that "
+                         "shares the target's tokenizer (a shipped name such as tiny-moe, or a model directory)")
+    if engine:
+        raise ValueError("psr_hf model args speculative= and engine=true exclude each other: this speculative "
+                         "decoding runs on the transformers path and routes logically (docs/speculative.md); drop "
+                         "one of them")
+    if offload not in (None, False):
+        raise ValueError("psr_hf model args speculative= and offload= exclude each other: the harness routes "
+                         "logically and counts the copies the block selection implies; drop offload=")
+    draft_tokens = _positive_int("draft_tokens", DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens,
+                                 "drafts per verification block")
+    if pool is not None:
+        pool = _positive_int("pool", pool, "experts per MoE layer kept between blocks")
+    threshold = DEFAULT_THRESHOLD if block_threshold is None else block_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"psr_hf model arg block_threshold={block_threshold!r} must be a finite number >= 0 (the "
+                         "weighted router mass a missing expert needs to join a block)")
+    try:
+        source = resolve_model(drafter, check=False)  # a dense drafter is fine; a typo fails before loading
+    except ValueError as exc:
+        raise ValueError(f"psr_hf model arg drafter={drafter!r}: {exc}") from None
+    return SpeculativeArgs(speculative, source, draft_tokens, pool, float(threshold))
+
+
 @register_model("psr_hf")
 class PSRLM(HFLM):
     """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (docs/lm-eval.md).
 
     Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``, ``engine`` (the attached engine
-    with ``engine=true``, else None); :meth:`routing_stats` gives the statistics so far.
+    with ``engine=true``, else None), ``block_config`` (the :class:`~psr_hf.policy.blocks.BlockConfig` with
+    ``speculative=``, else None) and ``drafter`` (its model); :meth:`routing_stats` gives the statistics so far.
     """
 
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
                  offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
-                 engine: bool = False, engine_max_len: int | None = None, **kwargs: Any) -> None:
+                 engine: bool = False, engine_max_len: int | None = None, speculative: str | None = None,
+                 drafter: str | None = None, draft_tokens: int | None = None, pool: int | None = None,
+                 block_threshold: float | None = None, **kwargs: Any) -> None:
         """``pretrained`` and psr_hf's own args (:data:`PSR_ARGS`, docs/lm-eval.md); ``kwargs``: the routing fields,
         and the rest goes to ``HFLM.__init__``. As in lm-eval's ``steered`` model, the values arrive already typed
         by lm-eval's parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int,
@@ -235,6 +307,8 @@ class PSRLM(HFLM):
                              "trust_remote_code (transformers has native OLMoE, DeepSeek-V3/Moonlight, Qwen3.5-MoE "
                              "and Qwen3-Next)")
         use_engine = check_engine_args(engine, engine_max_len, kwargs)
+        spec = speculative_args(speculative, drafter, draft_tokens, pool, block_threshold, engine=use_engine,
+                                offload=offload)
         fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
         routing = routing_config(fields, config)
         predictor_path = _existing_file("predictor", predictor)
@@ -285,6 +359,109 @@ class PSRLM(HFLM):
         self._engine_generations = 0  # generate() calls of generate_until
         self._engine_generation_fallbacks = 0  # their forward calls that ran on the transformers path
         self._engine_fallback_reported = False
+        self.block_config = self.drafter = None
+        if spec is not None:
+            self._attach_drafter(spec)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _attach_drafter(self, spec: SpeculativeArgs) -> None:
+        """Load the drafter on the target's device in its dtype and fix the block selection: ``ValueError`` for a
+        target whose routers block selection does not cover, a drafter of another vocabulary and a pool outside
+        ``top_k .. num_experts``."""
+        from transformers import AutoModelForCausalLM
+
+        from ..hf.speculative import moe_routers
+        from ..policy.blocks import BlockConfig
+        from ..policy.calibration import Calibration
+
+        ctl = controller(self.model)
+        try:
+            moe_routers(self.model)
+        except ValueError as exc:
+            raise ValueError(f"psr_hf model arg speculative={spec.mode}: {exc}") from None
+        pool = ctl.capacity if spec.pool is None else spec.pool
+        if not ctl.top_k <= pool <= ctl.num_experts:
+            raise ValueError(f"psr_hf model arg pool={pool} must be between the model's top-K ({ctl.top_k}) and its "
+                             f"{ctl.num_experts} experts per MoE layer")
+        self.block_config = BlockConfig(mode=spec.mode, pool=pool, top_k=ctl.top_k, threshold=spec.threshold)
+        device = next(self.model.parameters()).device
+        self.drafter = AutoModelForCausalLM.from_pretrained(
+            spec.drafter.location, dtype=self.model.dtype, **spec.drafter.from_pretrained_kwargs).to(device).eval()
+        vocab = self.model.config.get_text_config().vocab_size
+        drafter_vocab = self.drafter.config.get_text_config().vocab_size
+        if drafter_vocab != vocab:
+            raise ValueError(f"psr_hf model arg drafter={spec.drafter.name}: its vocabulary has {drafter_vocab} "
+                             f"tokens, the target's {vocab}; a drafter must share the target's tokenizer")
+        self.drafter_name = spec.drafter.name
+        self.draft_tokens = spec.draft_tokens
+        self._block_calibration = None if self.calibration_path is None else Calibration.load(
+            self.calibration_path, num_layers=ctl.num_layers, num_experts=ctl.num_experts)
+        self._speculative_counts = dict(generations=0, verifications=0, accepted=0, tokens=0, copies=0,
+                                        prompt_copies=0)
+        self._speculative_ignored: set[str] = set()
+        logger.info("psr_hf: speculative decoding (%s blocks, pool %d of %d experts, %d drafts from %s) serves the "
+                    "generate_until requests at batch 1", spec.mode, pool, ctl.num_experts, spec.draft_tokens,
+                    spec.drafter.name)
+
+    def _speculative_generate(self, context: torch.Tensor, max_length: int, stop: list[str] | None,
+                              **generation_kwargs: Any) -> torch.Tensor:
+        """HFLM's ``_model_generate`` contract on one row: ``[1, S + new]``, greedy; stops at the tokenizer's
+        end-of-sequence token, after ``max_length - S`` new tokens, or after a block whose new text holds a stop
+        string (HFLM cuts the text at the first one)."""
+        from ..hf.speculative import speculative_generate
+
+        mode = self.block_config.mode
+        temperature = generation_kwargs.get("temperature") or 0.0
+        if generation_kwargs.get("do_sample") or float(temperature) > 0:
+            raise ValueError(f"psr_hf model arg speculative={mode} accepts drafts greedily; this task samples "
+                             f"(do_sample={generation_kwargs.get('do_sample')}, temperature={temperature}): run it "
+                             "without speculative= or with do_sample: false")
+        mask = generation_kwargs.get("attention_mask")
+        if context.shape[0] != 1 or (mask is not None and not bool(mask.all())):
+            raise ValueError(f"psr_hf speculative={mode} generates one unpadded row per call; got a batch of shape "
+                             f"{tuple(context.shape)} (generate_until serves one request at a time)")
+        ignored = set(generation_kwargs) - {"attention_mask", "do_sample", "temperature"} - self._speculative_ignored
+        if ignored:
+            self._speculative_ignored |= ignored
+            logger.warning("psr_hf: speculative decoding is greedy and ignores the generation kwargs %s",
+                           ", ".join(sorted(ignored)))
+        strings = [s for s in (stop or []) if s]
+
+        def stopped(tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            return any(s in text for s in strings)
+
+        with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                            enabled=self.mixed_precision_dtype is not None):
+            result = speculative_generate(
+                self.model, self.drafter, context, self.block_config,
+                max_new_tokens=int(max_length) - context.shape[1], draft_tokens=self.draft_tokens,
+                calibration=self._block_calibration, eos_token_id=self.tokenizer.eos_token_id,
+                stop=stopped if strings else None)
+        counts = self._speculative_counts
+        counts["generations"] += 1
+        counts["verifications"] += result.verifications
+        counts["accepted"] += sum(result.accepted)
+        counts["tokens"] += len(result.tokens)
+        counts["copies"] += sum(result.copies)
+        counts["prompt_copies"] += result.prompt_copies
+        new = torch.tensor([result.tokens], dtype=context.dtype, device=context.device)
+        return torch.cat([context, new], dim=1)
+
+    def speculative_stats(self) -> dict[str, Any] | None:
+        """None without ``speculative=``; else the block selection (``mode``, ``pool``, ``threshold``), the
+        ``drafter`` and ``draft_tokens``, and over every generation so far: ``generations``, ``verifications``
+        (target forward passes of draft blocks), ``accepted`` drafts, committed ``tokens``, ``copies`` (host
+        loads of the verifications over every layer), ``prompt_copies``, ``tau`` (tokens per verification
+        before a stop cut a block short: ``accepted / verifications + 1``) and ``copies_per_token``."""
+        if self.block_config is None:
+            return None
+        c = self._speculative_counts
+        return {"mode": self.block_config.mode, "pool": self.block_config.pool,
+                "threshold": self.block_config.threshold, "drafter": self.drafter_name,
+                "draft_tokens": self.draft_tokens, **c,
+                "tau": c["accepted"] / c["verifications"] + 1 if c["verifications"] else None,
+                "copies_per_token": c["copies"] / c["tokens"] if c["tokens"] else None}
 
     # ------------------------------------------------------------------ the engine
     def _attach_engine(self, max_len: int | None) -> Any:
@@ -313,10 +490,16 @@ class PSRLM(HFLM):
         return state
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list:
-        if self.engine is None:
+        if self.engine is None and self.block_config is None:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
-        # one request per generate() call: a single row without padding, which the engine serves
+        # one request per generate() call: a single row without padding, which the engine and
+        # speculative_generate serve
         batch_size, self.batch_size_per_gpu = self.batch_size_per_gpu, 1
+        if self.engine is None:
+            try:
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self.batch_size_per_gpu = batch_size
         fallbacks, reasons = self.engine.fallbacks, set(self.engine.logged)
         try:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
@@ -333,6 +516,8 @@ class PSRLM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
                         ) -> torch.Tensor:
+        if self.block_config is not None:
+            return self._speculative_generate(context, max_length, stop, **generation_kwargs)
         if self.engine is not None:
             self._engine_generations += 1
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -416,6 +601,7 @@ class PSRLM(HFLM):
             **({} if ctl.offload is None else {"offload": ctl.stats().offload.to_dict(),
                                                 "memory": ctl.memory().to_dict()}),
             "engine": self.engine_stats(),
+            "speculative": self.speculative_stats(),
         }
 
     def engine_stats(self) -> dict[str, Any] | None:
@@ -448,4 +634,10 @@ class PSRLM(HFLM):
             logger.info("psr_hf engine: %d generate() calls, %d forward calls served by the engine (%s), %d of the "
                         "generations' forward calls on the transformers path", e["generate_calls"], e["served"],
                         e["decoder"], e["generation_fallbacks"])
+        sp = info["psr_hf"]["speculative"]
+        if sp is not None and sp["verifications"]:
+            logger.info("psr_hf speculative (%s, pool %d): %d tokens in %d generations, %d verifications (tau "
+                        "%.2f), %.3f copies per token, %d prompt copies", sp["mode"], sp["pool"], sp["tokens"],
+                        sp["generations"], sp["verifications"], sp["tau"], sp["copies_per_token"],
+                        sp["prompt_copies"])
         return info

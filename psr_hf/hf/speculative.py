@@ -130,8 +130,10 @@ def crop(cache: Any, length: int) -> None:
 
 def _forward(model: torch.nn.Module, ids: list[int], cache: Any) -> torch.Tensor:
     """Logits ``[S, V]`` of ``ids`` continuing ``cache``."""
+    from .inputs import cache_keyword
+
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, **{cache_keyword(model): cache})
     return out.logits[0].float()
 
 
