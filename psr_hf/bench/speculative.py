@@ -118,7 +118,8 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
                           prompts: PromptSet, rows: Sequence[SpeculativeRow], ar_configs: Sequence[str] = DEFAULT_AR,
                           pool: int = 24, threshold: float | None = None, rounds: int = 3,
                           max_new_tokens: int = 128, max_len: int = 512, task_stop: bool = False,
-                          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                          progress: Callable[[str], None] | None = None,
+                          checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """``task_stop``: continuations also end at the task's stop sequences (else at eos or ``max_new_tokens``).
     The record: per round, every AR row (:func:`bench_free_generation` on the engine) and every speculative
     row on every prompt; summaries per row with 95% intervals over rounds."""
@@ -172,14 +173,26 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
                 outputs.setdefault(name, tokens)
                 if progress is not None:
                     progress(f"round {r + 1}/{rounds}: {name} {summary_['ms_per_token']:.2f} ms/token")
+            if checkpoint is not None:  # what a command cut short leaves: every round completed so far
+                checkpoint(_record(per_round, outputs, prompts, items, rows, ar_rows, pool, threshold, rounds,
+                                   max_new_tokens, max_len, task_stop, device))
     finally:
         runner.close()
+    return _record(per_round, outputs, prompts, items, rows, ar_rows, pool, threshold, rounds, max_new_tokens,
+                   max_len, task_stop, device)
+
+
+def _record(per_round: dict, outputs: dict, prompts: PromptSet, items: list, rows: Sequence[SpeculativeRow],
+            ar_rows: list, pool: int, threshold: float, rounds: int, max_new_tokens: int, max_len: int,
+            task_stop: bool, device: torch.device) -> dict[str, Any]:
     summary = {name: {key: statistics.fmean(v[key] for v in values) for key in values[0]} |
                {"ms_per_token_ci95": _interval([v["ms_per_token"] for v in values])}
                for name, values in per_round.items()}
+    done = min(len(v) for v in per_round.values()) if per_round else 0
     return {"format": RECORD_FORMAT, "prompts": {"source": prompts.source, "count": len(items)},
-            "pool": pool, "threshold": threshold, "rounds": rounds, "max_new_tokens": max_new_tokens,
-            "max_len": max_len, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "pool": pool, "threshold": threshold, "rounds": rounds, "rounds_done": done,
+            "max_new_tokens": max_new_tokens, "max_len": max_len,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "stop": "the task's stop sequences and eos" if task_stop else "eos or max_new_tokens",
             "rows": summary, "per_round": per_round,
             "break_even": break_even(summary, rows, [row.name for row in ar_rows]),
@@ -246,7 +259,8 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
                     k_values: Sequence[int] = (16, 8), ar_configs: Sequence[str] = DEFAULT_AR, pool: int = 24,
                     threshold: float | None = None, rounds: int = 3, max_new_tokens: int = 128, max_len: int = 512,
                     task_stop: bool = False, prompt_file: str | None = None, rows: Sequence[str] | None = None,
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str], None] | None = None,
+                    checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Load ``model`` and ``drafter`` on ``device`` (the drafter in the target's dtype), the model's calibration
     beside it, and run :func:`run_speculative_bench` on the first ``problems`` HumanEval prompts."""
     from .common import machine, versions
@@ -278,7 +292,7 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
     record = run_speculative_bench(net, draft, tokenizer, calibration=Calibration.load(beside), prompts=prompts,
                                    rows=parse_rows(rows) if rows else default_rows(tuple(k_values)), ar_configs=ar_configs, pool=pool,
                                    threshold=threshold, rounds=rounds, max_new_tokens=max_new_tokens,
-                                   max_len=max_len, task_stop=task_stop, progress=progress)
+                                   max_len=max_len, task_stop=task_stop, progress=progress, checkpoint=checkpoint)
     drafter_description.pop("calibration_file", None)
     return {"benchmark": "speculative", "model": description, "drafter": drafter_description,
             "machine": machine(), "versions": versions(), **record}

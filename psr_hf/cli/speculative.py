@@ -59,7 +59,8 @@ def bench_speculative(args: argparse.Namespace) -> int:
                                  max_new_tokens=args.max_new_tokens, max_len=args.max_len,
                                  task_stop=args.stop == "task", prompt_file=args.prompt_file,
                                  rows=[r for r in (args.rows or "").split(",") if r.strip()],
-                                 progress=progress_line)
+                                 progress=progress_line,
+                                 checkpoint=(lambda partial: write_json(args.json, partial)) if args.json else None)
     print(table(record))
     if args.json:
         write_json(args.json, record)
