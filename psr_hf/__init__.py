@@ -24,6 +24,8 @@ _LAZY = {
     "patched": "psr_hf.hf.patching",
     "controller": "psr_hf.hf.patching",
     "calibrate": "psr_hf.hf.calibrate",
+    "speculative_generate": "psr_hf.hf.speculative",
+    "BlockConfig": "psr_hf.policy.blocks",
     "OffloadConfig": "psr_hf.offload.config",
     "OffloadStats": "psr_hf.offload.experts",
     "OffloadMemory": "psr_hf.offload.placement",

