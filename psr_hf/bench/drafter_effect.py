@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..hf.speculative import (BlockRouting, Drafter, accepted_count, crop, forward_logits, moe_routers,
-                              own_routing, speculative_generate)
+                              own_routing, prefill_prompt, speculative_generate)
 from ..policy.blocks import BlockConfig, BlockPool
 
 
@@ -57,11 +57,7 @@ def drafter_effect(target: torch.nn.Module, drafter: torch.nn.Module, prompts: S
         routing, drafting, cache = BlockRouting(target, pool), Drafter(drafter), DynamicCache()
         committed = list(prompt)
         with own_routing(target), own_routing(drafter), routing.installed():
-            if len(prompt) > 1:
-                pool.begin_prompt(len(prompt) - 1)
-                with routing.block():
-                    forward_logits(target, prompt[:-1], cache)
-                pool.end_block(None)
+            prefill_prompt(target, routing, prompt, cache)
             while len(committed) < len(final):
                 drafts, confidences = drafting.draft(committed, int(draft_tokens))
                 pool.begin_block(confidences)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..offload import cuda_runtime
 from ..offload.experts import _SlotExperts
+from ..hf.speculative import accepted_count, commit
 from ..policy.blocks import BlockConfig, BlockPool
 from .attention import apply_rope, cos_sin, rms_norm
 from .layers import build_layers
@@ -383,19 +384,12 @@ class SpeculativeEngine:
             pool.begin_block(confidences)
             start = len(committed) - 1
             verified, copies = self._verify(pool, [committed[-1]] + drafts, start, graphs=self.graphs)
-            a = 0
-            while a < self.k and drafts[a] == int(verified[a]):
-                a += 1
+            a = accepted_count(drafts, [int(t) for t in verified])
             pool.end_block(a)
             run.draft_s += middle - begin
             run.verify_s += time.perf_counter() - middle
             run.accepted.append(a)
             run.copies.append(copies)
-            for token in drafts[:a] + [int(verified[a])]:
-                run.tokens.append(token)
-                committed.append(token)
-                if token in eos or len(run.tokens) >= max_new_tokens:
-                    return run
-            if stop is not None and stop(run.tokens):
+            if commit(drafts[:a] + [int(verified[a])], run.tokens, committed, eos, max_new_tokens, stop):
                 return run
         return run

@@ -210,11 +210,7 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
     cache = DynamicCache()
     committed = list(prompt)
     with own_routing(target), own_routing(drafter), routing.installed():
-        if len(prompt) > 1:
-            pool.begin_prompt(len(prompt) - 1)
-            with routing.block():
-                forward_logits(target, prompt[:-1], cache)
-            pool.end_block(None)
+        if prefill_prompt(target, routing, prompt, cache):
             result.prompt_copies = sum(c.copies.size for c in routing.choices)
             _keep(result, routing, None, None)
         while len(result.tokens) < max_new_tokens:
@@ -230,15 +226,33 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
             result.accepted.append(a)
             result.copies.append(sum(c.copies.size for c in routing.choices))
             _keep(result, routing, confidences, a)
-            new = drafts[:a] + [verified[a]]
-            for token in new:
-                result.tokens.append(token)
-                committed.append(token)
-                if token in eos or len(result.tokens) >= max_new_tokens:
-                    return result
-            if stop is not None and stop(result.tokens):
+            if commit(drafts[:a] + [verified[a]], result.tokens, committed, eos, max_new_tokens, stop):
                 return result
     return result
+
+
+def prefill_prompt(target: torch.nn.Module, routing: BlockRouting, prompt: list[int], cache: Any) -> bool:
+    """The prompt less its last token as one exact block into ``cache`` (docs/speculative.md, "A sequence");
+    False for a one-token prompt, which has none."""
+    if len(prompt) < 2:
+        return False
+    routing.pool.begin_prompt(len(prompt) - 1)
+    with routing.block():
+        forward_logits(target, prompt[:-1], cache)
+    routing.pool.end_block(None)
+    return True
+
+
+def commit(new: list[int], tokens: list[int], committed: list[int], eos: set[int], max_new_tokens: int,
+           stop: Callable[[list[int]], bool] | None) -> bool:
+    """Append a block's committed tokens to the generated ``tokens`` and the sequence; whether generation ends
+    (an end-of-sequence token, kept; ``max_new_tokens``; ``stop(tokens)`` after the block)."""
+    for token in new:
+        tokens.append(token)
+        committed.append(token)
+        if token in eos or len(tokens) >= max_new_tokens:
+            return True
+    return stop is not None and stop(tokens)
 
 
 def _keep(result: SpeculativeResult, routing: BlockRouting, confidences: list[float] | None, a: int | None) -> None:
