@@ -97,6 +97,7 @@ def test_engine_refuses_what_it_cannot_run(models):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("mode", ["exact", "position", "confidence"])
 def test_captured_verification_equals_the_eager_run_in_bf16_on_cuda(models, mode):
     target, drafter, tokenizer, cal = models
@@ -113,6 +114,7 @@ def test_captured_verification_equals_the_eager_run_in_bf16_on_cuda(models, mode
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_exact_verification_is_ar_greedy_decoding_in_float32_on_cuda(models):
     target, drafter, tokenizer, cal = models
     target, drafter = copy.deepcopy(target).cuda(), copy.deepcopy(drafter).cuda()
@@ -127,6 +129,7 @@ def test_exact_verification_is_ar_greedy_decoding_in_float32_on_cuda(models):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("k", [16, 8])
 def test_exact_verification_leaves_ar_greedy_only_at_near_ties_in_bf16_on_cuda(models, k):
     from psr_hf.engine.graphs import GraphDecoder
