@@ -9,8 +9,8 @@ import pytest
 from psr_hf.assets.loading import load_model
 from psr_hf.bench.drafter_effect import drafter_effect
 from psr_hf.bench.prompt_sets import tokenized
-from psr_hf.bench.speculative import (SpeculativeRow, break_even, humaneval_first, parse_rows,
-                                      run_speculative_bench)
+from psr_hf.bench.speculative import (SpeculativeRow, _order, break_even, check_followed, humaneval_first,
+                                      parse_rows, run_speculative_bench)
 from psr_hf.cli import main
 from psr_hf.hf.speculative import speculative_generate
 from psr_hf.policy.blocks import BlockConfig
@@ -34,6 +34,17 @@ def test_row_names_parse_and_bad_ones_are_refused():
     for bad in (["sd_bogus_k4"], ["sd_exact_k0"], ["exact_k4"], ["sd_exact_4"], ["sd_exact_k4", "sd_exact_k4"]):
         with pytest.raises(ValueError, match="--rows"):
             parse_rows(bad)
+
+
+def test_a_skipped_row_needs_its_row_with_copies_and_runs_after_it_in_the_first_round():
+    with pytest.raises(ValueError, match="sd_confidence_k8; give that row too"):
+        check_followed(parse_rows(["sd_confidence_k16", "sd_confidence_k8_skip"]))
+    names = ["engine_resident", "sd_confidence_k16_skip", "sd_exact_k16", "sd_confidence_k16"]
+    followed = {"sd_confidence_k16_skip": "sd_confidence_k16"}
+    first = _order(names, 0, followed)
+    assert sorted(first) == sorted(names)
+    assert first.index("sd_confidence_k16_skip") == first.index("sd_confidence_k16") + 1
+    assert _order(names, 1, followed) != first
 
 
 def test_cli_refuses_a_bad_row_before_loading(capsys):
@@ -73,6 +84,10 @@ def test_a_small_record_holds_every_row_and_the_harness_outputs(models):
                                    draft_tokens=4, calibration=cal)
     assert record["outputs"]["sd_confidence_k4"] == [harness.tokens]
     assert record["rows"]["sd_confidence_k4"]["tau"] >= 1
+    # the copies-skipped row times the verifications of the row it follows
+    assert record["outputs"]["sd_confidence_k4_skip"] == [harness.tokens]
+    for key in ("tau", "verifications", "tokens"):
+        assert record["rows"]["sd_confidence_k4_skip"][key] == record["rows"]["sd_confidence_k4"][key]
     assert record["break_even"]["against"] == "engine_psr_lam0.25_n1_res37"
 
 

