@@ -53,7 +53,7 @@ class Controller:
     __deepcopy__ = __reduce_ex__ = refuse_copy  # reached through a submodule that holds it, too
 
     def __init__(self, model: torch.nn.Module, family: Any, layers: list, config: RoutingConfig,
-                 calibration: Any, predictor: Any = None):
+                 calibration: Any, predictor: Any = None, gate: Any = None):
         self.model = model
         self.family = family
         self.layers = layers
@@ -80,9 +80,9 @@ class Controller:
         self._in_generate = 0
         self._right_padded: np.ndarray | None = None  # [R] real lengths of mask-less right-padded rows
         self._installer = Installer(self)  # what install() puts on the model; uninstall() removes it
-        self._configure(config, calibration, predictor)
+        self._configure(config, calibration, predictor, gate)
 
-    def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None) -> None:
+    def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None, gate: Any = None) -> None:
         """Everything that follows from the routing config: the logical cache, the prefetch source, fresh rows
         and zero statistics."""
         model_shape = dict(num_layers=self.num_layers, num_experts=self.num_experts,
@@ -101,6 +101,7 @@ class Controller:
         self._calibration_given = None if calibration is None else cache.calibration  # what reconfigure() keeps
         self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
         self.routing.configure(config, cache, source)
+        self.routing.gate, self.routing.gate_unit = _gate_for(gate, config, cache.calibration, model_shape)
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
         self._totals = RoutingCounters()  # finished sequences since the last reset_stats()
 
@@ -113,6 +114,11 @@ class Controller:
     def predictor(self) -> Any:
         """The learned predictor that ranks prefetches (``RoutingConfig(prefetch="predictor")``), else None."""
         return self.routing.source.predictor
+
+    @property
+    def gate(self) -> Any:
+        """The margin head that sets each token's margin (``patch(..., gate=...)``), else None."""
+        return self.routing.gate
 
     @property
     def forward_pass(self) -> ForwardPass | None:
@@ -144,15 +150,17 @@ class Controller:
             if self.offload is not None:
                 self.offload.reset_stats()
 
-    def reconfigure(self, config: Any, calibration: Any = None, predictor: Any = None) -> None:
+    def reconfigure(self, config: Any, calibration: Any = None, predictor: Any = None, gate: Any = None) -> None:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
         slots if the capacity changed. Starts a new sequence and zeroes every statistic.
 
         ``calibration``: default (None) the one the model routes with now (given to :func:`~psr_hf.patch` or to
         an earlier ``reconfigure``); ``False`` routes uncalibrated (running bonus scale, the first experts as the
-        warm set, no token prior). ``predictor``: for ``prefetch="predictor"`` (default: the one the model has)."""
+        warm set, no token prior). ``predictor``: for ``prefetch="predictor"`` (default: the one the model has).
+        ``gate``: a margin head (default: the one the model has; ``False``: none)."""
         config = RoutingConfig.coerce(config)
+        gate = self.gate if gate is None else None if gate is False else gate
         if calibration is None:
             calibration = self._calibration_given
         elif calibration is False:
@@ -160,7 +168,7 @@ class Controller:
         with self._lock:
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
-            self._configure(config, calibration, predictor)
+            self._configure(config, calibration, predictor, gate)
             self._interrupted = None  # the cache is new: no sequence to continue
             self._sequence_positions = None  # any KV cache may continue with the new state
             if self.offload is not None:
@@ -453,7 +461,8 @@ class Controller:
             if following is not None and routing.needs_pregate:  # read per call: reconfigure() may change it
                 return routing.route_joint(fwd, index, router, hidden_states,
                                            lambda: original(hidden_states, *args, **kwargs))
-            return routing.route_own(fwd, index, router, original(hidden_states, *args, **kwargs))
+            return routing.route_own(fwd, index, router, original(hidden_states, *args, **kwargs),
+                                     hidden_states)
 
         return forward
 
@@ -640,3 +649,22 @@ class Controller:
         self._finished |= done[:, -1]
         keep = ~done if valid is None else (valid != 0) & ~done
         return None if keep.all() else keep.astype(np.uint8)
+
+
+def _gate_for(gate: Any, config: RoutingConfig, calibration: Any,
+              shape: dict) -> tuple[Any, torch.Tensor | None]:
+    """The margin head and its unit ``lam * delta[l]`` (``ValueError`` where the config or calibration cannot carry
+    per-token margins), or (None, None)."""
+    if gate is None:
+        return None, None
+    from ..gates.margin_head import MarginHead
+    from ..policy.margins import margin_scale
+
+    head = MarginHead.coerce(gate)
+    head.check(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"], model_type=shape["model_type"])
+    if config.policy not in ("cache_prior", "psr") or config.delta_mode != "fixed":
+        raise ValueError(f"gate=: a margin head sets the bonus of a biased policy with a fixed bonus scale; got "
+                         f"policy={config.policy!r}, delta_mode={config.delta_mode!r}: use policy='cache_prior' "
+                         "(with eviction='lru': the change-based gate) or 'psr', delta_mode='fixed'")
+    unit = margin_scale(np.ones(shape["num_layers"]), float(config.lam), calibration.delta)  # lam * delta
+    return head, torch.as_tensor(unit, dtype=torch.float32)

@@ -50,7 +50,7 @@ def family_of(model: torch.nn.Module) -> Any:
 
 
 def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
-          predictor: Any = None) -> torch.nn.Module:
+          predictor: Any = None, gate: Any = None) -> torch.nn.Module:
     """Make ``model``'s MoE routing cache-aware, in place; returns the same object.
 
     Args:
@@ -68,6 +68,9 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
         predictor: with ``RoutingConfig(prefetch="predictor")``, a :class:`psr_hf.prefetch.Predictor` (SpecPrefetch's
             learned next-layer adapters: ``Predictor.load(path)``) whose priorities replace the pre-gate ranking of
             prefetches (docs/ALGORITHM.md); checked against the model's shape.
+        gate: a :class:`psr_hf.gates.MarginHead` (or its path): a learned margin per token and layer for
+            ``policy="cache_prior"`` (with LRU eviction: the change-based gate of the paper's Section 6.10) or
+            ``"psr"`` (a learned bonus), fixed bonus scale; checked against the model's shape. The HF path only.
 
     Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
     """
@@ -99,7 +102,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
     layers = family.moe_layers()
     if not layers:
         raise ValueError(f"{type(model).__name__} has no routed MoE layers for psr_hf to patch")
-    ctl = Controller(model, family, layers, routing, calibration, predictor)
+    ctl = Controller(model, family, layers, routing, calibration, predictor, gate)
     if calibration is None and not (routing.biased and routing.delta_mode == "fixed"):
         logger.warning(
             "psr_hf.patch without a calibration: warm set = the first %d experts of each layer and no token prior; "
@@ -137,9 +140,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
-            predictor: Any = None) -> Iterator[torch.nn.Module]:
+            predictor: Any = None, gate: Any = None) -> Iterator[torch.nn.Module]:
     """``with psr_hf.patched(model, config) as m: ...``: patched inside the block, unpatched after (even on error)."""
-    patch(model, config, calibration=calibration, offload=offload, predictor=predictor)
+    patch(model, config, calibration=calibration, offload=offload, predictor=predictor, gate=gate)
     try:
         yield model
     finally:

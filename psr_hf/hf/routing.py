@@ -49,6 +49,8 @@ class LayerRouting:
         self.source: PregateRanking = PregateRanking()  # the prefetch source (RoutingConfig.prefetch)
         self.offload: Any = None  # the OffloadedExperts when the experts are offloaded
         self.recorder: Any = None  # the running Recorder, if any
+        self.gate: Any = None  # a MarginHead: each token's scores scaled by gate_unit[l] / its margin
+        self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
         self.needs_pregate = self.executes_pregate = False
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
@@ -104,10 +106,11 @@ class LayerRouting:
         return self.cache.resident_mask(layer) != 0
 
     # ------------------------------------------------------------------ the router forwards
-    def route_own(self, fwd: Any, layer: int, router: Any, own: tuple) -> tuple:
-        """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores."""
+    def route_own(self, fwd: Any, layer: int, router: Any, own: tuple, hidden: torch.Tensor | None = None) -> tuple:
+        """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores
+        (``hidden``: the router's input, read by a gate)."""
         with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
-            z = self.family.selection_scores(router, own[0].detach())  # [N, E]
+            z = self._gated(layer, hidden, self.family.selection_scores(router, own[0].detach()))  # [N, E]
         z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
         if fwd.positions == 1:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
@@ -126,6 +129,8 @@ class LayerRouting:
         B, S, E = fwd.rows, fwd.positions, self.num_experts
         with torch.no_grad():  # the host's copy and the untrained path's logits: nothing saved for a backward pass
             raw, both = self.joint_scores(layer, hidden)
+            if self.gate is not None:
+                both = torch.cat((self._gated(layer, hidden, both[:, :E]), both[:, E:].float()), dim=1)
         host = _host(both)  # [N, 2E]: this layer's z | next pre-gate
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
         # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
@@ -148,6 +153,17 @@ class LayerRouting:
         self.pregate[layer + 1] = g_next
         return result
 
+    def _gated(self, layer: int, hidden: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+        """``z [N, E]``, with a gate: each token's scores times ``lam * delta[l] / margin`` (float32; the
+        policy's decisions on them are the gate's, psr_hf.policy.margins)."""
+        if self.gate is None:
+            return z
+        if hidden is None:
+            raise RuntimeError(f"psr_hf: MoE layer {layer}'s router input is needed by the gate but was not given")
+        x = hidden.detach().reshape(-1, hidden.shape[-1])
+        margins = self.gate(layer, x).to(z.device)
+        return z.float() * (self.gate_unit[layer].to(z.device) / margins)[:, None]
+
     def recompute(self, layer: int, router: Any, own: tuple) -> tuple:
         """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
         with weights from the recomputed logits, so the gradients are those of the routed forward."""
@@ -169,6 +185,9 @@ class LayerRouting:
     # ------------------------------------------------------------------ the batch-1 decode path
     def select(self, fwd: Any, layer: int, scores: Any, pregate: Any) -> Selection:
         """:meth:`Controller.select` in the open step ``fwd``."""
+        if self.gate is not None:
+            raise RuntimeError("psr_hf: a model routed with a gate (a margin head) decodes through its own forward "
+                               "pass (generate(), lm-eval); the engine's decode steps do not run gates")
         E = self.num_experts
         z = np.ascontiguousarray(np.asarray(scores, dtype=np.float32).reshape(1, 1, E))
         mode = "select" if self.needs_pregate and (layer or layer + 1 < self.num_layers) else "both"

@@ -1,0 +1,14 @@
+"""Trainable cache-aware gates (the paper's Section 6.10): a learned, bounded per-token margin on the logical cache
+(:class:`~psr_hf.gates.margin_head.MarginHead`), read by ``psr_hf.patch(model, config, gate=...)``. The names below
+load on first use.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+_LAZY = {
+    "MarginHead": "psr_hf.gates.margin_head",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=())
