@@ -9,8 +9,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-# eval: lm-eval and the statistics stack; `make test` runs the lm-eval integration tests too
-EXTRAS ?= dev,eval
+# eval: lm-eval and the statistics stack; `make test` runs the lm-eval integration tests too; train: peft
+EXTRAS ?= dev,eval,train
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 

@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import bench, demo, evaluation, excess_nll, free_generation, models, prefetch, speculative, sweep
+from . import bench, demo, evaluation, excess_nll, free_generation, gates, models, prefetch, speculative, sweep
 from .options import check_device, check_outputs
 
 DESCRIPTION = (
@@ -22,7 +22,8 @@ DESCRIPTION = (
     "Models are named the same way everywhere: tiny-moe (shipped), a local model directory, or a hub id "
     "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
 )
-GROUPS = (demo, models, bench, free_generation, speculative, sweep, excess_nll, prefetch, evaluation)  # the order in --help
+# the order in --help
+GROUPS = (demo, models, bench, free_generation, speculative, sweep, excess_nll, prefetch, gates, evaluation)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,290 @@
+"""Distilling the routed model to the frozen one (the paper's Section 6.10, "the same for PSR's own router"): the
+router of every MoE layer and LoRA adapters on attention and on each expert (through peft: transformers' fused
+expert tensors by parameter targeting, one rank-``r`` adapter per expert) are trained so that the model *routed by
+the logical cache* (any :class:`~psr_hf.RoutingConfig`, e.g. PSR at 37.5% residency) matches the exact model's
+next-token distribution (KL). The selection stays the kernels' and discrete; the gradients reach the router through
+the executed experts' weights and the adapters through the computation.
+
+The result is a folder: ``routing.safetensors`` (the trained routers, the model's shape and the training facts)
+and ``adapter/`` (peft's own format); :func:`apply_distilled` puts both into a model of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._metadata import user_metadata
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "psr_hf.distilled_routing"
+FORMAT_VERSION = 1
+PAPER_WIDTH = 2048  # OLMoE's hidden size, where the paper used rank 16 on attention and 8 per expert
+PAPER_RANKS = (16, 8)
+ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+CHECKPOINT = "checkpoint.safetensors"
+
+
+def scaled_ranks(hidden_size: int) -> tuple[int, int]:
+    """The paper's ranks (16 on attention, 8 per expert at width 2048) at the same rank-to-width ratio for a model
+    of ``hidden_size``, at least 1."""
+    attention, expert = (max(1, round(r * hidden_size / PAPER_WIDTH)) for r in PAPER_RANKS)
+    return attention, expert
+
+
+@dataclass
+class DistillationResult:
+    """What :func:`distill_routing` did: the KL of each optimiser step (mean per token), the ranks, and where
+    the result was written."""
+
+    losses: list[float]
+    attention_rank: int
+    expert_rank: int
+    path: Path
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from ..hf.patching import family_of
+
+    return [layer.router for layer in family_of(model).moe_layers()]
+
+
+def _expert_parameters(model: torch.nn.Module) -> list[str]:
+    """peft ``target_parameters``: the fused expert tensors of the MoE layers, by their name within a decoder layer
+    (``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` on OLMoE)."""
+    names = sorted({".".join(name.split(".")[-3:]) for name, p in model.named_parameters()
+                    if p.ndim == 3 and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")})
+    if not names:
+        raise ValueError("the model has no fused expert tensors (gate_up_proj / down_proj [E, ., .]) for per-expert "
+                         "adapters; give expert_rank=0")
+    return names
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over real positions of KL(teacher || student) of the next-token distributions."""
+    kl = F.kl_div(student.float().log_softmax(-1), teacher.float().log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], config: Any, out: str | Path, *,
+                    calibration: Any, steps: int, attention_rank: int | None = None, expert_rank: int | None = None,
+                    lr: float = 1e-4, router_lr: float = 2e-5, warmup: int = 20, seed: int = 0,
+                    metadata: Mapping[str, Any] | None = None, progress: bool = False,
+                    checkpoint_every: int = 0, resume: bool = False) -> DistillationResult:
+    """Train the routers and the adapters of ``model`` in place (afterwards it carries peft's adapter wrappers and
+    the trained routers; :func:`apply_distilled` puts the written result into a fresh model) on ``windows``
+    (``[T]`` or ``[1, T]`` token ids, cycled) for ``steps`` steps, routed by ``config`` with ``calibration``;
+    AdamW with betas (0.9, 0.95), no weight decay, ``lr`` for the adapters and ``router_lr`` for the routers,
+    linear warm-up over ``warmup`` steps (the paper's Appendix A).
+    Ranks default to :func:`scaled_ranks`; 0 leaves that part out. Writes the folder ``out``.
+
+    ``checkpoint_every``: every so many steps the training state (routers, adapters, optimiser, step, losses) goes
+    to ``out/checkpoint.safetensors``; ``resume``: continue from it (the same windows, config, ranks and rates,
+    else ``ValueError``), so a cut run ends where an uncut one would."""
+    peft = _peft()
+    from .. import RoutingConfig, patch, unpatch
+    from .._progress import tqdm
+
+    config = RoutingConfig.coerce(config)
+    if steps < 1:
+        raise ValueError(f"steps={steps}: give at least one optimiser step")
+    if not windows:
+        raise ValueError("no training windows: give token windows of held-out-free training text")
+    hidden = int(model.config.hidden_size)
+    default_attention, default_expert = scaled_ranks(hidden)
+    attention_rank = default_attention if attention_rank is None else int(attention_rank)
+    expert_rank = default_expert if expert_rank is None else int(expert_rank)
+    if attention_rank < 0 or expert_rank < 0:
+        raise ValueError(f"ranks must be >= 0; got attention {attention_rank}, expert {expert_rank}")
+    windows = [w.reshape(1, -1) if w.ndim == 1 else w for w in windows]
+    torch.manual_seed(seed)
+    model.eval()
+    with torch.no_grad():  # the frozen exact model's distributions: the targets
+        teachers = [model(input_ids=w).logits.detach() for w in windows]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tuned = model
+    if attention_rank or expert_rank:
+        tuned = peft.get_peft_model(model, _lora_config(model, attention_rank, expert_rank))
+    routers = _routers(model)
+    for router in routers:
+        router.weight.requires_grad_(True)
+    adapters = [p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n]
+    groups = [{"params": [r.weight for r in routers], "lr": router_lr}]
+    if adapters:
+        groups.append({"params": adapters, "lr": lr})
+    optimiser = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(1.0, (s + 1) / max(1, warmup)))
+    out = Path(out)
+    trained = {f"router.{i}": r.weight for i, r in enumerate(routers)} | {
+        n: p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n}
+    identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed)
+    losses: list[float] = []
+    start = 0
+    if resume:
+        start, losses = _load_checkpoint(out / CHECKPOINT, trained, optimiser, schedule, identity)
+    patch(model, config, calibration=calibration)
+    try:
+        model.train()
+        bar = tqdm(range(start, steps), desc="distil routing", disable=not progress, unit="step", initial=start,
+                   total=steps)
+        for step in bar:
+            i = step % len(windows)
+            loss = _kl(model(input_ids=windows[i]).logits, teachers[i], None)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+            if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+                _save_checkpoint(out / CHECKPOINT, trained, optimiser, step + 1, losses, identity)
+    finally:
+        model.eval()
+        unpatch(model)
+    path = _save(tuned, routers, out, model, config, attention_rank, expert_rank, steps, metadata)
+    (out / CHECKPOINT).unlink(missing_ok=True)
+    for router in routers:
+        router.weight.requires_grad_(False)
+    return DistillationResult(losses, attention_rank, expert_rank, path)
+
+
+def _identity(windows: Sequence[torch.Tensor], config: Any, *numbers: Any) -> str:
+    """What a checkpoint must match to be continued: the windows' tokens, the routing and the training numbers."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for w in windows:
+        digest.update(w.to(torch.int64).numpy().tobytes())
+        digest.update(b"|")
+    return json.dumps({"windows": digest.hexdigest(), "routing": config.to_dict(),
+                       "numbers": [str(n) for n in numbers]}, sort_keys=True)
+
+
+def _save_checkpoint(path: Path, trained: dict, optimiser: Any, step: int, losses: list[float], identity: str) -> None:
+    from safetensors.torch import save_file
+
+    state = optimiser.state_dict()
+    tensors = {f"param.{n}": p.detach().cpu().contiguous() for n, p in trained.items()}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            tensors[f"optimiser.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata={"format": FORMAT_NAME + ".checkpoint", "step": str(step),
+                                               "losses": json.dumps(losses), "identity": identity,
+                                               "groups": json.dumps(state["param_groups"])})
+    partial.replace(path)  # a run cut while writing keeps the previous checkpoint
+
+
+def _load_checkpoint(path: Path, trained: dict, optimiser: Any, schedule: Any,
+                     identity: str) -> tuple[int, list[float]]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ValueError(f"resume: {path} does not exist; start the training without resume")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("identity") != identity:
+            raise ValueError(f"resume: {path} was written by a training with other windows, routing, ranks or "
+                             "rates; give the same ones, or start afresh without resume")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    with torch.no_grad():
+        for name, param in trained.items():
+            param.copy_(tensors[f"param.{name}"])
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimiser."):
+            _, index, field = key.split(".", 2)
+            state.setdefault(int(index), {})[field] = value
+    optimiser.load_state_dict({"state": state, "param_groups": json.loads(meta["groups"])})
+    step = int(meta["step"])
+    schedule.last_epoch = step  # the rates themselves came back with the optimiser's groups
+    schedule._last_lr = [group["lr"] for group in optimiser.param_groups]
+    return step, [float(x) for x in json.loads(meta["losses"])]
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("distilled routing trains LoRA adapters with peft, which is not installed: pip install "
+                          "'psr-hf[train]' (or peft>=0.17)") from None
+    return peft
+
+
+def _lora_config(model: torch.nn.Module, attention_rank: int, expert_rank: int) -> Any:
+    peft = _peft()
+
+    targets: dict[str, Any] = {}
+    if attention_rank:
+        targets["target_modules"] = ATTENTION_MODULES
+    else:
+        targets["target_modules"] = []
+    if expert_rank:
+        targets["target_parameters"] = _expert_parameters(model)
+    # one rank for the attention modules, another for the expert tensors (rank_pattern keys match names by suffix)
+    pattern = {name: expert_rank for name in targets.get("target_parameters", [])}
+    return peft.LoraConfig(r=attention_rank or expert_rank, lora_alpha=2 * (attention_rank or expert_rank),
+                           rank_pattern=pattern, alpha_pattern={k: 2 * v for k, v in pattern.items()},
+                           lora_dropout=0.0, bias="none", **targets)
+
+
+def _save(tuned: Any, routers: list, out: Path, model: torch.nn.Module, config: Any, attention_rank: int,
+          expert_rank: int, steps: int, metadata: Mapping[str, Any] | None) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"router.{i}": r.weight.detach().float().cpu().contiguous() for i, r in enumerate(routers)}
+    facts = {"model_type": str(getattr(model.config, "model_type", "")), "num_layers": str(len(routers)),
+             "num_experts": str(int(routers[0].weight.shape[0])), "hidden_size": str(int(model.config.hidden_size))}
+    user = {str(k): str(v) for k, v in dict(metadata or {}).items()} | {
+        "routing": json.dumps(config.to_dict()),
+        "attention_rank": str(attention_rank), "expert_rank": str(expert_rank), "steps": str(steps)}
+    save_file(tensors, str(out / "routing.safetensors"),
+              metadata={"format": FORMAT_NAME, "version": str(FORMAT_VERSION), **facts, "user": json.dumps(user)})
+    if tuned is not model:
+        tuned.save_pretrained(str(out / "adapter"))
+    return out
+
+
+def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """Put a :func:`distill_routing` result into ``model`` (unpatched, the same shape as the one trained): its
+    routers' weights, and its adapters merged into the weights. Returns the model (with the adapters, a new object
+    from peft's ``merge_and_unload``). ``ValueError`` for a folder that is not one or a model of another shape."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    file = path / "routing.safetensors"
+    if not file.is_file():
+        raise ValueError(f"{path} holds no routing.safetensors: not a distilled routing (psr_hf.gates.train)")
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT_NAME:
+            raise ValueError(f"{file} is not a psr_hf distilled routing (format {meta.get('format')!r})")
+        routers = _routers(model)
+        want = {"model_type": str(getattr(model.config, "model_type", "")), "num_layers": str(len(routers)),
+                "num_experts": str(int(routers[0].weight.shape[0])),
+                "hidden_size": str(int(model.config.hidden_size))}
+        have = {k: meta.get(k) for k in want}
+        if have != want:
+            raise ValueError(f"{path} was trained on a model with {have}, this one has {want}")
+        weights = [f.get_tensor(f"router.{i}") for i in range(len(routers))]
+        user_metadata(meta.get("user"), file)
+    with torch.no_grad():
+        for router, w in zip(routers, weights):
+            router.weight.copy_(w.to(router.weight.dtype))
+    if (path / "adapter").is_dir():
+        model = _peft().PeftModel.from_pretrained(model, str(path / "adapter")).merge_and_unload()
+    return model
