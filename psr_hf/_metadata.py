@@ -26,3 +26,29 @@ def user_metadata(text: Any, path: Any) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path}: the header's user metadata must be a JSON object, not a {type(value).__name__}")
     return value
+
+
+def read_file(path: Any, format_name: str, what: str, hint: str) -> tuple[dict, dict, dict]:
+    """The header, the user metadata and the tensors (torch) of the psr_hf safetensors file ``path`` whose
+    ``format`` is ``format_name``; ``ValueError`` naming the file, ``what`` it should be and ``hint`` (how to make
+    one) when it is missing, of another format or unreadable."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} file {path} does not exist; {hint}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != format_name:
+                raise ValueError(f"{path} is not a psr_hf {what} (format {meta.get('format')!r}); a calibration or "
+                                 f"model file? {hint[:1].upper()}{hint[1:]}")
+            user = user_metadata(meta.get("user"), path)
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except ValueError:
+        raise
+    except Exception as exc:  # safetensors' own errors for a corrupt file
+        raise ValueError(f"{path} could not be read as a {what} ({type(exc).__name__}: {exc})") from exc
+    return meta, user, tensors

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._metadata import user_metadata
+from .._metadata import read_file
 from ..policy.margins import MIN_MARGIN
 
 FORMAT_NAME = "psr_hf.margin_head"
@@ -122,25 +122,10 @@ class MarginHead(torch.nn.Module):
     @classmethod
     def load(cls, path: str | Path) -> "MarginHead":
         """Read a head written by :meth:`save`; ``ValueError`` for a file that is not one."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"margin head file {path} does not exist")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT_NAME:
-                    raise ValueError(f"{path} is not a psr_hf margin head (format {meta.get('format')!r})")
-                missing = [k for k in ("weight", "bias", "ceiling") if k not in set(f.keys())]
-                if missing:
-                    raise ValueError(f"{path}: tensors {missing} are missing (a truncated file?)")
-                tensors = {k: f.get_tensor(k) for k in ("weight", "bias", "ceiling")}
-                user = user_metadata(meta.get("user"), path)
-        except ValueError:
-            raise
-        except Exception as exc:  # safetensors' own errors for a corrupt file
-            raise ValueError(f"{path} could not be read as a margin head ({type(exc).__name__}: {exc})") from exc
+        _, user, tensors = read_file(path, FORMAT_NAME, "margin head", "make one with MarginHead.uniform and save it")
+        missing = [k for k in ("weight", "bias", "ceiling") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: tensors {missing} are missing (a truncated file?)")
         try:
             return cls(tensors["weight"], tensors["bias"], tensors["ceiling"], user)
         except ValueError as error:

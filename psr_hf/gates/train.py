@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._metadata import user_metadata
+from .._metadata import read_file
 
 logger = logging.getLogger(__name__)
 
@@ -190,16 +190,11 @@ def _save_checkpoint(path: Path, trained: dict, optimiser: Any, step: int, losse
 
 def _load_checkpoint(path: Path, trained: dict, optimiser: Any, schedule: Any,
                      identity: str) -> tuple[int, list[float]]:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise ValueError(f"resume: {path} does not exist; start the training without resume")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("identity") != identity:
-            raise ValueError(f"resume: {path} was written by a training with other windows, routing, ranks or "
-                             "rates; give the same ones, or start afresh without resume")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta, _, tensors = read_file(path, FORMAT_NAME + ".checkpoint", "training checkpoint",
+                                 "start the training without resume")
+    if meta.get("identity") != identity:
+        raise ValueError(f"resume: {path} was written by a training with other windows, routing, ranks or rates; "
+                         "give the same ones, or start afresh without resume")
     with torch.no_grad():
         for name, param in trained.items():
             param.copy_(tensors[f"param.{name}"])
@@ -263,25 +258,18 @@ def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     """Put a :func:`distill_routing` result into ``model`` (unpatched, the same shape as the one trained): its
     routers' weights, and its adapters merged into the weights. Returns the model (with the adapters, a new object
     from peft's ``merge_and_unload``). ``ValueError`` for a folder that is not one or a model of another shape."""
-    from safetensors import safe_open
-
     path = Path(path)
     file = path / "routing.safetensors"
     if not file.is_file():
         raise ValueError(f"{path} holds no routing.safetensors: not a distilled routing (psr_hf.gates.train)")
-    with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT_NAME:
-            raise ValueError(f"{file} is not a psr_hf distilled routing (format {meta.get('format')!r})")
-        routers = _routers(model)
-        want = {"model_type": str(getattr(model.config, "model_type", "")), "num_layers": str(len(routers)),
-                "num_experts": str(int(routers[0].weight.shape[0])),
-                "hidden_size": str(int(model.config.hidden_size))}
-        have = {k: meta.get(k) for k in want}
-        if have != want:
-            raise ValueError(f"{path} was trained on a model with {have}, this one has {want}")
-        weights = [f.get_tensor(f"router.{i}") for i in range(len(routers))]
-        user_metadata(meta.get("user"), file)
+    meta, _, tensors = read_file(file, FORMAT_NAME, "distilled routing", "train one with psr-hf train-gate")
+    routers = _routers(model)
+    want = {"model_type": str(getattr(model.config, "model_type", "")), "num_layers": str(len(routers)),
+            "num_experts": str(int(routers[0].weight.shape[0])), "hidden_size": str(int(model.config.hidden_size))}
+    have = {k: meta.get(k) for k in want}
+    if have != want:
+        raise ValueError(f"{path} was trained on a model with {have}, this one has {want}")
+    weights = [tensors[f"router.{i}"] for i in range(len(routers))]
     with torch.no_grad():
         for router, w in zip(routers, weights):
             router.weight.copy_(w.to(router.weight.dtype))

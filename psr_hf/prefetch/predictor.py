@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._metadata import user_metadata
+from .._metadata import read_file
 
 FORMAT_NAME = "psr_hf.predictor"
 FORMAT_VERSION = 1
@@ -180,39 +180,20 @@ class Predictor:
     @classmethod
     def load(cls, path: str | Path) -> "Predictor":
         """Read a predictor written by :meth:`save`; ``ValueError`` for a file that is not one."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"predictor file {path} does not exist; train one with psr-hf train-predictor")
+        meta, user, tensors = read_file(path, FORMAT_NAME, "predictor", "train one with psr-hf train-predictor")
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                keys = set(f.keys())
-                if meta.get("format") != FORMAT_NAME:
-                    raise ValueError(f"{path} is not a psr_hf predictor (format {meta.get('format')!r}); a "
-                                     "calibration or model file? Train a predictor with psr-hf train-predictor")
-                try:
-                    pairs = int(meta.get("num_layers", "")) - 1
-                except ValueError:
-                    raise ValueError(f"{path}: the header's num_layers {meta.get('num_layers')!r} is not an "
-                                     "integer") from None
-                present = sum(1 for k in keys if k.startswith(("A.", "B.")))
-                if pairs < 1 or 2 * pairs != present:
-                    raise ValueError(f"{path}: the header says {pairs + 1} layers ({2 * pairs} predictor tensors) "
-                                     f"but the file holds {present}; a truncated or altered file?")
-                missing = [k for i in range(pairs) for k in (f"A.{i}", f"B.{i}") if k not in keys]
-                if missing:
-                    raise ValueError(f"{path}: predictor tensors {missing[:4]} are missing (a truncated file?)")
-                user = user_metadata(meta.get("user"), path)
-                A = [f.get_tensor(f"A.{i}") for i in range(pairs)]
-                B = [f.get_tensor(f"B.{i}") for i in range(pairs)]
+            pairs = int(meta.get("num_layers", "")) - 1
         except ValueError:
-            raise
-        except Exception as exc:  # safetensors' own errors for a corrupt file
-            raise ValueError(f"{path} could not be read as a predictor ({type(exc).__name__}: {exc})") from exc
+            raise ValueError(f"{path}: the header's num_layers {meta.get('num_layers')!r} is not an integer") from None
+        present = sum(1 for k in tensors if k.startswith(("A.", "B.")))
+        if pairs < 1 or 2 * pairs != present:
+            raise ValueError(f"{path}: the header says {pairs + 1} layers ({2 * pairs} predictor tensors) but the file "
+                             f"holds {present}; a truncated or altered file?")
+        missing = [k for i in range(pairs) for k in (f"A.{i}", f"B.{i}") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: predictor tensors {missing[:4]} are missing (a truncated file?)")
         try:
-            return cls(A, B, user)
+            return cls([tensors[f"A.{i}"] for i in range(pairs)], [tensors[f"B.{i}"] for i in range(pairs)], user)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
 
