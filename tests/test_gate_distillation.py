@@ -53,8 +53,17 @@ def test_distillation_through_psr_lowers_the_kl_and_its_result_loads_into_a_fres
 
 
 def test_the_papers_ranks_scale_with_the_width_and_bad_arguments_are_refused():
+    import peft
+
+    from psr_hf.gates.train import _lora_config
+
     assert scaled_ranks(2048) == (16, 8) and scaled_ranks(1024) == (8, 4) and scaled_ranks(64) == (1, 1)
     model, tokenizer, calibration = load_shipped("olmoe-routing")
+    adapted, _, _ = load_shipped("olmoe-routing")
+    peft.get_peft_model(adapted, _lora_config(adapted, 2, 1))  # different ranks: each its own, alpha = 2 r for both
+    attention, experts = adapted.model.layers[0].self_attn.q_proj, adapted.model.layers[0].mlp.experts
+    assert attention.lora_A["default"].weight.shape[0] == 2 and experts.lora_A["default"].weight.shape[0] == 1 * 64
+    assert attention.scaling["default"] == experts.scaling["default"] == 2.0
     with pytest.raises(ValueError, match="at least one optimiser step"):
         distill_routing(model, [torch.arange(8)], CONFIG, "unused", calibration=calibration, steps=0)
     with pytest.raises(ValueError, match="no training windows"):

@@ -220,20 +220,16 @@ def _peft() -> Any:
 
 
 def _lora_config(model: torch.nn.Module, attention_rank: int, expert_rank: int) -> Any:
+    """One rank for the attention modules, another for the expert tensors, alpha = 2 r for both. The expert tensors
+    take the config's own ``r`` and ``lora_alpha`` (peft 0.21 ignores ``alpha_pattern`` keys of target parameters);
+    the attention modules take theirs from the patterns."""
     peft = _peft()
-
-    targets: dict[str, Any] = {}
-    if attention_rank:
-        targets["target_modules"] = ATTENTION_MODULES
-    else:
-        targets["target_modules"] = []
-    if expert_rank:
-        targets["target_parameters"] = _expert_parameters(model)
-    # one rank for the attention modules, another for the expert tensors (rank_pattern keys match names by suffix)
-    pattern = {name: expert_rank for name in targets.get("target_parameters", [])}
-    return peft.LoraConfig(r=attention_rank or expert_rank, lora_alpha=2 * (attention_rank or expert_rank),
-                           rank_pattern=pattern, alpha_pattern={k: 2 * v for k, v in pattern.items()},
-                           lora_dropout=0.0, bias="none", **targets)
+    experts = _expert_parameters(model) if expert_rank else []
+    base = expert_rank or attention_rank
+    modules = ATTENTION_MODULES if attention_rank else []
+    return peft.LoraConfig(r=base, lora_alpha=2 * base, target_modules=modules, target_parameters=experts or None,
+                           rank_pattern={m: attention_rank for m in modules},
+                           alpha_pattern={m: 2 * attention_rank for m in modules}, lora_dropout=0.0, bias="none")
 
 
 def _save(tuned: Any, routers: list, out: Path, model: torch.nn.Module, config: Any, attention_rank: int,
