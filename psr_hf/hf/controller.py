@@ -101,7 +101,8 @@ class Controller:
         self._calibration_given = None if calibration is None else cache.calibration  # what reconfigure() keeps
         self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
         self.routing.configure(config, cache, source)
-        self.routing.gate, self.routing.gate_unit = _gate_for(gate, config, cache.calibration, model_shape)
+        self.routing.gate, self.routing.gate_unit = _gate_for(gate, config, cache.calibration, model_shape,
+                                                              self.routing.devices[0])
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
         self._totals = RoutingCounters()  # finished sequences since the last reset_stats()
 
@@ -651,10 +652,11 @@ class Controller:
         return None if keep.all() else keep.astype(np.uint8)
 
 
-def _gate_for(gate: Any, config: RoutingConfig, calibration: Any,
-              shape: dict) -> tuple[Any, torch.Tensor | None]:
-    """The margin head and its unit ``lam * delta[l]`` (``ValueError`` where the config or calibration cannot carry
-    per-token margins), or (None, None)."""
+def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
+              device: torch.device) -> tuple[Any, torch.Tensor | None]:
+    """The margin head, moved to the routers' ``device`` (its margins are computed where the router inputs are,
+    with no transfer per layer), and its unit ``lam * delta[l]`` there (``ValueError`` where the config or
+    calibration cannot carry per-token margins), or (None, None)."""
     if gate is None:
         return None, None
     from ..gates.margin_head import MarginHead
@@ -667,4 +669,4 @@ def _gate_for(gate: Any, config: RoutingConfig, calibration: Any,
                          f"policy={config.policy!r}, delta_mode={config.delta_mode!r}: use policy='cache_prior' "
                          "(with eviction='lru': the change-based gate) or 'psr', delta_mode='fixed'")
     unit = margin_scale(np.ones(shape["num_layers"]), float(config.lam), calibration.delta)  # lam * delta
-    return head, torch.as_tensor(unit, dtype=torch.float32)
+    return head.to(device), torch.as_tensor(unit, dtype=torch.float32, device=device)

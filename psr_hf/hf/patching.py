@@ -70,7 +70,8 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             prefetches (docs/ALGORITHM.md); checked against the model's shape.
         gate: a :class:`psr_hf.gates.MarginHead` (or its path): a learned margin per token and layer for
             ``policy="cache_prior"`` (with LRU eviction: the change-based gate of the paper's Section 6.10) or
-            ``"psr"`` (a learned bonus), fixed bonus scale; checked against the model's shape. The HF path only.
+            ``"psr"`` (a learned bonus), fixed bonus scale; checked against the model's shape and moved to the
+            routers' device. The HF path only.
 
     Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
     """

@@ -160,9 +160,8 @@ class LayerRouting:
             return z
         if hidden is None:
             raise RuntimeError(f"psr_hf: MoE layer {layer}'s router input is needed by the gate but was not given")
-        x = hidden.detach().reshape(-1, hidden.shape[-1])
-        margins = self.gate(layer, x).to(z.device)
-        return z.float() * (self.gate_unit[layer].to(z.device) / margins)[:, None]
+        margins = self.gate(layer, hidden.detach().reshape(-1, hidden.shape[-1]))
+        return z.float() * (self.gate_unit[layer] / margins).to(z.device)[:, None]
 
     def recompute(self, layer: int, router: Any, own: tuple) -> tuple:
         """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
