@@ -13,7 +13,8 @@ import torch
 import psr_hf
 from psr_hf.assets import load_shipped
 from psr_hf.assets.texts import module_sources, token_windows
-from psr_hf.gates.train import _kl, apply_distilled, distill_routing, scaled_ranks
+from psr_hf.gates import MarginHead
+from psr_hf.gates.train import _kl, apply_distilled, distill_routing, load_distilled, scaled_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
@@ -70,29 +71,43 @@ def test_the_papers_ranks_scale_with_the_width_and_bad_arguments_are_refused():
         distill_routing(model, [], CONFIG, "unused", calibration=calibration, steps=2)
 
 
-def test_a_training_cut_short_resumes_where_an_uncut_one_would_be(tmp_path):
+def _gate_args(gated: bool, calibration) -> dict:
+    """A fresh untrained margin head and a load penalty (the bounded-bonus variant), or nothing."""
+    if not gated:
+        return {}
+    return {"gate": MarginHead.uniform(CONFIG.lam * calibration.delta, 128), "load_penalty": 0.01, "head_lr": 1e-2}
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["routers-and-adapters", "with-a-margin-head"])
+def test_a_training_cut_short_resumes_where_an_uncut_one_would_be(tmp_path, gated):
     model, tokenizer, calibration = load_shipped("olmoe-routing")
     windows = token_windows([t for _, t in module_sources(["heapq"])], tokenizer, tokens=256, window=64,
                             option="--text")
     whole = distill_routing(model, windows, CONFIG, tmp_path / "whole", calibration=calibration, steps=6, lr=1e-3,
-                            router_lr=2e-4, warmup=2)
+                            router_lr=2e-4, warmup=2, **_gate_args(gated, calibration))
     first, _, _ = load_shipped("olmoe-routing")
     distill_routing(first, windows, CONFIG, tmp_path / "cut", calibration=calibration, steps=3, lr=1e-3,
-                    router_lr=2e-4, warmup=2, checkpoint_every=2)
+                    router_lr=2e-4, warmup=2, checkpoint_every=2, **_gate_args(gated, calibration))
     # the 3-step run finished and removed its checkpoint; a 6-step run cut after step 4 leaves one
     assert not (tmp_path / "cut" / "checkpoint.safetensors").exists()
     cut, _, _ = load_shipped("olmoe-routing")
     with pytest.raises(KeyboardInterrupt):
-        _interrupted_after(cut, 4, windows, calibration, tmp_path / "cut")
+        _interrupted_after(cut, 4, windows, calibration, tmp_path / "cut", **_gate_args(gated, calibration))
     assert (tmp_path / "cut" / "checkpoint.safetensors").exists()
     (tmp_path / "other").mkdir()
     shutil.copy(tmp_path / "cut" / "checkpoint.safetensors", tmp_path / "other" / "checkpoint.safetensors")
     again, _, _ = load_shipped("olmoe-routing")
     resumed = distill_routing(again, windows, CONFIG, tmp_path / "cut", calibration=calibration, steps=6, lr=1e-3,
-                              router_lr=2e-4, warmup=2, checkpoint_every=2, resume=True)
+                              router_lr=2e-4, warmup=2, checkpoint_every=2, resume=True,
+                              **_gate_args(gated, calibration))
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
-    a, b = (apply_distilled(load_shipped("olmoe-routing")[0], r.path) for r in (whole, resumed))
+    assert resumed.loads == pytest.approx(whole.loads, rel=1e-5) and bool(resumed.loads) == gated
+    (a, head_a), (b, head_b) = (load_distilled(load_shipped("olmoe-routing")[0], r.path) for r in (whole, resumed))
     torch.testing.assert_close(a.model.layers[0].mlp.gate.weight, b.model.layers[0].mlp.gate.weight)
+    assert (head_a is None) == (head_b is None) == (not gated)
+    if gated:
+        torch.testing.assert_close(head_a.weight, head_b.weight)
+        torch.testing.assert_close(head_a.bias, head_b.bias)
     with pytest.raises(ValueError, match="other windows"):  # a checkpoint continues only its own training
         distill_routing(load_shipped("olmoe-routing")[0], windows[:2], CONFIG, tmp_path / "other",
                         calibration=calibration, steps=6, lr=1e-3, router_lr=2e-4, warmup=2, resume=True)
@@ -101,21 +116,21 @@ def test_a_training_cut_short_resumes_where_an_uncut_one_would_be(tmp_path):
                         calibration=calibration, steps=6, resume=True)
 
 
-def _interrupted_after(model, steps, windows, calibration, out):
+def _interrupted_after(model, steps, windows, calibration, out, **extra):
     """A training that stops (as a killed run would) right after its step ``steps`` wrote its checkpoint."""
     import psr_hf.gates.train as train
 
     save = train._save_checkpoint
 
-    def save_then_stop(path, trained, optimiser, step, losses, identity):
-        save(path, trained, optimiser, step, losses, identity)
+    def save_then_stop(path, trained, optimiser, step, *rest):
+        save(path, trained, optimiser, step, *rest)
         if step == steps:
             raise KeyboardInterrupt
 
     train._save_checkpoint = save_then_stop
     try:
         distill_routing(model, windows, CONFIG, out, calibration=calibration, steps=6, lr=1e-3, router_lr=2e-4,
-                        warmup=2, checkpoint_every=2)
+                        warmup=2, checkpoint_every=2, **extra)
     finally:
         train._save_checkpoint = save
 

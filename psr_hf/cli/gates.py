@@ -1,6 +1,8 @@
 """``psr-hf train-gate`` (docs/gates.md): distil a model routed by the logical cache (PSR by default, at the
 paper's 37.5% residency, lam 0.3, n = 1) to the frozen exact model, training its routers and LoRA adapters on
-attention and on each expert through peft; writes a folder that :func:`psr_hf.gates.train.apply_distilled` loads."""
+attention and on each expert through peft, and with ``--gate`` a margin head (the change-based gate with
+``--policy cache_prior``, the bounded per-token bonus with ``psr``); writes a folder that
+:func:`psr_hf.gates.train.load_distilled` loads."""
 
 from __future__ import annotations
 
@@ -24,7 +26,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--window", type=int, default=256, help="tokens per window, one window per step (default 256)")
     p.add_argument("--steps", type=int, help="optimiser steps (default: one pass over the windows)")
     p.add_argument("--policy", default="psr", choices=["psr", "cache_prior"],
-                   help="the routing distilled through (default psr)")
+                   help="the routing distilled through (default psr; cache_prior evicts by LRU, the change-based "
+                        "gate's rule)")
+    p.add_argument("--gate", action="store_true", help="also train a margin head: a learned per-token margin "
+                                                       "(cache_prior) or bonus (psr), written as gate.safetensors")
+    p.add_argument("--load-penalty", type=float, default=0.0,
+                   help="weight of the smooth host loads per token beside the KL (default 0)")
+    p.add_argument("--temperature", type=float, default=0.5,
+                   help="the relaxation's temperature, in units of lam * delta (default 0.5)")
+    p.add_argument("--head-lr", type=float, help="the margin head's peak learning rate (default: --lr)")
     p.add_argument("--lam", type=float, default=0.3, help="bonus lam (default 0.3, the paper's)")
     p.add_argument("--budget", type=int, default=1, help="PSR's insertions per layer and token n (default 1)")
     p.add_argument("--residency", type=float, default=0.375, help="cache residency C/E (default 0.375)")
@@ -65,6 +75,7 @@ def _check(args: argparse.Namespace) -> None:
 def train_gate(args: argparse.Namespace) -> int:
     from .. import RoutingConfig
     from ..assets.texts import token_windows, training_texts
+    from ..gates.margin_head import MarginHead
     from ..gates.train import distill_routing
     from ..policy.calibration import Calibration
 
@@ -72,26 +83,34 @@ def train_gate(args: argparse.Namespace) -> int:
     fields = dict(policy=args.policy, lam=args.lam, residency=args.residency)
     if args.policy == "psr":
         fields["budget"] = args.budget
+    else:
+        fields["eviction"] = "lru"
     config = RoutingConfig(**fields)
     texts, names = training_texts(args.text)
     model, tokenizer, info = load_model_of(args)
     beside = info.pop("calibration_file", None)
     if beside is None:
         raise ValueError(f"{args.model} has no calibration beside it; calibrate it first (psr-hf calibrate)")
+    calibration = Calibration.load(beside)
+    gate = MarginHead.uniform(config.lam * calibration.delta, model.config.hidden_size) if args.gate else None
     windows = token_windows(texts, tokenizer, tokens=args.tokens, window=args.window, option="--tokens")
     steps = args.steps or len(windows)
     err(f"psr-hf train-gate: {sum(w.numel() for w in windows)} tokens in {len(windows)} windows of "
         f"{', '.join(names)}; {steps} steps through {config.policy} (lam {config.lam}, residency {args.residency})")
     with compile_notice():
-        result = distill_routing(model, windows, config, args.out_folder, calibration=Calibration.load(beside),
+        result = distill_routing(model, windows, config, args.out_folder, calibration=calibration,
                                  steps=steps, attention_rank=args.attention_rank, expert_rank=args.expert_rank,
                                  lr=args.lr, router_lr=args.router_lr, warmup=args.warmup, seed=args.seed,
                                  metadata={"model": info["name"], "texts": ", ".join(names)}, progress=True,
-                                 checkpoint_every=args.checkpoint_every, resume=args.resume)
+                                 checkpoint_every=args.checkpoint_every, resume=args.resume, gate=gate,
+                                 load_penalty=args.load_penalty, temperature=args.temperature, head_lr=args.head_lr)
     n = max(1, min(10, len(result.losses) // 2))
     head, tail = result.losses[:n], result.losses[-n:]
     print(f"psr-hf train-gate: {info['name']}: {steps} steps, attention rank {result.attention_rank}, expert rank "
           f"{result.expert_rank}; KL to the exact model, mean of the first and the last {n} steps: "
           f"{sum(head) / len(head):.4f} -> {sum(tail) / len(tail):.4f}")
-    print(f"distilled routing: {result.path}")
+    if result.loads:
+        print(f"smooth host loads per token, mean of the first and the last {n} steps: "
+              f"{sum(result.loads[:n]) / n:.2f} -> {sum(result.loads[-n:]) / n:.2f}")
+    print(f"distilled routing: {result.path}" + (" (with its margin head, gate.safetensors)" if args.gate else ""))
     return 0

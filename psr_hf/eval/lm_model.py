@@ -20,6 +20,10 @@ With ``speculative=exact|position|confidence`` and ``drafter=MODEL`` the ``gener
 through :func:`psr_hf.hf.speculative.speculative_generate` (the drafter proposes, the target verifies a block at a
 time with block-level expert selection, greedy acceptance; docs/speculative.md); the loglikelihood requests stay on
 the batched path (docs/lm-eval.md, "Speculative decoding").
+
+With ``gate=FILE`` (a saved :class:`psr_hf.gates.MarginHead`) and ``distilled=FOLDER`` (a
+:func:`psr_hf.gates.train.distill_routing` result, merged by :func:`psr_hf.gates.train.load_distilled` before the
+model is patched; its own margin head, if it has one, is the gate) trained gates run under lm-eval (docs/gates.md).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from ..policy.config import RoutingConfig
 logger = logging.getLogger("lm_eval.models.psr_hf")
 
 ROUTING_ARGS = tuple(field.name for field in dataclasses.fields(RoutingConfig))
-PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor", "engine", "engine_max_len",
-            "speculative", "drafter", "draft_tokens", "pool", "block_threshold")
+PSR_ARGS = ("calibration", "config", "offload", "max_in_flight", "predictor", "gate", "distilled", "engine",
+            "engine_max_len", "speculative", "drafter", "draft_tokens", "pool", "block_threshold")
 # HFLM args the engine cannot serve: it needs the whole model's own weights on one device, computed in their dtype
 _ENGINE_EXCLUDES = {
     "parallelize": "the engine runs every layer on one device; drop parallelize=True",
@@ -80,13 +84,25 @@ def check_args(names: Any) -> None:
         raise ValueError(f"unknown psr_hf model arg(s) {', '.join(unknown)}; allowed: {allowed_args()}")
 
 
-def _existing_file(name: str, value: Any) -> str | None:
+# how to make the file or folder a model arg names, for the error of a missing one
+_MAKE_HINTS = {
+    "calibration": "make one with psr-hf calibrate --model MODEL --text FILE --out FILE",
+    "predictor": "train one with psr-hf train-predictor --model MODEL --out FILE",
+    "gate": "save a psr_hf.gates.MarginHead (MarginHead.uniform(...).save(FILE), or one psr-hf train-gate trained; "
+            "docs/gates.md)",
+    "distilled": "train one with psr-hf train-gate --model MODEL --out FOLDER (docs/gates.md)",
+}
+
+
+def _existing_file(name: str, value: Any, *, folder: bool = False) -> str | None:
+    """``value`` as a string, None for None; ``ValueError`` naming the arg and how to make one where it is no file
+    (``folder``: no directory)."""
     if value is None:
         return None
-    if not isinstance(value, (str, Path)) or not Path(value).is_file():
-        hint = {"calibration": "; make one with psr-hf calibrate --model MODEL --text FILE --out FILE",
-                "predictor": "; train one with psr-hf train-predictor --model MODEL --out FILE"}.get(name, "")
-        raise ValueError(f"psr_hf model arg {name}={value!r}: no such file{hint}")
+    exists = Path.is_dir if folder else Path.is_file
+    if not isinstance(value, (str, Path)) or not exists(Path(value)):
+        hint = f"; {_MAKE_HINTS[name]}" if name in _MAKE_HINTS else ""
+        raise ValueError(f"psr_hf model arg {name}={value!r}: no such {'folder' if folder else 'file'}{hint}")
     return str(value)
 
 
@@ -281,20 +297,71 @@ def speculative_args(speculative: Any, drafter: Any, draft_tokens: Any, pool: An
     return SpeculativeArgs(speculative, source, draft_tokens, pool, float(threshold))
 
 
+@dataclasses.dataclass(frozen=True)
+class GateArgs:
+    """The gate model args as checked before anything loads: ``distilled`` (the folder or None), ``path`` (the
+    margin head the run routes with: ``gate=FILE``, the folder's own, or None) and ``head`` (``gate=FILE`` loaded;
+    the folder's head loads with the folder, checked against the model)."""
+
+    distilled: str | None
+    path: str | None
+    head: Any
+
+
+def gate_args(gate: Any, distilled: Any, *, engine: bool, speculative: Any, peft: Any) -> GateArgs:
+    """The checked ``gate=FILE`` and ``distilled=FOLDER``; ``ValueError`` naming the arg for a missing file or
+    folder, a file that is no margin head, ``gate=`` with a folder that has its own, a gate with ``engine=true``
+    (the engine's decode steps do not run gates) or ``speculative=`` (the block selection replaces the routing),
+    and ``distilled=`` with ``peft=``. A folder without a gate is a plain model once merged: the engine serves it."""
+    gate_path = _existing_file("gate", gate)
+    folder = _existing_file("distilled", distilled, folder=True)
+    folder_gate = None
+    if folder is not None:
+        from ..gates.train import GATE_FILE
+
+        if (Path(folder) / GATE_FILE).is_file():
+            folder_gate = str(Path(folder) / GATE_FILE)
+    if gate_path is not None and folder_gate is not None:
+        raise ValueError(f"psr_hf model args gate={gate_path} and distilled={folder} both give a gate: the folder "
+                         f"holds its own ({folder_gate}, trained with its routing); drop gate= or give a folder "
+                         "without one")
+    if folder is not None and peft not in (None, False, ""):
+        raise ValueError(f"psr_hf model args distilled= and peft={peft!r} exclude each other: distilled= merges "
+                         "its own adapters into the model's weights; merge the other adapter first")
+    path = gate_path or folder_gate
+    if path is not None:
+        given = f"gate={path}" if gate_path is not None else f"distilled={folder} (it holds a gate, {path})"
+        if engine:
+            raise ValueError(f"psr_hf model args engine=true and {given} exclude each other: the engine's decode "
+                             "steps do not run gates (docs/gates.md); drop engine=true, and the generations run on "
+                             "the transformers path with the gate")
+        if speculative is not None:
+            raise ValueError(f"psr_hf model args speculative= and {given} exclude each other: the block selection "
+                             "replaces the gated routing during a generation (docs/speculative.md); drop one of them")
+    head = None
+    if gate_path is not None:
+        from ..gates.margin_head import MarginHead
+
+        head = MarginHead.load(gate_path)  # a file that is no margin head fails before loading
+    return GateArgs(folder, path, head)
+
+
 @register_model("psr_hf")
 class PSRLM(HFLM):
     """lm-eval's HF model with the model patched by :func:`psr_hf.patch` after loading (docs/lm-eval.md).
 
-    Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``, ``engine`` (the attached engine
+    Attributes: ``routing`` (the :class:`RoutingConfig`), ``calibration_path``, ``gate_path`` and
+    ``distilled_path`` (the margin head and the distilled folder, or None), ``engine`` (the attached engine
     with ``engine=true``, else None), ``block_config`` (the :class:`~psr_hf.policy.blocks.BlockConfig` with
     ``speculative=``, else None) and ``drafter`` (its model); :meth:`routing_stats` gives the statistics so far.
     """
 
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
                  offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
-                 engine: bool = False, engine_max_len: int | None = None, speculative: str | None = None,
-                 drafter: str | None = None, draft_tokens: int | None = None, pool: int | None = None,
-                 block_threshold: float | None = None, **kwargs: Any) -> None:
+                 gate: str | None = None, distilled: str | None = None, engine: bool = False,
+                 engine_max_len: int | None = None, speculative: str | None = None, drafter: str | None = None,
+                 draft_tokens: int | None = None, pool: int | None = None, block_threshold: float | None = None,
+                 **kwargs: Any) -> None:
         """``pretrained`` and psr_hf's own args (:data:`PSR_ARGS`, docs/lm-eval.md); ``kwargs``: the routing fields,
         and the rest goes to ``HFLM.__init__``. As in lm-eval's ``steered`` model, the values arrive already typed
         by lm-eval's parser of ``--model_args`` (``simple_parse_args_string``: ``0.5`` a float, ``2`` an int,
@@ -309,6 +376,7 @@ class PSRLM(HFLM):
         use_engine = check_engine_args(engine, engine_max_len, kwargs)
         spec = speculative_args(speculative, drafter, draft_tokens, pool, block_threshold, engine=use_engine,
                                 offload=offload)
+        gating = gate_args(gate, distilled, engine=use_engine, speculative=speculative, peft=kwargs.get("peft"))
         fields = {name: kwargs.pop(name) for name in ROUTING_ARGS if name in kwargs}
         routing = routing_config(fields, config)
         predictor_path = _existing_file("predictor", predictor)
@@ -347,14 +415,25 @@ class PSRLM(HFLM):
         if offload is not None and getattr(self, "accelerator", None) is not None:
             # data parallel (accelerate launch): every process offloads to its own device
             offload = dataclasses.replace(offload, device=str(self.accelerator.device))
-        patch(self.model, routing, calibration=calibration, offload=offload, predictor=loaded_predictor)
+        head = gating.head
+        if gating.distilled is not None:
+            from ..gates.train import load_distilled
+
+            # merging the adapters may return a new module: HFLM's model becomes it
+            self._model, folder_head = load_distilled(self.model, gating.distilled)
+            head = folder_head if folder_head is not None else head
+            logger.info("psr_hf: distilled routing %s merged into the model%s", gating.distilled,
+                        "" if folder_head is None else ", with its gate")
+        patch(self.model, routing, calibration=calibration, offload=offload, predictor=loaded_predictor, gate=head)
         self.predictor_path = predictor_path
+        self.gate_path, self.distilled_path = gating.path, gating.distilled
         ctl = controller(self.model)
         if ctl.offload is not None:
             self._device = ctl.offload.device
             logger.info("psr_hf: %s", ctl.memory())
-        logger.info("psr_hf: %s routing, capacity %d of %d experts in %d MoE layers (top-%d), calibration %s",
-                    routing.policy, ctl.capacity, ctl.num_experts, ctl.num_layers, ctl.top_k, calibration)
+        logger.info("psr_hf: %s routing, capacity %d of %d experts in %d MoE layers (top-%d), calibration %s%s",
+                    routing.policy, ctl.capacity, ctl.num_experts, ctl.num_layers, ctl.top_k, calibration,
+                    "" if self.gate_path is None else f", gate {self.gate_path}")
         self.engine = self._attach_engine(engine_max_len) if use_engine else None
         self._engine_generations = 0  # generate() calls of generate_until
         self._engine_generation_fallbacks = 0  # their forward calls that ran on the transformers path
@@ -593,6 +672,8 @@ class PSRLM(HFLM):
             "routing": self.routing.to_dict(),
             "calibration": self.calibration_path,
             "predictor": self.predictor_path,
+            "gate": self.gate_path,
+            "distilled": self.distilled_path,
             "capacity": ctl.capacity,
             "num_experts": ctl.num_experts,
             "top_k": ctl.top_k,

@@ -31,6 +31,7 @@ PAPER_WIDTH = 2048  # OLMoE's hidden size, where the paper used rank 16 on atten
 PAPER_RANKS = (16, 8)
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CHECKPOINT = "checkpoint.safetensors"
+GATE_FILE = "gate.safetensors"  # the trained margin head, when a gate was trained
 
 
 def scaled_ranks(hidden_size: int) -> tuple[int, int]:
@@ -49,6 +50,7 @@ class DistillationResult:
     attention_rank: int
     expert_rank: int
     path: Path
+    loads: list[float]  # smooth host loads per token of each step (empty without a gate or load penalty)
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -82,7 +84,8 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
                     calibration: Any, steps: int, attention_rank: int | None = None, expert_rank: int | None = None,
                     lr: float = 1e-4, router_lr: float = 2e-5, warmup: int = 20, seed: int = 0,
                     metadata: Mapping[str, Any] | None = None, progress: bool = False,
-                    checkpoint_every: int = 0, resume: bool = False) -> DistillationResult:
+                    checkpoint_every: int = 0, resume: bool = False, gate: Any = None, load_penalty: float = 0.0,
+                    temperature: float = 0.5, head_lr: float | None = None) -> DistillationResult:
     """Train the routers and the adapters of ``model`` in place (afterwards it carries peft's adapter wrappers and
     the trained routers; :func:`apply_distilled` puts the written result into a fresh model) on ``windows``
     (``[T]`` or ``[1, T]`` token ids, cycled) for ``steps`` steps, routed by ``config`` with ``calibration``;
@@ -92,7 +95,12 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
 
     ``checkpoint_every``: every so many steps the training state (routers, adapters, optimiser, step, losses) goes
     to ``out/checkpoint.safetensors``; ``resume``: continue from it (the same windows, config, ranks and rates,
-    else ``ValueError``), so a cut run ends where an uncut one would."""
+    else ``ValueError``), so a cut run ends where an uncut one would.
+
+    ``gate``: a :class:`~psr_hf.gates.MarginHead` (e.g. ``MarginHead.uniform``) trained with them at ``head_lr``
+    (default ``lr``), written as ``out/gate.safetensors``; ``load_penalty``: the weight of the smooth host loads
+    per token beside the KL. Either runs the relaxation of :mod:`psr_hf.gates.relaxation` (``temperature`` in
+    units of ``lam * delta[l]``): the forward stays the hard routing, the gradients reach the margins."""
     peft = _peft()
     from .. import RoutingConfig, patch, unpatch
     from .._progress import tqdm
@@ -108,6 +116,16 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     expert_rank = default_expert if expert_rank is None else int(expert_rank)
     if attention_rank < 0 or expert_rank < 0:
         raise ValueError(f"ranks must be >= 0; got attention {attention_rank}, expert {expert_rank}")
+    if not (load_penalty >= 0 and temperature > 0):
+        raise ValueError(f"load_penalty={load_penalty} must be >= 0 and temperature={temperature} > 0")
+    relaxed = gate is not None or load_penalty > 0
+    if relaxed and (config.policy not in ("cache_prior", "psr") or config.delta_mode != "fixed"):
+        raise ValueError(f"a gate or a load penalty trains the bonus of cache_prior or psr with delta_mode='fixed'; "
+                         f"got policy={config.policy!r}, delta_mode={config.delta_mode!r}")
+    if gate is not None:
+        from .margin_head import MarginHead
+
+        gate = MarginHead.coerce(gate)
     windows = [w.reshape(1, -1) if w.ndim == 1 else w for w in windows]
     torch.manual_seed(seed)
     model.eval()
@@ -125,39 +143,76 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     groups = [{"params": [r.weight for r in routers], "lr": router_lr}]
     if adapters:
         groups.append({"params": adapters, "lr": lr})
+    if gate is not None:
+        groups.append({"params": list(gate.parameters()), "lr": lr if head_lr is None else head_lr})
     optimiser = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(1.0, (s + 1) / max(1, warmup)))
     out = Path(out)
     trained = {f"router.{i}": r.weight for i, r in enumerate(routers)} | {
         n: p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n}
-    identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed)
+    if gate is not None:
+        trained |= {f"gate.{n}": p for n, p in gate.named_parameters()}
+    identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed,
+                         gate is not None, load_penalty, temperature, head_lr)
     losses: list[float] = []
+    loads: list[float] = []
     start = 0
     if resume:
-        start, losses = _load_checkpoint(out / CHECKPOINT, trained, optimiser, schedule, identity)
-    patch(model, config, calibration=calibration)
+        start, losses, loads = _load_checkpoint(out / CHECKPOINT, trained, optimiser, schedule, identity)
+    patch(model, config, calibration=calibration, gate=gate)
+    if relaxed:
+        _relax(model, config, temperature)
     try:
         model.train()
         bar = tqdm(range(start, steps), desc="distil routing", disable=not progress, unit="step", initial=start,
                    total=steps)
         for step in bar:
             i = step % len(windows)
-            loss = _kl(model(input_ids=windows[i]).logits, teachers[i], None)
+            kl = _kl(model(input_ids=windows[i]).logits, teachers[i], None)
+            loss = kl
+            if relaxed:
+                smooth = _routing(model).relaxation.loads / windows[i].numel()
+                loss = kl + load_penalty * smooth
+                loads.append(float(smooth.detach()))
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()
             schedule.step()
-            losses.append(float(loss.detach()))
+            losses.append(float(kl.detach()))
             if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                _save_checkpoint(out / CHECKPOINT, trained, optimiser, step + 1, losses, identity)
+                _save_checkpoint(out / CHECKPOINT, trained, optimiser, step + 1, losses, loads, identity)
     finally:
         model.eval()
         unpatch(model)
     path = _save(tuned, routers, out, model, config, attention_rank, expert_rank, steps, metadata)
+    if gate is not None:
+        gate.requires_grad_(False)
+        gate.metadata |= {"model_type": str(getattr(model.config, "model_type", "")),
+                          "routing": json.dumps(config.to_dict()), "steps": str(steps),
+                          "load_penalty": str(load_penalty), "temperature": str(temperature)}
+        gate.save(out / GATE_FILE)
     (out / CHECKPOINT).unlink(missing_ok=True)
     for router in routers:
         router.weight.requires_grad_(False)
-    return DistillationResult(losses, attention_rank, expert_rank, path)
+    return DistillationResult(losses, attention_rank, expert_rank, path, loads)
+
+
+def _routing(model: torch.nn.Module) -> Any:
+    from ..hf.patching import controller
+
+    return controller(model).routing
+
+
+def _relax(model: torch.nn.Module, config: Any, temperature: float) -> None:
+    """Route the training forward through the relaxation (unit ``lam * delta[l]`` from the patched calibration)."""
+    import numpy as np
+
+    from ..policy.margins import margin_scale
+    from .relaxation import GateRelaxation
+
+    routing = _routing(model)
+    unit = margin_scale(np.ones(routing.num_layers), float(config.lam), routing.cache.calibration.delta)
+    routing.relaxation = GateRelaxation(torch.as_tensor(unit, dtype=torch.float32), temperature, config.top_j)
 
 
 def _identity(windows: Sequence[torch.Tensor], config: Any, *numbers: Any) -> str:
@@ -172,7 +227,8 @@ def _identity(windows: Sequence[torch.Tensor], config: Any, *numbers: Any) -> st
                        "numbers": [str(n) for n in numbers]}, sort_keys=True)
 
 
-def _save_checkpoint(path: Path, trained: dict, optimiser: Any, step: int, losses: list[float], identity: str) -> None:
+def _save_checkpoint(path: Path, trained: dict, optimiser: Any, step: int, losses: list[float], loads: list[float],
+                     identity: str) -> None:
     from safetensors.torch import save_file
 
     state = optimiser.state_dict()
@@ -183,13 +239,14 @@ def _save_checkpoint(path: Path, trained: dict, optimiser: Any, step: int, losse
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial), metadata={"format": FORMAT_NAME + ".checkpoint", "step": str(step),
-                                               "losses": json.dumps(losses), "identity": identity,
+                                               "losses": json.dumps(losses), "loads": json.dumps(loads),
+                                               "identity": identity,
                                                "groups": json.dumps(state["param_groups"])})
     partial.replace(path)  # a run cut while writing keeps the previous checkpoint
 
 
 def _load_checkpoint(path: Path, trained: dict, optimiser: Any, schedule: Any,
-                     identity: str) -> tuple[int, list[float]]:
+                     identity: str) -> tuple[int, list[float], list[float]]:
     meta, _, tensors = read_file(path, FORMAT_NAME + ".checkpoint", "training checkpoint",
                                  "start the training without resume")
     if meta.get("identity") != identity:
@@ -207,7 +264,7 @@ def _load_checkpoint(path: Path, trained: dict, optimiser: Any, schedule: Any,
     step = int(meta["step"])
     schedule.last_epoch = step  # the rates themselves came back with the optimiser's groups
     schedule._last_lr = [group["lr"] for group in optimiser.param_groups]
-    return step, [float(x) for x in json.loads(meta["losses"])]
+    return step, [float(x) for x in json.loads(meta["losses"])], [float(x) for x in json.loads(meta["loads"])]
 
 
 def _peft() -> Any:
@@ -272,3 +329,18 @@ def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     if (path / "adapter").is_dir():
         model = _peft().PeftModel.from_pretrained(model, str(path / "adapter")).merge_and_unload()
     return model
+
+
+def load_distilled(model: torch.nn.Module, path: str | Path) -> tuple[torch.nn.Module, Any]:
+    """:func:`apply_distilled`, and the folder's trained margin head (``gate.safetensors``, written when a gate was
+    trained; checked against the model) or None: what ``psr_hf.patch(model, config, gate=...)`` takes."""
+    from .margin_head import MarginHead
+
+    model = apply_distilled(model, path)
+    file = Path(path) / GATE_FILE
+    if not file.is_file():
+        return model, None
+    head = MarginHead.load(file)
+    head.check(num_layers=len(_routers(model)), hidden_size=int(model.config.hidden_size),
+               model_type=str(getattr(model.config, "model_type", "")) or None, source=str(file))
+    return model, head

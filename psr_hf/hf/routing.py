@@ -51,6 +51,7 @@ class LayerRouting:
         self.recorder: Any = None  # the running Recorder, if any
         self.gate: Any = None  # a MarginHead: each token's scores scaled by gate_unit[l] / its margin
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
+        self.relaxation: Any = None  # a GateRelaxation while a gate trains (psr_hf.gates.train)
         self.needs_pregate = self.executes_pregate = False
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
@@ -93,6 +94,8 @@ class LayerRouting:
     def begin_forward(self) -> None:
         self.pregate = [None] * self.num_layers
         self.decisions = {}
+        if self.relaxation is not None:
+            self.relaxation.begin_forward()
 
     def abort_forward(self) -> None:
         self.pregate = [None] * self.num_layers
@@ -118,9 +121,10 @@ class LayerRouting:
         else:
             if layer:
                 self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
+            self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
         self.source.remember(layer, z_host, fwd.valid)
-        return self._execute(fwd, layer, router, plan, z_host, own[0], own, None)
+        return self._execute(fwd, layer, router, plan, z_host, own[0], own, None, hidden)
 
     def route_joint(self, fwd: Any, layer: int, router: Any, hidden: torch.Tensor,
                     run_own: Callable[[], tuple]) -> tuple:
@@ -147,11 +151,17 @@ class LayerRouting:
             # a block of positions: parts 1 and 2 of this layer for each position in order
             if layer:
                 self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
+            self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
-            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own)
+            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own, hidden)
         self.source.remember(layer, z_host, fwd.valid)
         self.pregate[layer + 1] = g_next
         return result
+
+    def _snapshot(self, fwd: Any, layer: int) -> None:
+        """While a gate trains: the layer's logical cache of every row before the kernels route the block."""
+        if self.relaxation is not None:
+            self.relaxation.snapshot(layer, [self.cache.resident_mask(layer, row) != 0 for row in range(fwd.rows)])
 
     def _gated(self, layer: int, hidden: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
         """``z [N, E]``, with a gate: each token's scores times ``lam * delta[l] / margin`` (float32; the
@@ -167,6 +177,9 @@ class LayerRouting:
         """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
         with weights from the recomputed logits, so the gradients are those of the routed forward."""
         N, count, chosen, flags = self.decisions[layer]
+        if self.relaxation is not None:
+            raise RuntimeError("psr_hf: a gate trains without gradient checkpointing (its relaxation reads the cache "
+                               "of the forward pass); call model.gradient_checkpointing_disable()")
         if self.offload is not None:
             raise RuntimeError(
                 "psr_hf: gradient checkpointing recomputes layers in the backward pass, whose expert slots have "
@@ -237,7 +250,7 @@ class LayerRouting:
 
     # ------------------------------------------------------------------ a layer's plan to the router's outputs
     def _execute(self, fwd: Any, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: Any,
-                 own: tuple | None, run_own: Callable[[], tuple] | None) -> tuple:
+                 own: tuple | None, run_own: Callable[[], tuple] | None, hidden: torch.Tensor | None = None) -> tuple:
         """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
         ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
         scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
@@ -264,6 +277,8 @@ class LayerRouting:
         if training:
             kept = None if chosen_dev is None else chosen_dev.clone()
             self.decisions[layer] = (N, count, kept, flags[:N].copy())
+            if self.relaxation is not None:
+                result = self.relaxation.outputs(self.family, layer, router, result, plan, self.gate, hidden)
         return result
 
     def _assemble(self, router: Any, logits: Any, own: tuple | None, count: int, N: int, chosen: torch.Tensor,

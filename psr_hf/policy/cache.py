@@ -118,6 +118,22 @@ class StepPlan:
         """[B, S, K] the expert each demand insertion evicted (-1: none)."""
         return self._cols(self.layout.columns.demand_evicted, self.layout.top_k)
 
+    def selection_sets(self, before: np.ndarray) -> np.ndarray:
+        """``[B, S, E]`` bool: the logical cache each position's selection read (after its part 1), rebuilt from
+        the cache ``before`` the block (``[B, E]`` bool) and this plan's insertions and evictions in order."""
+        before = np.asarray(before, dtype=bool)
+        B, S = self.plan.shape[:2]
+        sets = np.empty((B, S, before.shape[-1]), dtype=bool)
+        prefetch, prefetch_out = self.prefetch_experts, self.prefetch_evicted
+        demand, demand_out = self.demand_experts, self.demand_evicted
+        for b in range(B):
+            cache = before[b].copy()
+            for s in range(S):
+                _insert(cache, prefetch[b, s], prefetch_out[b, s])
+                sets[b, s] = cache  # the selection reads the cache between part 1 and its demand insertions
+                _insert(cache, demand[b, s], demand_out[b, s])
+        return sets
+
     @property
     def replaced_column(self) -> int:
         """Column of ``plan`` holding :attr:`replaced`."""
@@ -127,6 +143,16 @@ class StepPlan:
     def replaced(self) -> np.ndarray:
         """[B, S] selected experts outside the router's own top-K (router slots replaced)."""
         return self.plan[:, :, self.replaced_column]
+
+
+def _insert(cache: np.ndarray, experts: np.ndarray, evicted: np.ndarray) -> None:
+    """Apply one part's insertions (-1 ends them) and the evictions they made (-1: a free slot) to ``cache``."""
+    for e, out in zip(experts, evicted):
+        if e < 0:
+            break
+        if out >= 0:
+            cache[out] = False
+        cache[e] = True
 
 
 @dataclass(frozen=True)
