@@ -12,8 +12,9 @@ temperature 1) the excess NLL per token over the original exact model, with copi
 of Cache-Prior and untrained PSR at several lam (the training-free frontiers) and of each trained variant. Each
 trained variant is compared, paired by window, with each frontier interpolated linearly in copies per token between
 its two lam points that bracket the variant's copies (the matched-loads comparison). Writes frontier.json and
-frontier.png here, and the trained folders under --keep (for the lm-eval comparison).
-Usage: python benchmarks/gates/frontier.py [--tokens 65536] [--windows 16] [--keep DIR]"""
+frontier.png here (frontier_selfgen.* with --train-text selfgen: trained on the exact model's own samples), and the
+trained folders under --keep (for the lm-eval comparison).
+Usage: python benchmarks/gates/frontier.py --keep DIR [--train-text stdlib|selfgen] [--tokens 65536] [--windows 16]"""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ HERE = Path(__file__).parent
 RESIDENCY = 0.375
 FRONTIERS = {"cache_prior": (0.05, 0.1, 0.15, 0.2, 0.3, 0.5), "psr": (0.1, 0.2, 0.3, 0.5, 0.8, 1.2)}
 LR, ROUTER_LR, HEAD_LR, WARMUP = 1e-3, 2e-4, 1e-2, 20
+SELFGEN_TRAIN_SEED = 1000  # the measured selfgen windows use seeds 0, 1, ...
 
 
 def routing(policy: str, lam: float) -> psr_hf.RoutingConfig:
@@ -181,19 +183,27 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, required=True, help="folder for the trained variants (new)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--train-text", choices=["stdlib", "selfgen"], default="stdlib",
+                        help="training text: standard-library sources, or the exact model's own samples (the "
+                             "paper's choice; seeds from 1000 on, disjoint from the measured selfgen windows' 0..)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.time()
     original, tokenizer, calibration = load_shipped("olmoe-routing")
     windows = token_windows([t for _, t in module_sources(PREDICTOR_MODULES)], tokenizer, tokens=args.tokens,
                             window=args.window, option="--tokens")
+    text = "stdlib " + ", ".join(PREDICTOR_MODULES)
+    if args.train_text == "selfgen":
+        windows = [w.reshape(-1) for w in sample_windows(original, start_tokens(original, windows),
+                                                         tokens=args.window - 1, seed=SELFGEN_TRAIN_SEED)]
+        text = f"sampled from the exact model, temperature 1, seeds {SELFGEN_TRAIN_SEED} on"
     facts = {v: train(v, windows, calibration, args.keep, args.seed) for v in args.variants}
     trained = {v: load_distilled(load_shipped("olmoe-routing")[0], args.keep / v) for v in args.variants}
     held = text_windows([t for _, t in default_texts("olmoe-routing")], tokenizer, windows=args.windows,
                         tokens=args.eval_tokens)
     selfgen = sample_windows(original, start_tokens(original, held), tokens=args.eval_tokens, seed=0)
     record = {"model": "olmoe-routing (float32, CPU)", "residency": RESIDENCY,
-              "train": {"text": "stdlib " + ", ".join(PREDICTOR_MODULES), "tokens": sum(w.numel() for w in windows),
+              "train": {"text": text, "tokens": sum(w.numel() for w in windows),
                         "window": args.window, "lr": LR, "router_lr": ROUTER_LR, "head_lr": HEAD_LR,
                         "warmup": WARMUP, "temperature": 0.5, "seed": args.seed, "variants": facts},
               "held_out": {"text": "Persuasion (held out)", "tokens": args.eval_tokens,
@@ -201,8 +211,9 @@ def main() -> None:
               "selfgen": {"text": "sampled from the exact model, temperature 1, seed 0", "tokens": args.eval_tokens,
                           **measure(original, trained, calibration, selfgen, "selfgen")}}
     record["wall_seconds"] = time.time() - started
-    (HERE / "frontier.json").write_text(json.dumps(record, indent=2))
-    plot(record, HERE / "frontier.png")
+    name = "frontier" if args.train_text == "stdlib" else "frontier_selfgen"
+    (HERE / f"{name}.json").write_text(json.dumps(record, indent=2))
+    plot(record, HERE / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from .options import add_device, add_model, add_seed, add_texts, add_threads, lo
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train-gate", help="distil the routed model to the exact one (routers, attention and "
-                                                 "per-expert LoRA through peft; the paper's Section 6.10); writes a "
-                                                 "folder, resumable")
+                                                 "per-expert LoRA through peft, with --gate a margin head; the "
+                                                 "paper's Section 6.10); writes a folder, resumable")
     add_model(p, "olmoe-routing", built=False)
     add_texts(p, "training text (repeatable; default: standard-library sources other than the excess-nll and bench "
                  "windows': " + ", ".join(PREDICTOR_MODULES) + ")")
