@@ -2,7 +2,7 @@
 bounded per-token bonus) on the shipped olmoe-routing (CPU): the per-position caches the relaxation reads are the
 logical cache's, the relaxed training forward computes the hard routing, the margins get the gradients of
 the KL and the smooth host loads, a load penalty lowers the real copies, and what is written loads into a fresh
-model that routes as the trained one did."""
+model that routes as the trained one did, replayably and with the offload's copies changing nothing."""
 
 from __future__ import annotations
 
@@ -106,6 +106,15 @@ def test_a_load_penalty_trains_the_swap_gate_to_fewer_copies_and_the_result_rout
         with torch.no_grad(), psr_hf.patched(net, SWAP, calibration=calibration, gate=trained):
             outputs.append(net.generate(input_ids=prompt, max_new_tokens=6, do_sample=False))
     assert torch.equal(outputs[0], outputs[1])
+    recordings = []  # the trained gate's routing replays from its recording and ignores the offload's copies
+    for offload in (None, psr_hf.OffloadConfig(device="cpu", check_slots=True)):
+        with psr_hf.patched(fresh, SWAP, calibration=calibration, gate=trained, offload=offload):
+            with psr_hf.controller(fresh).record() as recorder, torch.no_grad():
+                fresh(input_ids=windows[1].reshape(1, -1))
+        recordings += recorder.recordings
+    np.testing.assert_array_equal(psr_hf.replay(SWAP, recordings[0], calibration=calibration).selected,
+                                  recordings[0].selected)
+    np.testing.assert_array_equal(recordings[1].selected, recordings[0].selected)
     other, _, _ = load_shipped("tiny-moe")
     with pytest.raises(ValueError):
         load_distilled(other, result.path)
