@@ -1,11 +1,11 @@
-"""The library's one thread decision: a small model on the CPU runs with one torch intra-op thread.
+"""psr_hf's one thread decision: a small model on the CPU runs with one torch intra-op thread.
 
 Its matrix products take microseconds, so more threads gain nothing on an idle machine, and on a busy one every
 parallel region waits for an OpenMP worker the OS has descheduled (the shipped tiny-moe generating 32 tokens on
 a loaded 2-core machine: 0.17-0.35 s with one thread, 0.86-1.19 s with torch's default two;
-benchmarks/threads/record.txt). ``patch()``,
-``load_shipped()`` and the command line apply it. To choose yourself: set ``PSR_HF_THREADS=N`` (or
-``OMP_NUM_THREADS``), or call ``torch.set_num_threads`` after ``patch()``.
+benchmarks/threads/record.txt). Torch's thread count is process-wide, so only the command line and
+``load_shipped()`` (a loader of psr_hf's own small models) apply the decision; ``patch()`` leaves it to the
+caller. To choose yourself: set ``PSR_HF_THREADS=N`` (or ``OMP_NUM_THREADS``), or call ``torch.set_num_threads``.
 """
 
 from __future__ import annotations

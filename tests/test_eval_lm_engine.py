@@ -21,6 +21,9 @@ from psr_hf.testing import save_tiny
 
 from module_files import load_module
 
+# the eval extra; the lent GPU's image has no lm-eval
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 REPO = Path(__file__).resolve().parents[1]

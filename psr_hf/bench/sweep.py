@@ -135,23 +135,42 @@ def _save(record: Mapping[str, Any], path: Path | None) -> None:
     tmp.replace(path)  # a kill while writing leaves the previous record whole
 
 
-def _load_record(path: Path | None, settings: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The record at ``path`` to continue, or None where there is none; ``ValueError`` where it was made with
-    other settings (continuing would mix two sweeps)."""
+def _load_record(path: Path | None, settings: Mapping[str, Any], option: str = "--json") -> dict[str, Any] | None:
+    """The record at ``path`` to continue, or None where there is none; ``ValueError`` naming the file and what
+    was expected where it is not a sweep record of this shape (``option``: the option that named it, for the
+    message), or where it was made with other settings (continuing would mix two sweeps)."""
     if path is None or not path.is_file():
         return None
+    fix = f"give another {option} path"
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a sweep record (invalid JSON: {e}); give another --json path") from None
+        raise ValueError(f"{path} is not a sweep record (invalid JSON: {e}); {fix}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is not a sweep record (a record is a JSON object; this file holds another "
+                         f"value); {fix}")
     if record.get("benchmark") != "sweep" or record.get("version") != RECORD_VERSION:
-        raise ValueError(f"{path} is not a psr-hf sweep record (version {RECORD_VERSION}); give another --json path")
-    theirs = record.get("settings", {})
+        raise ValueError(f"{path} is not a psr-hf sweep record (version {RECORD_VERSION}); {fix}")
+    _check_shape(path, record, fix)
+    theirs = record["settings"]
     differing = sorted(k for k in settings if k != "max_minutes" and theirs.get(k) != settings[k])
     if differing:
         raise ValueError(f"{path} holds a sweep with other settings ({', '.join(differing)}); to continue it, run "
                          f"the same command; to start another, give another --json path")
     return record
+
+
+def _check_shape(path: Path, record: Mapping[str, Any], fix: str) -> None:
+    """``ValueError`` naming ``path`` and the field where a record's fields that the sweep reads before measuring
+    have another shape than the sweep writes."""
+    def wrong(field: str, expected: str) -> ValueError:
+        return ValueError(f"{path} is not a sweep record of this version: {field} is not {expected}; {fix}")
+
+    for field in ("settings", "grid", "quality", "latency"):
+        if not isinstance(record.get(field), dict):
+            raise wrong(field, "a JSON object")
+    if not isinstance(record["settings"].get("residencies"), list):
+        raise wrong("settings.residencies", "a list of residencies")
 
 
 _QUALITY_KEYS = ("quality", "heldout", "selfgen", "quality_model", "quality_machine")
@@ -171,7 +190,7 @@ def join_stages(path: str | Path, other: str | Path) -> None:
         if not p.is_file():
             raise ValueError(f"{p}: no such sweep record; give the records of the two stages")
     mine = _load_record(path, {})  # the format checked; the settings are compared below
-    theirs = _load_record(other, {})
+    theirs = _load_record(other, {}, "--join")
     differing = sorted(k for k in set(mine["settings"]) | set(theirs["settings"])
                        if k != "max_minutes" and mine["settings"].get(k) != theirs["settings"].get(k))
     if differing or mine["grid"] != theirs["grid"]:

@@ -120,15 +120,50 @@ def _read_samples(path: Path) -> tuple[Sample, ...]:
                 continue
             try:
                 record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise TypeError(f"a JSON {_json_kind(record)}; expected an object")
                 names = record.get("metrics")
                 if names is None:  # not written by 0.4.x; take every non-fixed field
                     names = [k for k in record if k not in _SAMPLE_FIELDS]
+                elif not isinstance(names, list):
+                    raise TypeError(f"its metrics field is a JSON {_json_kind(names)}; expected a list of names")
                 samples.append(Sample(int(record["doc_id"]), str(record.get("filter", "none")),
                                       {name: record[name] for name in names if name in record},
                                       record.get("doc_hash"), record.get("prompt_hash")))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}, line {number}: not an lm-eval sample ({exc})") from None
     return tuple(samples)
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages about a record of the wrong shape."""
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    return "boolean" if isinstance(value, bool) else "number"
+
+
+def _check_results(file: Path, record: Mapping[str, Any]) -> None:
+    """``ValueError`` naming ``file`` and the field where a results file's fields have another shape than lm-eval's
+    (the fields read here: ``group_subtasks``, ``config``)."""
+    fix = "rerun lm-eval into this directory, or move this results file away (groups are then not pooled)"
+    groups = record.get("group_subtasks")
+    if groups is not None:
+        if not isinstance(groups, dict):
+            raise ValueError(f"{file}: group_subtasks is a JSON {_json_kind(groups)}; expected an object of group -> "
+                             f"list of task names; {fix}")
+        for group, children in groups.items():
+            if not isinstance(children, list) or not all(isinstance(c, str) for c in children):
+                raise ValueError(f"{file}: group_subtasks[{group!r}] is a JSON {_json_kind(children)}; expected a "
+                                 f"list of task names; {fix}")
+    config = record.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"{file}: config is a JSON {_json_kind(config)}; expected an object; {fix}")
 
 
 def _leaves(group: str, subtasks: Mapping[str, Sequence[str]], seen: frozenset[str] = frozenset()) -> list[str]:
@@ -190,6 +225,7 @@ def load_run(path: str | Path, label: str | None = None, *, pool_groups: bool = 
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and "results" in record:
+            _check_results(file, record)
             results.append((match["ts"], file, record))
     results.sort(key=lambda r: r[0])
     subtasks: dict[str, list[str]] = {}
@@ -202,7 +238,7 @@ def load_run(path: str | Path, label: str | None = None, *, pool_groups: bool = 
     samples = {task: _read_samples(file) for task, (_, file) in latest.items()}
     used_ts = {ts for ts, _ in latest.values()}
     used_results = [(file, record) for ts, file, record in results if ts in used_ts]
-    config = used_results[-1][1].get("config", {}) if used_results else {}
+    config = (used_results[-1][1].get("config") or {}) if used_results else {}
     files = tuple(sorted([file for _, file in latest.values()] + [file for file, _ in used_results]))
     for file in files:
         logger.info("%s: %s", label or path.name, file)

@@ -74,6 +74,8 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             routers' device. The HF path only.
 
     Returns the model. Per-row state, statistics and recording: :func:`controller`. Undo with :func:`unpatch`.
+    Process-wide settings such as torch's thread count stay the caller's (a small model on a busy CPU runs faster
+    on one thread: ``torch.set_num_threads(1)``, docs/cli.md).
     """
     offload_config = None
     if offload is not None:
@@ -110,9 +112,6 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
             "calibrate the model (psr_hf.calibrate or psr-hf calibrate) for the paper's warm set and prior",
             ctl.capacity)
     ctl.install(offload=offload_config)  # all or nothing: a failure leaves the model as it was
-    from .._threads import decide_for
-
-    decide_for(model)  # one torch thread for a small model on the CPU, unless the user chose
     logger.info("psr_hf: patched %d MoE layers of %s (%s), capacity %d of %d experts", ctl.num_layers,
                 type(model).__name__, routing.policy, ctl.capacity, ctl.num_experts)
     return model

@@ -768,8 +768,9 @@ def _step_table(layer, mode, table, scores, pregate, tokens, valid, plan):
 @contextlib.contextmanager
 def keep_torch_threads() -> Iterator[None]:
     """Around a parallel kernel: numba's OpenMP layer sets the process's OpenMP thread count, which torch reads
-    as its own intra-op count (a CLI that chose one torch thread for a small model would run its next forward on
-    every core). Restores torch's count after the call where torch is loaded; this module never imports it."""
+    as its own intra-op count (a caller that chose one torch thread for a small model would run its next forward
+    on every core). Restores the caller's torch count after the call where torch is loaded (this module never
+    imports it); numba's own count is the caller's too, never set here."""
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     try:
