@@ -156,7 +156,8 @@ class SpeculativeEngine:
     (a causal LM with the same vocabulary that the engine decodes: it is patched with exact routing if it is not
     patched) and block-level selection by ``config``; ``slots``: device slots per layer (default: every expert,
     the pool plus the largest possible union of a block); ``copies=False``: the copies skipped (compute-only
-    time; the outputs are not meaningful); ``graphs``: the verification in CUDA graphs (CUDA only)."""
+    time; the outputs are not meaningful); ``graphs``: the verification in CUDA graphs (CUDA only). ``ValueError``
+    where ``config.top_k`` is not the target's top-K."""
 
     def __init__(self, target: torch.nn.Module, drafter: Any, config: BlockConfig, *,
                  draft_tokens: int = 16, max_len: int = 2048, calibration: Any = None, slots: int | None = None,
@@ -171,6 +172,8 @@ class SpeculativeEngine:
         if getattr(target, CONTROLLER_ATTRIBUTE, None) is not None:
             raise ValueError("SpeculativeEngine routes the target itself: pass an unpatched target model")
         self.family, moe = moe_routers(target)
+        for m in moe:
+            config.check_top_k(m.router.top_k)
         self.layers = L = build_layers(target, max_len)
         if L.model_type != "olmoe":
             raise ValueError(f"SpeculativeEngine supports OLMoE-family targets; got {L.model_type}")

@@ -72,7 +72,7 @@ class Controller:
         self._sequence_positions: int | None = None  # positions the current sequence's routing state has seen
         self._sequence_cache: Any = None  # weak reference to the KV cache its forward passes filled
         self._recover_offload = False  # the offload's slots still need recover() (an abort that was itself cut short)
-        self._bypass = 0
+        self._bypass = threading.local()  # .depth: bypassed() blocks open in this thread (other threads route)
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self._stop_set: frozenset = frozenset()  # the same ids, for the one-token check
@@ -224,12 +224,13 @@ class Controller:
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:
-        """Run the model's own routers inside this block: no state is read or changed (used by calibration)."""
-        self._bypass += 1
+        """Run the model's own routers inside this block, in this thread: no state is read or changed (used by
+        calibration). Calls from other threads route and count as usual; each forward pass still holds the lock."""
+        self._bypass.depth = getattr(self._bypass, "depth", 0) + 1
         try:
             yield
         finally:
-            self._bypass -= 1
+            self._bypass.depth -= 1
 
     def discard_sequence(self) -> None:
         """Forget the current sequence: its statistics and recording are dropped, not added to the totals (the
@@ -280,7 +281,7 @@ class Controller:
         try:
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: begin_step() while a forward pass of the patched model is open")
-            if self._bypass:
+            if getattr(self._bypass, "depth", 0):
                 raise RuntimeError("psr_hf: begin_step() inside bypassed(): the routing state must not change")
             self._check_continuation(position, 1)
             self._start(None, np.array([[int(token_id)]], dtype=np.int64), None, position, 1, 1)
@@ -399,7 +400,7 @@ class Controller:
         with self._lock:
             if self._fwd is not None:  # nested in this thread's open forward (composite -> language model)
                 return original(*args, **kwargs)
-            if self._bypass:
+            if getattr(self._bypass, "depth", 0):
                 return self._bypassed_forward(original, args, kwargs)
             self._open(module, args, kwargs)
             try:
@@ -443,7 +444,7 @@ class Controller:
 
         @functools.wraps(original)
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if self._bypass:
+            if getattr(self._bypass, "depth", 0):
                 return original(hidden_states, *args, **kwargs)
             fwd = self._fwd
             if fwd is None and index in routing.decisions and in_backward():

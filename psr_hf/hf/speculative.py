@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -62,30 +63,46 @@ def moe_routers(model: torch.nn.Module) -> tuple[Any, list]:
     return family, family.moe_layers()
 
 
-def own_routing(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """A patched model's own routers (its controller bypassed); nothing for an unpatched one."""
-    ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
-    if ctl is None:
-        return contextlib.nullcontext()
-    if ctl.offload is not None:
-        raise ValueError("speculative decoding in the harness routes logically; patch the target without offload "
-                         "(the engine, psr_hf.engine.SpeculativeEngine, performs the copies)")
-    return ctl.bypassed()
+@contextlib.contextmanager
+def own_routing(*models: torch.nn.Module) -> Iterator[None]:
+    """The patched ones of ``models`` run their own routers in this thread (their controllers bypassed, their
+    state left alone) and hold their controllers' locks, so another thread's call of such a model waits for the
+    block and then routes and counts as usual. The locks are taken in one order (by controller identity), so two
+    threads that swap target and drafter cannot deadlock. Nothing for an unpatched model."""
+    controllers = {}
+    for model in models:
+        ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
+        if ctl is None:
+            continue
+        if ctl.offload is not None:
+            raise ValueError("speculative decoding in the harness routes logically; patch the target without "
+                             "offload (the engine, psr_hf.engine.SpeculativeEngine, performs the copies)")
+        controllers[id(ctl)] = ctl
+    with contextlib.ExitStack() as stack:
+        for key in sorted(controllers):
+            stack.enter_context(controllers[key]._lock)
+            stack.enter_context(controllers[key].bypassed())
+        yield
 
 
 class BlockRouting:
-    """The target's routers replaced by the block selection of ``pool`` while :meth:`installed` is open:
-    each router call (one forward of ``S`` positions, batch 1) routes layer by layer through
-    :meth:`BlockPool.select`, with weights from the unmodified scores."""
+    """The target's routers replaced by the block selection of ``pool`` while :meth:`installed` is open, in the
+    thread that opened it (other threads' router calls pass through untouched): each router call (one forward of
+    ``S`` positions, batch 1) routes layer by layer through :meth:`BlockPool.select`, with weights from the
+    unmodified scores. ``ValueError`` where the pool's ``top_k`` is not the routers'."""
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool):
         self.family, self.layers = moe_routers(model)
+        for layer in self.layers:
+            pool.config.check_top_k(layer.router.top_k)
         self.pool = pool
         self.choices: list | None = None  # the open block's LayerChoice per layer
         self.scores: list | None = None
 
-    def _hook(self, index: int) -> Callable:
+    def _hook(self, index: int, thread: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+            if threading.get_ident() != thread:
+                return None  # another thread's call of the model: its own routing
             if self.choices is None:
                 raise RuntimeError(f"psr_hf speculative: MoE layer {index} ran outside a block")
             logits = output[0]
@@ -101,7 +118,8 @@ class BlockRouting:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        handles = [layer.router.register_forward_hook(self._hook(layer.index)) for layer in self.layers]
+        thread = threading.get_ident()
+        handles = [layer.router.register_forward_hook(self._hook(layer.index, thread)) for layer in self.layers]
         try:
             yield
         finally:
@@ -110,14 +128,17 @@ class BlockRouting:
 
     @contextlib.contextmanager
     def block(self) -> Iterator[None]:
-        """One forward pass as one block: the layer choices and scores gathered in order."""
+        """One forward pass as one block: the layer choices and scores gathered in order. An exception inside
+        (``KeyboardInterrupt``, out of memory) propagates as itself; only a forward that ended normally is checked."""
         self.choices, self.scores = [], []
         try:
             yield
-        finally:
-            if len(self.choices) != len(self.layers):
-                self.choices = self.scores = None
-                raise RuntimeError("psr_hf speculative: the forward pass did not route every MoE layer once")
+        except BaseException:
+            self.choices = self.scores = None
+            raise
+        if len(self.choices) != len(self.layers):
+            self.choices = self.scores = None
+            raise RuntimeError("psr_hf speculative: the forward pass did not route every MoE layer once")
 
 
 def crop(cache: Any, length: int) -> None:
@@ -187,7 +208,10 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
     expert selection in the target (``config``: the mode, the pool of ``P`` experts per layer, the threshold;
     ``calibration``: its ``expert_counts`` give the warm pool). ``drafter`` shares the target's tokenizer. Stops
     after ``max_new_tokens``, an end-of-sequence token (kept), or when ``stop(new_tokens)`` is true after a
-    block. Works on an unpatched target or one patched by :func:`psr_hf.patch` (its own routing is bypassed)."""
+    block. Works on an unpatched target or one patched by :func:`psr_hf.patch` (its own routing is bypassed in this
+    thread and its lock held for the call: another thread's ``generate()`` of it waits, then routes as usual).
+    ``ValueError`` where ``config.top_k`` is not the target's top-K. An exception inside (``KeyboardInterrupt``
+    included) propagates as itself and leaves the models usable."""
     from transformers import DynamicCache
 
     prompt = [int(t) for t in (input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
@@ -209,7 +233,7 @@ def speculative_generate(target: torch.nn.Module, drafter: torch.nn.Module, inpu
     result = SpeculativeResult(tokens=[], records=[] if record else None, executed=[] if record else None)
     cache = DynamicCache()
     committed = list(prompt)
-    with own_routing(target), own_routing(drafter), routing.installed():
+    with own_routing(target, drafter), routing.installed():
         if prefill_prompt(target, routing, prompt, cache):
             result.prompt_copies = sum(c.copies.size for c in routing.choices)
             _keep(result, routing, None, None)

@@ -23,8 +23,10 @@ DEFAULT_RESCUE_AT = 0.3
 class BlockConfig:
     """``mode``: ``exact`` (each position its own top-K: the union is copied), ``position`` (AcceptMoE's
     position weights) or ``confidence`` (the drafter's cumulative confidence, with the top-1 rescue at
-    ``rescue_at``); ``pool``: experts per layer kept between blocks (``P``); ``top_k``: the model's K;
-    ``threshold``: the weighted router mass a missing expert needs to join a block's eligible set."""
+    ``rescue_at``); ``pool``: experts per layer kept between blocks (``P``); ``top_k``: the model's K (8:
+    OLMoE's), which the harness and the engine check against the target's routers (a recording replays without
+    the model, so a config states its K); ``threshold``: the weighted router mass a missing expert needs to join a
+    block's eligible set."""
 
     mode: str = "confidence"
     pool: int = 24
@@ -48,6 +50,13 @@ class BlockConfig:
     def check_experts(self, num_experts: int) -> None:
         if self.pool > num_experts:
             raise ValueError(f"BlockConfig.pool ({self.pool}) exceeds the model's {num_experts} experts per layer")
+
+    def check_top_k(self, top_k: int) -> None:
+        """``ValueError`` unless ``top_k`` is the model's: every position would execute another number of experts
+        than the model routes, and exact verification would not be the model's greedy decoding."""
+        if int(self.top_k) != int(top_k):
+            raise ValueError(f"BlockConfig.top_k ({self.top_k}) is not the model's top-K ({top_k}): every position "
+                             f"would run {self.top_k} experts; use BlockConfig(top_k={top_k})")
 
 
 @dataclass(frozen=True)
