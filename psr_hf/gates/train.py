@@ -11,6 +11,7 @@ and ``adapter/`` (peft's own format); :func:`apply_distilled` puts both into a m
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -98,7 +99,8 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     else ``ValueError``), so a cut run ends where an uncut one would.
 
     ``gate``: a :class:`~psr_hf.gates.MarginHead` (e.g. ``MarginHead.uniform``) trained with them at ``head_lr``
-    (default ``lr``), written as ``out/gate.safetensors``; ``load_penalty``: the weight of the smooth host loads
+    (default ``lr``) and given the trained values in place (it stays on its device), written as
+    ``out/gate.safetensors``; ``load_penalty``: the weight of the smooth host loads
     per token beside the KL. Either runs the relaxation of :mod:`psr_hf.gates.relaxation` (``temperature`` in
     units of ``lam * delta[l]``): the forward stays the hard routing, the gradients reach the margins."""
     peft = _peft()
@@ -139,19 +141,22 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     routers = _routers(model)
     for router in routers:
         router.weight.requires_grad_(True)
+    head = gate  # the head trained, beside the routers: the one the patched model routes with
+    if gate is not None and gate.weight.device != routers[0].weight.device:
+        head = copy.deepcopy(gate).to(routers[0].weight.device)
     adapters = [p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n]
     groups = [{"params": [r.weight for r in routers], "lr": router_lr}]
     if adapters:
         groups.append({"params": adapters, "lr": lr})
-    if gate is not None:
-        groups.append({"params": list(gate.parameters()), "lr": lr if head_lr is None else head_lr})
+    if head is not None:
+        groups.append({"params": list(head.parameters()), "lr": lr if head_lr is None else head_lr})
     optimiser = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(1.0, (s + 1) / max(1, warmup)))
     out = Path(out)
     trained = {f"router.{i}": r.weight for i, r in enumerate(routers)} | {
         n: p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n}
-    if gate is not None:
-        trained |= {f"gate.{n}": p for n, p in gate.named_parameters()}
+    if head is not None:
+        trained |= {f"gate.{n}": p for n, p in head.named_parameters()}
     identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed,
                          gate is not None, load_penalty, temperature, head_lr)
     losses: list[float] = []
@@ -159,7 +164,7 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     start = 0
     if resume:
         start, losses, loads = _load_checkpoint(out / CHECKPOINT, trained, optimiser, schedule, identity)
-    patch(model, config, calibration=calibration, gate=gate)
+    patch(model, config, calibration=calibration, gate=head)
     if relaxed:
         _relax(model, config, temperature)
     try:
@@ -186,6 +191,8 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
         unpatch(model)
     path = _save(tuned, routers, out, model, config, attention_rank, expert_rank, steps, metadata)
     if gate is not None:
+        if head is not gate:  # the caller's head gets the trained values and stays on its device
+            gate.load_state_dict(head.state_dict())
         gate.requires_grad_(False)
         gate.metadata |= {"model_type": str(getattr(model.config, "model_type", "")),
                           "routing": json.dumps(config.to_dict()), "steps": str(steps),
@@ -310,7 +317,9 @@ def _save(tuned: Any, routers: list, out: Path, model: torch.nn.Module, config: 
 def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """Put a :func:`distill_routing` result into ``model`` (unpatched, the same shape as the one trained): its
     routers' weights, and its adapters merged into the weights. Returns the model (with the adapters, a new object
-    from peft's ``merge_and_unload``). ``ValueError`` for a folder that is not one or a model of another shape."""
+    from peft's ``merge_and_unload``). ``ValueError`` for a folder that is not one, a model of another shape or a
+    router tensor that is missing, not finite or of another shape than the model's (naming the file and the
+    tensor); every router is checked before any is changed."""
     path = Path(path)
     file = path / "routing.safetensors"
     if not file.is_file():
@@ -322,7 +331,7 @@ def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     have = {k: meta.get(k) for k in want}
     if have != want:
         raise ValueError(f"{path} was trained on a model with {have}, this one has {want}")
-    weights = [tensors[f"router.{i}"] for i in range(len(routers))]
+    weights = _router_weights(file, tensors, routers)
     with torch.no_grad():
         for router, w in zip(routers, weights):
             router.weight.copy_(w.to(router.weight.dtype))
@@ -331,16 +340,37 @@ def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     return model
 
 
+def _router_weights(file: Path, tensors: Mapping[str, torch.Tensor], routers: list) -> list[torch.Tensor]:
+    """The trained router weight of every MoE layer in ``file``'s ``tensors``; ``ValueError`` naming the file and
+    the tensor for one that is missing, not finite or not exactly the shape of the model's router weight (a
+    broadcastable ``[H]`` row would give every expert the same router)."""
+    weights = []
+    for i, router in enumerate(routers):
+        name, want = f"router.{i}", tuple(router.weight.shape)
+        weight = tensors.get(name)
+        if weight is None:
+            raise ValueError(f"{file}: tensor {name} is missing (expected MoE layer {i}'s router weight {want}); a "
+                             "truncated or altered file? Train it again with psr-hf train-gate")
+        if tuple(weight.shape) != want:
+            raise ValueError(f"{file}: tensor {name} has shape {tuple(weight.shape)}, expected {want} (MoE layer "
+                             f"{i}'s router weight); an altered file? Train it again with psr-hf train-gate")
+        if not torch.isfinite(weight).all():
+            raise ValueError(f"{file}: tensor {name} holds values that are not finite (NaN or infinity); a diverged "
+                             "training? Train it again, e.g. with lower rates")
+        weights.append(weight)
+    return weights
+
+
 def load_distilled(model: torch.nn.Module, path: str | Path) -> tuple[torch.nn.Module, Any]:
     """:func:`apply_distilled`, and the folder's trained margin head (``gate.safetensors``, written when a gate was
-    trained; checked against the model) or None: what ``psr_hf.patch(model, config, gate=...)`` takes."""
+    trained; checked against the model) or None: what ``psr_hf.patch(model, config, gate=...)`` takes. A gate or
+    router tensor refused (``ValueError``) leaves the model as it was."""
     from .margin_head import MarginHead
 
-    model = apply_distilled(model, path)
     file = Path(path) / GATE_FILE
-    if not file.is_file():
-        return model, None
-    head = MarginHead.load(file)
-    head.check(num_layers=len(_routers(model)), hidden_size=int(model.config.hidden_size),
-               model_type=str(getattr(model.config, "model_type", "")) or None, source=str(file))
-    return model, head
+    head = None
+    if file.is_file():  # checked before apply_distilled changes the model
+        head = MarginHead.load(file)
+        head.check(num_layers=len(_routers(model)), hidden_size=int(model.config.hidden_size),
+                   model_type=str(getattr(model.config, "model_type", "")) or None, source=str(file))
+    return apply_distilled(model, path), head

@@ -83,8 +83,9 @@ class Controller:
         self._configure(config, calibration, predictor, gate)
 
     def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None, gate: Any = None) -> None:
-        """Everything that follows from the routing config: the logical cache, the prefetch source, fresh rows
-        and zero statistics."""
+        """Everything that follows from the routing config: the logical cache, the prefetch source, the gate,
+        fresh rows and zero statistics. All or nothing: everything is built and checked before anything is
+        assigned, so a ``ValueError`` leaves the controller as it was."""
         model_shape = dict(num_layers=self.num_layers, num_experts=self.num_experts,
                            hidden_size=int(self.layers[0].router.weight.shape[1]),
                            model_type=getattr(self.family.config, "model_type", None), top_k=self.top_k)
@@ -94,6 +95,7 @@ class Controller:
             config, num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
             calibration=calibration, rows=1, default_window=self.default_window, vocab_size=vocab,
         )
+        head, unit = _gate_for(gate, config, cache.calibration, model_shape, self.routing.devices[0])
         self.config = config
         self.cache = cache
         self.capacity = cache.capacity
@@ -101,8 +103,7 @@ class Controller:
         self._calibration_given = None if calibration is None else cache.calibration  # what reconfigure() keeps
         self._uses_tokens = bool(cache.calibration.vocab_size) and config.eviction == "score"
         self.routing.configure(config, cache, source)
-        self.routing.gate, self.routing.gate_unit = _gate_for(gate, config, cache.calibration, model_shape,
-                                                              self.routing.devices[0])
+        self.routing.gate, self.routing.gate_unit = head, unit
         self._finished = np.zeros(1, dtype=bool)  # [R] rows that ended in generate()
         self._totals = RoutingCounters()  # finished sequences since the last reset_stats()
 
@@ -159,7 +160,10 @@ class Controller:
         ``calibration``: default (None) the one the model routes with now (given to :func:`~psr_hf.patch` or to
         an earlier ``reconfigure``); ``False`` routes uncalibrated (running bonus scale, the first experts as the
         warm set, no token prior). ``predictor``: for ``prefetch="predictor"`` (default: the one the model has).
-        ``gate``: a margin head (default: the one the model has; ``False``: none)."""
+        ``gate``: a margin head (default: the one the model has; ``False``: none).
+
+        A refused call (``ValueError``: a gate, predictor or calibration that cannot route with ``config``)
+        changes nothing: the model keeps its config, cache, slots and sequence."""
         config = RoutingConfig.coerce(config)
         gate = self.gate if gate is None else None if gate is False else gate
         if calibration is None:
@@ -655,11 +659,17 @@ class Controller:
 
 def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
               device: torch.device) -> tuple[Any, torch.Tensor | None]:
-    """The margin head, moved to the routers' ``device`` (its margins are computed where the router inputs are,
-    with no transfer per layer), and its unit ``lam * delta[l]`` there (``ValueError`` where the config or
-    calibration cannot carry per-token margins), or (None, None)."""
+    """The margin head the routers use and its unit ``lam * delta[l]`` beside it (``ValueError`` where the config
+    or calibration cannot carry per-token margins), or (None, None).
+
+    The head is the given one where it already lives on the routers' ``device`` (so training it trains what
+    routes), else a copy there (margins computed where the router inputs are, with no transfer per layer): the
+    caller's head is never moved. Routers on the meta device hold no values yet, so the head stays where its
+    weights are and its margins are moved to the scores."""
     if gate is None:
         return None, None
+    import copy
+
     from ..gates.margin_head import MarginHead
     from ..policy.margins import margin_scale
 
@@ -670,4 +680,6 @@ def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
                          f"policy={config.policy!r}, delta_mode={config.delta_mode!r}: use policy='cache_prior' "
                          "(with eviction='lru': the change-based gate) or 'psr', delta_mode='fixed'")
     unit = margin_scale(np.ones(shape["num_layers"]), float(config.lam), calibration.delta)  # lam * delta
-    return head.to(device), torch.as_tensor(unit, dtype=torch.float32, device=device)
+    if device.type != "meta" and head.weight.device != device:
+        head = copy.deepcopy(head).to(device)
+    return head, torch.as_tensor(unit, dtype=torch.float32, device=head.weight.device)
