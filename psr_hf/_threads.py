@@ -3,9 +3,10 @@
 Its matrix products take microseconds, so more threads gain nothing on an idle machine, and on a busy one every
 parallel region waits for an OpenMP worker the OS has descheduled (the shipped tiny-moe generating 32 tokens on
 a loaded 2-core machine: 0.17-0.35 s with one thread, 0.86-1.19 s with torch's default two;
-benchmarks/threads/record.txt). Torch's thread count is process-wide, so only the command line and
-``load_shipped()`` (a loader of psr_hf's own small models) apply the decision; ``patch()`` leaves it to the
-caller. To choose yourself: set ``PSR_HF_THREADS=N`` (or ``OMP_NUM_THREADS``), or call ``torch.set_num_threads``.
+benchmarks/threads/record.txt). Torch's thread count is process-wide, so only the command line applies the
+decision; the library (``patch()``, ``load_shipped()``) leaves it to the caller, who calls
+``torch.set_num_threads(1)`` for a small model (as the README's quickstart and the notebook do). The CLI's
+commands take ``PSR_HF_THREADS=N`` (or ``OMP_NUM_THREADS``, or ``--threads``) to choose otherwise.
 """
 
 from __future__ import annotations

@@ -138,3 +138,17 @@ def test_patch_and_unpatch_leave_torchs_thread_count_as_the_caller_set_it(monkey
         assert seen == [(2, numba_threads)] * 3 and numba.get_num_threads() == numba_threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_loading_a_shipped_model_leaves_torchs_thread_count_as_the_caller_set_it(monkeypatch):
+    from psr_hf.assets import load_shipped
+
+    for name in ("PSR_HF_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        load_shipped("tiny-moe")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

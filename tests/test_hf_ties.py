@@ -30,7 +30,8 @@ def test_executed_experts_equal_the_recorded_selection_even_with_ties(policy):
     z = recording.scores.astype(np.float64)
     ordered = -np.sort(-z, axis=-1)
     ties = ordered[..., ctl.top_k - 1] == ordered[..., ctl.top_k]  # [T, L]
-    assert ties.any(), "the test needs tied router scores at the top-K boundary; pick another seed"
+    if policy == "psr":  # exact routing's recorded scores break each tie the router's way (router_choice)
+        assert ties.any(), "the test needs tied router scores at the top-K boundary; pick another seed"
     for layer, calls in executed.items():
         ran = np.sort(torch.cat(calls).numpy(), axis=-1)  # [T, K]
         np.testing.assert_array_equal(ran, recording.selected[:, layer])

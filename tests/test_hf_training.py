@@ -147,7 +147,8 @@ def test_in_eval_mode_the_outputs_do_not_depend_on_whether_grad_is_enabled(base_
 
 def test_a_model_that_is_its_own_assistant_decodes_as_unpatched_under_exact_routing(base_models, quiet_psr_hf):
     """Assisted decoding with the model as its own assistant interleaves two KV caches on one model: under exact
-    routing each switch starts fresh routing state (no output depends on it); a cache-aware policy refuses."""
+    routing each switch starts fresh routing state (no output depends on it); a cache-aware policy refuses assisted
+    decoding before it runs."""
     model = copy.deepcopy(base_models["olmoe"]).eval()
     ids = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(6))
     kwargs = dict(input_ids=ids, max_new_tokens=6, do_sample=False, assistant_model=model)
@@ -155,5 +156,5 @@ def test_a_model_that_is_its_own_assistant_decodes_as_unpatched_under_exact_rout
     with psr_hf.patched(model, psr_hf.RoutingConfig(policy="exact", residency=0.5)):
         assert torch.equal(model.generate(**kwargs), unpatched)
     with psr_hf.patched(model, psr_hf.RoutingConfig(policy="psr", residency=0.5)):
-        with pytest.raises(RuntimeError, match="routing state belongs to another KV cache"):
+        with pytest.raises(ValueError, match="assisted decoding"):
             model.generate(**kwargs)

@@ -229,9 +229,9 @@ def test_weights_changed_in_the_middle_of_a_sequence_are_used_from_the_next_step
 # ---------------------------------------------------------------------------------------------- CPU determinism
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
-def test_cpu_offload_is_bitwise_deterministic_across_calls_and_slot_layouts(family, threads, monkeypatch):
+def test_cpu_offload_is_bitwise_deterministic_across_calls_and_slot_layouts(family, threads):
     before = torch.get_num_threads()
-    monkeypatch.setenv("PSR_HF_THREADS", str(threads))  # patch() would give a small CPU model one thread
+    torch.set_num_threads(threads)
     try:
         model = tiny_model(family)
         psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),

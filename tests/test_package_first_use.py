@@ -1,6 +1,6 @@
 """The package as a new user first meets it: ``import psr_hf`` makes every subpackage an attribute, and the one
-thread decision (``psr_hf/_threads.py``) gives a small CPU model one torch thread unless the user chose, and says
-what a bad ``PSR_HF_THREADS`` should be."""
+thread decision (``psr_hf/_threads.py``, made by the CLI only, never by ``patch()`` or ``load_shipped()``) gives a small
+CPU model one torch thread unless the user chose, and says what a bad ``PSR_HF_THREADS`` should be."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ def test_import_psr_hf_makes_every_subpackage_an_attribute():
 
 
 @pytest.mark.parametrize("env, expected", [({}, 1), ({"PSR_HF_THREADS": "2"}, 2), ({"OMP_NUM_THREADS": "2"}, 2)])
-def test_patch_gives_a_small_cpu_model_one_thread_unless_the_user_chose(monkeypatch, env, expected):
-    import psr_hf
-    from psr_hf.testing import tiny_model
+def test_the_decision_gives_a_small_cpu_model_one_thread_unless_the_user_chose(monkeypatch, env, expected):
+    from psr_hf._threads import decide
 
     for name in ("PSR_HF_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
@@ -30,12 +29,9 @@ def test_patch_gives_a_small_cpu_model_one_thread_unless_the_user_chose(monkeypa
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        model = tiny_model("olmoe")
-        psr_hf.patch(model, psr_hf.RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5))
-        assert torch.get_num_threads() == expected
-        torch.set_num_threads(2)  # after patch(): the user's call wins
-        assert torch.get_num_threads() == 2
-        psr_hf.unpatch(model)
+        assert decide(64, "cpu") == expected == torch.get_num_threads()
+        torch.set_num_threads(2)
+        assert decide(4096, "cpu") == 2  # a large model keeps the count
     finally:
         torch.set_num_threads(before)
 

@@ -104,20 +104,18 @@ def load_tiny_moe(dtype: Any = None) -> tuple[Any, Any, Any]:
 
 def load_shipped(name: str, dtype: Any = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, calibration)`` of the shipped model ``name`` (:data:`SHIPPED`), in eval mode
-    (``dtype``: default float32; the weights are stored in bfloat16), with psr_hf's thread decision for a small
-    model on the CPU applied (:mod:`psr_hf._threads`: one torch thread unless you chose)."""
+    (``dtype``: default float32; the weights are stored in bfloat16). Torch's thread count is the caller's: these
+    models are small, so on a busy CPU ``torch.set_num_threads(1)`` runs them faster (:mod:`psr_hf._threads`)."""
     from .. import _progress  # noqa: F401  (before transformers: a notebook without ipywidgets shows no warning)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .._threads import decide_for
     from ..policy.calibration import Calibration
 
     path = shipped_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    decide_for(model)
     return model, tokenizer, Calibration.load(path / CALIBRATION)
 
 

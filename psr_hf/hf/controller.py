@@ -78,6 +78,7 @@ class Controller:
         self._stop_set: frozenset = frozenset()  # the same ids, for the one-token check
         self._prompt_length = 0  # length of the current generate() call's input ids (cached part included)
         self._in_generate = 0
+        self._rows_stop = False  # the running generate() reports stopped rows (rows_stopped)
         self._right_padded: np.ndarray | None = None  # [R] real lengths of mask-less right-padded rows
         self._installer = Installer(self)  # what install() puts on the model; uninstall() removes it
         self._configure(config, calibration, predictor, gate)
@@ -401,11 +402,15 @@ class Controller:
     def run_forward(self, module: torch.nn.Module, original: Callable, args: tuple, kwargs: dict) -> Any:
         """The wrapped forward of ``module`` (the model or its decoder; ``original`` bound): opens the forward
         pass, runs ``original`` and closes the forward pass however it ends, holding the controller's lock."""
+        if torch.compiler.is_compiling() and self._traces_unpatched():
+            return original(*args, **kwargs)
         with self._lock:
             if self._fwd is not None:  # nested in this thread's open forward (composite -> language model)
                 return original(*args, **kwargs)
             if getattr(self._bypass, "depth", 0):
                 return self._bypassed_forward(original, args, kwargs)
+            if self.model.training:  # checkpointing may have been enabled since the last forward pass
+                self._installer.route_checkpoints()
             self._open(module, args, kwargs)
             try:
                 output = original(*args, **kwargs)
@@ -425,10 +430,14 @@ class Controller:
                 # under exact routing the outputs are the unpatched model's whatever the padding, so transformers'
                 # own warning is what the user gets
                 inputs.refuse_right_padding(kwargs.get("attention_mask"))
+                inputs.refuse_assisted_decoding(self.model, kwargs)
             stop = inputs.stop_token_ids(self.model, kwargs)
-            previous = self._stop_ids, self._stop_set, self._prompt_length
+            previous = self._stop_ids, self._stop_set, self._prompt_length, self._rows_stop
             self._stop_ids, self._prompt_length = stop, inputs.prompt_length(args, kwargs)
             self._stop_set = frozenset(int(t) for t in stop.tolist())
+            # greedy and sampled decoding ask the stopping criteria once per step for every row; beam search asks
+            # them for candidate beams, which are not rows
+            self._rows_stop = (inputs.generation_setting(self.model, kwargs, "num_beams") or 1) == 1
             # a call that continues a cached sequence gives every row new input: rows that finished before run again
             self._finished[:] = False
             self._in_generate += 1
@@ -436,7 +445,15 @@ class Controller:
                 return original(*args, **kwargs)
             finally:
                 self._in_generate -= 1
-                self._stop_ids, self._stop_set, self._prompt_length = previous
+                self._stop_ids, self._stop_set, self._prompt_length, self._rows_stop = previous
+
+    def rows_stopped(self, done: torch.Tensor) -> None:
+        """generate()'s stopping criteria ended the rows where ``done`` ``[B]`` is true (an end-of-sequence token,
+        a stop string, lm-eval's ``until``, any custom criterion): from the next forward pass on, what generate()
+        feeds those rows never touches their state, as a row alone would have stopped there."""
+        if not (self._in_generate and self._rows_stop) or done.ndim != 1 or done.shape[0] != self._finished.shape[0]:
+            return
+        self._finished |= done.detach().to("cpu").numpy().astype(bool)
 
     def router_forward(self, layer: Any, original: Callable) -> Callable:
         """The forward that replaces ``layer``'s router forward ``original`` (bound): the same name, docstring and
@@ -448,10 +465,12 @@ class Controller:
 
         @functools.wraps(original)
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() and self._traces_unpatched():
+                return original(hidden_states, *args, **kwargs)
             if getattr(self._bypass, "depth", 0):
                 return original(hidden_states, *args, **kwargs)
             fwd = self._fwd
-            if fwd is None and index in routing.decisions and in_backward():
+            if fwd is None and routing.replayable(index) and in_backward():
                 return routing.recompute(index, router, original(hidden_states, *args, **kwargs))
             if fwd is None:
                 raise RuntimeError(
@@ -471,6 +490,22 @@ class Controller:
                                      hidden_states)
 
         return forward
+
+    def _traces_unpatched(self) -> bool:
+        """Inside a graph torch.compile traces: exact routing on the model's own weights decides nothing on the
+        host, so the traced forward is the unpatched one (``fullgraph=True`` holds; nothing is counted or
+        recorded inside the graph). Any other routing decides on the host between the layers: the graph breaks
+        here, and the rest runs eagerly with the lock and the routing state (``fullgraph=True`` is refused with
+        this reason)."""
+        if self._outputs_exact and self.offload is None:
+            return True
+        torch._dynamo.graph_break(
+            msg=f"psr_hf: policy={self.config.policy!r}"
+                + (" with offloaded experts" if self.offload is not None else "")
+                + " decides the routing on the host between the layers, so a compiled graph breaks at each MoE layer; "
+                  "compile without fullgraph=True, or route with policy='exact' on a model that is not offloaded"
+        )
+        return False
 
     # ------------------------------------------------------------------ sequence and rows
     def _current_totals(self) -> RoutingCounters:
@@ -578,9 +613,10 @@ class Controller:
     def _check_continuation(self, past: int, B: int, cache: Any = None, restart: bool = False) -> bool:
         """A forward of ``B`` rows after ``past`` cached positions (in the KV cache ``cache``, if given) may
         continue the current sequence: the one whose routing state this is, so the same cache object as the
-        sequence's forward passes used (when both are known) and no more cached positions than the routing state
-        has seen (fewer: a cache cropped in place, as assisted decoding does). Where it may not: a
-        ``RuntimeError``, or with ``restart`` True (the routing state starts afresh for this forward)."""
+        sequence's forward passes used (when both are known) and as many cached positions as the routing state
+        has seen (fewer, a cache cropped in place as assisted decoding does, only under exact routing, which no
+        output depends on). Where it may not: a ``RuntimeError``, or with ``restart`` True (the routing state
+        starts afresh for this forward)."""
         try:
             self._check_continuing(past, B, cache)
         except RuntimeError:
@@ -603,6 +639,14 @@ class Controller:
                     "(generate() or a forward without past_key_values), or call psr_hf.controller(model).reset() to "
                     "continue this KV cache with fresh routing state"
                 )
+        if 0 < past < (self._sequence_positions or 0) and self._interrupted is None and not self._outputs_exact:
+            raise RuntimeError(
+                f"psr_hf: this forward continues a KV cache cropped to {past} positions, but the routing state has "
+                f"taken in {self._sequence_positions}: the removed positions (rejected drafts of assisted decoding, "
+                "a rolled-back turn) would still steer this sequence's routing. Start a new sequence (generate() or a "
+                "forward without past_key_values), or call psr_hf.controller(model).reset() to continue this KV "
+                "cache with fresh routing state"
+            )
         if past > 0 and self._interrupted is not None:
             raise RuntimeError(
                 f"psr_hf: the previous forward pass of this model stopped part-way ({self._interrupted}), so the "
@@ -628,7 +672,7 @@ class Controller:
                 self.offload.sync_weights(self.routing.resident)
             if past == 0 or restart:
                 self._new_sequence(B)
-            if self._in_generate and past > 0 and self._stop_ids.size:
+            if self._in_generate and past > 0 and (self._stop_ids.size or self._finished.any()):
                 valid = self._mark_finished(tokens, valid, prompt=self._prompt_length - past)
             if S == 1:  # decoding runs on the cache's own one-position buffers
                 io = self.cache.io

@@ -117,6 +117,32 @@ def stop_token_ids(model: torch.nn.Module, kwargs: dict) -> np.ndarray:
     return np.asarray([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=np.int64)
 
 
+def generation_setting(model: torch.nn.Module, kwargs: dict, name: str) -> Any:
+    """A ``generate()`` call's setting ``name``: its keyword, else its generation config's, else the model's."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+ASSISTED_DECODING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def refuse_assisted_decoding(model: torch.nn.Module, kwargs: dict) -> None:
+    """Assisted decoding (an assistant model, prompt lookup, early exit) verifies drafted tokens and then crops the
+    KV cache to the accepted ones, but a cache-aware policy's routing state has already taken the rejected ones
+    in, and has no way back: ``ValueError`` before anything runs."""
+    used = [name for name in ASSISTED_DECODING if generation_setting(model, kwargs, name) is not None]
+    if used:
+        raise ValueError(
+            f"psr_hf: assisted decoding ({', '.join(used)}) is not supported under a cache-aware policy: the target "
+            "verifies drafted tokens and keeps only the accepted ones, but the routing state has taken the rejected "
+            "ones in, so tokens and statistics would differ from plain decoding. Decode without an assistant, use "
+            "policy='exact' (tokens as unpatched), or psr_hf.speculative_generate (block-level expert selection, "
+            "docs/speculative.md)"
+        )
+
+
 def prompt_length(args: tuple, kwargs: dict) -> int:
     """The length of a ``generate()`` call's input (ids or embeddings; the cached part included)."""
     prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))

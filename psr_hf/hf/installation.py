@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from .checkpointing import checkpointing_modules, route_checkpoints, unroute_checkpoints
+
 logger = logging.getLogger(__name__)
 
 CONTROLLER_ATTRIBUTE = "_psr_hf_controller"  # the model's instance attribute that holds its Controller while patched
@@ -80,6 +82,7 @@ class Installer:
     def __init__(self, controller: Any):
         self.controller = controller
         self.installation = Installation()
+        self._checkpointing: list = []  # the modules transformers may checkpoint
 
     @property
     def installed(self) -> bool:
@@ -94,6 +97,7 @@ class Installer:
             self._install_routers()
             self._install_forwards()
             self._install_generate()
+            self._install_checkpointing()
             if offload is not None:
                 self._install_offload(offload)
             self.installation.set_attr(model, CONTROLLER_ATTRIBUTE, self.controller)
@@ -132,6 +136,19 @@ class Installer:
                                    _reorder_cache_wrapper(ctl, getattr(model, "_reorder_cache", None)))
         if hasattr(model, "generate"):
             self.installation.set_attr(model, "generate", _generate_wrapper(ctl, model.generate))
+        if hasattr(model, "_get_stopping_criteria"):
+            self.installation.set_attr(model, "_get_stopping_criteria",
+                                       _stopping_criteria_wrapper(ctl, model._get_stopping_criteria))
+
+    def _install_checkpointing(self) -> None:
+        """Gradient checkpointing replays each forward's routing (:mod:`.checkpointing`); the wrapping itself happens
+        at each training forward pass, since transformers sets the checkpoint functions when it is enabled."""
+        self._checkpointing = checkpointing_modules(self.controller.model)
+        self.installation.add(lambda: unroute_checkpoints(self._checkpointing))
+
+    def route_checkpoints(self) -> None:
+        """Wrap the checkpoint functions transformers set since the last call (:func:`.checkpointing.route_checkpoints`)."""
+        route_checkpoints(self._checkpointing, self.controller.routing)
 
     def _install_offload(self, config: Any) -> None:
         """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadedExperts`)."""
@@ -161,6 +178,31 @@ def _generate_wrapper(ctl: Any, original: Callable) -> Callable:
         return ctl.run_generate(original, args, kwargs)
 
     return generate
+
+
+def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
+    """The model's ``_get_stopping_criteria`` whose list also tells the controller which rows each step stopped
+    (stop strings, lm-eval's ``until``, any custom criterion), so the pad tokens generate() feeds a stopped row
+    afterwards never touch its routing state or statistics."""
+    from transformers import StoppingCriteriaList
+
+    class RowStops(StoppingCriteriaList):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            done = super().__call__(input_ids, scores, **kwargs)
+            ctl.rows_stopped(done)
+            return done
+
+        def __deepcopy__(self, memo: dict) -> StoppingCriteriaList:  # a copy is the plain list: the controller is not copied
+            import copy
+
+            return StoppingCriteriaList(copy.deepcopy(list(self), memo))
+
+    @functools.wraps(original)
+    def get_stopping_criteria(*args: Any, **kwargs: Any) -> Any:
+        criteria = original(*args, **kwargs)
+        return RowStops(criteria) if isinstance(criteria, StoppingCriteriaList) else criteria
+
+    return get_stopping_criteria
 
 
 def _reorder_cache_wrapper(ctl: Any, original: Callable | None) -> Callable:

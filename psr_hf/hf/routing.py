@@ -11,14 +11,16 @@ weighed from the unmodified scores. The batch-1 decode path of :meth:`Controller
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..policy.cache import StepPlan
 from .prefetch_sources import PregateRanking
+from .router_choice import follow_router_choice
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,13 @@ class LayerRouting:
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
         self.relaxation: Any = None  # a GateRelaxation while a gate trains (psr_hf.gates.train)
         self.needs_pregate = self.executes_pregate = False
+        self.follows_router = False  # exact routing: the router's own picks decide ties (router_choice)
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
         # mode: a backward pass that recomputes layers (gradient checkpointing) routes them as that pass did
         self.decisions: dict[int, tuple[int, int, torch.Tensor, np.ndarray]] = {}
+        # while a checkpointed layer is recomputed: the decisions its own forward recorded (.checkpointing)
+        self._replaying: dict | None = None
         self._stacked: dict[int, tuple] = {}  # layer -> (weights' identity, [2E, H])
         self._pinned: dict[torch.device, torch.Tensor] = {}  # host staging buffers for selections, per device
         self._staging_views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
@@ -74,6 +79,7 @@ class LayerRouting:
         self.source, self.cache = source, cache
         self.needs_pregate = config.needs_pregate
         self.executes_pregate = config.executes_pregate
+        self.follows_router = config.policy == "exact"
         self.displaced = np.zeros((self.num_layers, 1))
         source.start(1, cache.calibration)
 
@@ -114,7 +120,9 @@ class LayerRouting:
         (``hidden``: the router's input, read by a gate)."""
         with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
             z = self._gated(layer, hidden, self.family.selection_scores(router, own[0].detach()))  # [N, E]
-        z_host = _host(z).reshape(fwd.rows, fwd.positions, self.num_experts)  # the one transfer of this layer
+            ungated = self.family.selection_scores(router, own[0].detach()) if self.gate is not None else None
+            host = _host(self._with_host_extras(z, own, ungated))  # the one transfer of this layer
+        z_host, mass_scores = self._split_host(host, fwd, extras_from=self.num_experts)
         if fwd.positions == 1:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
             plan = self._decode_select(layer, z_host[:, 0], "select" if self.needs_pregate and layer else "both")
@@ -124,28 +132,31 @@ class LayerRouting:
             self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
         self.source.remember(layer, z_host, fwd.valid)
-        return self._execute(fwd, layer, router, plan, z_host, own[0], own, None, hidden)
+        return self._execute(fwd, layer, router, plan, z_host, own[0], own, None, hidden, mass_scores)
 
     def route_joint(self, fwd: Any, layer: int, router: Any, hidden: torch.Tensor,
                     run_own: Callable[[], tuple]) -> tuple:
         """This layer's scores and the next layer's pre-gate from one matmul, moved to the host in one transfer;
         the model's own router runs afterwards, and only where the selection is the router's own top-K."""
         B, S, E = fwd.rows, fwd.positions, self.num_experts
+        own = run_own() if self.follows_router else None  # exact routing reads the router's own picks
         with torch.no_grad():  # the host's copy and the untrained path's logits: nothing saved for a backward pass
             raw, both = self.joint_scores(layer, hidden)
+            ungated = None
             if self.gate is not None:
+                ungated = both[:, :E]
                 both = torch.cat((self._gated(layer, hidden, both[:, :E]), both[:, E:].float()), dim=1)
-        host = _host(both)  # [N, 2E]: this layer's z | next pre-gate
+            host = _host(self._with_host_extras(both, own, ungated))  # [N, 2E (+K | +E)]: z | next pre-gate | extras
         logits = _Lazy(raw, E)  # this layer's logits, sliced only if the selection needs them
-        # C-contiguous halves: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
-        z_host = np.ascontiguousarray(host[:, :E]).reshape(B, S, E)
-        g_next = np.ascontiguousarray(host[:, E:]).reshape(B, S, E)
+        # C-contiguous parts: the policy kernels are compiled for C-contiguous arrays only (one specialisation)
+        g_next = np.ascontiguousarray(host[:, E:2 * E]).reshape(B, S, E)
+        z_host, mass_scores = self._split_host(host, fwd, extras_from=2 * E)
         if S == 1:
             # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
             # computes), on the cache's own buffers
             g_next = self.source.next_pregate(layer + 1, g_next)
-            plan = self._decode_select(layer, host[:, :E], "select")
-            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own)
+            plan = self._decode_select(layer, z_host[:, 0], "select")
+            result = self._execute(fwd, layer, router, plan, z_host, logits, own, run_own, None, mass_scores)
             self._decode_prefetch(fwd, layer + 1, g_next[:, 0])
         else:
             # a block of positions: parts 1 and 2 of this layer for each position in order
@@ -153,10 +164,37 @@ class LayerRouting:
                 self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
             self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
-            result = self._execute(fwd, layer, router, plan, z_host, logits, None, run_own, hidden)
+            result = self._execute(fwd, layer, router, plan, z_host, logits, own, run_own, hidden, mass_scores)
         self.source.remember(layer, z_host, fwd.valid)
         self.pregate[layer + 1] = g_next
         return result
+
+    def _with_host_extras(self, scores: torch.Tensor, own: tuple | None, ungated: torch.Tensor | None) -> torch.Tensor:
+        """``scores`` with what the host needs besides, as columns of the same transfer: under exact routing the
+        router's own picks ``[N, K]`` (:mod:`.router_choice`), under a gate the ungated selection scores ``[N, E]``
+        (the displaced mass is the router's own, whatever margins decided)."""
+        extras = []
+        if self.follows_router:
+            extras.append(own[2].detach().to(torch.float32))  # expert ids < 2**24: exact in float32
+        if ungated is not None:
+            extras.append(ungated.float())
+        return torch.cat([scores.float()] + extras, dim=1) if extras else scores
+
+    def _split_host(self, host: np.ndarray, fwd: Any, extras_from: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """This layer's selection scores ``[B, S, E]`` (C-contiguous: the kernels are compiled for that layout
+        only) from a transfer laid out by :meth:`_with_host_extras`, and the scores its displaced mass is computed
+        from (None: the same)."""
+        E, shape = self.num_experts, (fwd.rows, fwd.positions, self.num_experts)
+        z = host[:, :E] if host.shape[1] > E else host
+        column = extras_from
+        if self.follows_router:
+            picks = host[:, column:column + self.top_k].astype(np.int64)
+            z = follow_router_choice(np.ascontiguousarray(z), picks)
+            column += self.top_k
+        mass_scores = None
+        if self.gate is not None:
+            mass_scores = np.ascontiguousarray(host[:, column:column + E]).reshape(shape)
+        return np.ascontiguousarray(z).reshape(shape), mass_scores
 
     def _snapshot(self, fwd: Any, layer: int) -> None:
         """While a gate trains: the layer's logical cache of every row before the kernels route the block."""
@@ -173,10 +211,33 @@ class LayerRouting:
         margins = self.gate(layer, hidden.detach().reshape(-1, hidden.shape[-1]))
         return z.float() * (self.gate_unit[layer] / margins).to(z.device)[:, None]
 
+    @contextlib.contextmanager
+    def checkpointed(self, record: dict, replay: bool) -> Iterator[None]:
+        """One call of a checkpointed layer (:mod:`.checkpointing`): its forward records its decisions into
+        ``record``; with ``replay`` (the recomputation in the backward pass) they are what :meth:`recompute` reads."""
+        if replay:
+            previous, self._replaying = self._replaying, record
+            try:
+                yield
+            finally:
+                self._replaying = previous
+        else:
+            previous, self.decisions = self.decisions, record
+            try:
+                yield
+            finally:
+                self.decisions = previous
+
+    def replayable(self, layer: int) -> bool:
+        """Whether a recomputation of ``layer`` now has the decisions of its forward pass."""
+        return layer in (self.decisions if self._replaying is None else self._replaying)
+
     def recompute(self, layer: int, router: Any, own: tuple) -> tuple:
         """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
-        with weights from the recomputed logits, so the gradients are those of the routed forward."""
-        N, count, chosen, flags = self.decisions[layer]
+        with weights from the recomputed logits, so the gradients are those of the routed forward. The decisions
+        are those of the checkpointed call being recomputed, else (a checkpoint psr_hf did not wrap) the last
+        forward pass's."""
+        N, count, chosen, flags = (self.decisions if self._replaying is None else self._replaying)[layer]
         if self.relaxation is not None:
             raise RuntimeError("psr_hf: a gate trains without gradient checkpointing (its relaxation reads the cache "
                                "of the forward pass); call model.gradient_checkpointing_disable()")
@@ -250,13 +311,15 @@ class LayerRouting:
 
     # ------------------------------------------------------------------ a layer's plan to the router's outputs
     def _execute(self, fwd: Any, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: Any,
-                 own: tuple | None, run_own: Callable[[], tuple] | None, hidden: torch.Tensor | None = None) -> tuple:
+                 own: tuple | None, run_own: Callable[[], tuple] | None, hidden: torch.Tensor | None = None,
+                 mass_scores: np.ndarray | None = None) -> tuple:
         """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
         ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
         scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
         pick; the policy's (ties to the lower index) runs instead, so the executed experts are always the
-        logical cache's."""
-        count, chosen_dev_view, flags, _ = self._decide(fwd, layer, plan, z_host)
+        logical cache's (exact routing moved its scores so that the policy's pick is the router's:
+        :mod:`.router_choice`). ``mass_scores``: the router's own scores where ``z_host`` are a gate's."""
+        count, chosen_dev_view, flags, _ = self._decide(fwd, layer, plan, z_host, mass_scores)
         device = self.devices[layer]
         N = fwd.rows * fwd.positions
         training = self.model.training
@@ -312,11 +375,12 @@ class LayerRouting:
         if self.offload is not None and _mirrors(fwd):
             self.offload.prefetch(layer, plan, self.cache.resident_mask(layer))
 
-    def _decide(self, fwd: Any, layer: int, plan: StepPlan,
-                z_host: np.ndarray) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
+    def _decide(self, fwd: Any, layer: int, plan: StepPlan, z_host: np.ndarray,
+                mass_scores: np.ndarray | None = None) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
         """What every caller does with a layer's plan: record it, count its statistics
-        (:meth:`LogicalCache.finish_layer`), write the selected experts into the host staging buffer and tell the
-        offload. Returns the number of positions whose selection is not the router's own top-K, the staging
+        (:meth:`LogicalCache.finish_layer`; the router's own top-K and the displaced mass from ``mass_scores``, the
+        ungated scores of a gated layer, else ``z_host``), write the selected experts into the host staging buffer
+        and tell the offload. Returns the number of positions whose selection is not the router's own top-K, the staging
         tensor ``[N, K]`` (host; pinned for a CUDA device), the per-position flags (1: not the router's own) and
         the staging buffer as an array."""
         N = fwd.rows * fwd.positions
@@ -324,7 +388,8 @@ class LayerRouting:
             self.recorder.add_layer(layer, z_host, self.pregate[layer], plan.selected)
         chosen, chosen_dev_view = self._staging(N, self.devices[layer])
         flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
-        count = self.cache.finish_layer(plan, z_host, fwd.valid, self.offload is not None, self.family.router_mass,
+        own_scores = z_host if mass_scores is None else mass_scores
+        count = self.cache.finish_layer(plan, own_scores, fwd.valid, self.offload is not None, self.family.router_mass,
                                         self._mass_bias[layer], self.displaced[layer], chosen, flags)
         if self.offload is not None:
             mirror = _mirrors(fwd)
