@@ -103,15 +103,9 @@ def test_displaced_mass_comes_from_the_routers_own_scores_under_a_gate():
 
 def _two_forward_gradients(model: torch.nn.Module, checkpointing: bool | str) -> dict[str, torch.Tensor]:
     """Gradients of the sum of two forward passes' losses (different inputs) with one backward."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    options = {"use_reentrant": checkpointing == "reentrant"}
-    if not checkpointing:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
-    elif hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    from test_hf_training import train_with_checkpointing
+
+    train_with_checkpointing(model, checkpointing)
     losses = []
     for seed in (0, 1):
         ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(seed))

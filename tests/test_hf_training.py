@@ -28,6 +28,15 @@ def _gradients(model: torch.nn.Module, checkpointing: bool | str) -> tuple[torch
     """Loss and gradients of one training step; ``checkpointing`` True (transformers' default, non-reentrant),
     "reentrant" or False."""
     ids, mask = _batch()
+    train_with_checkpointing(model, checkpointing)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def train_with_checkpointing(model: torch.nn.Module, checkpointing: bool | str) -> None:
+    """Training mode, gradients zeroed, and ``checkpointing`` True (transformers' default, non-reentrant), "reentrant"
+    or False."""
     model.train()
     model.zero_grad(set_to_none=True)
     # transformers 5.24 names it activation checkpointing; older releases gradient checkpointing
@@ -38,9 +47,6 @@ def _gradients(model: torch.nn.Module, checkpointing: bool | str) -> tuple[torch
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-    out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
