@@ -228,7 +228,7 @@ def _identity(windows: Sequence[torch.Tensor], config: Any, *numbers: Any) -> st
 
     digest = hashlib.sha256()
     for w in windows:
-        digest.update(w.to(torch.int64).numpy().tobytes())
+        digest.update(w.detach().to(device="cpu", dtype=torch.int64).numpy().tobytes())
         digest.update(b"|")
     return json.dumps({"windows": digest.hexdigest(), "routing": config.to_dict(),
                        "numbers": [str(n) for n in numbers]}, sort_keys=True)
