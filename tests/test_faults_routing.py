@@ -202,19 +202,26 @@ def _compile_config():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_routing_compiles_with_fullgraph_and_generates_as_unpatched(family):
+    """As transformers' test_generate_compile_model_forward_fullgraph runs it: two batches of the same shape, a
+    static cache, the forward compiled with fullgraph=True, no recompilation for the second batch."""
     torch.compiler.reset()
     model = tiny_model(family, seed=0)
-    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    batches = [torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(seed)) for seed in (2, 3)]
     kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        eager = model.generate(ids, **kwargs)
+        eager = [model.generate(ids, **kwargs) for ids in batches]
+    config = _compile_config()
     with psr_hf.patched(model, psr_hf.RoutingConfig(policy="exact", residency=0.5)), torch.no_grad():
-        compiled = model.generate(ids, cache_implementation="static", compile_config=_compile_config(), **kwargs)
+        compiled = [model.generate(batches[0], cache_implementation="static", compile_config=config, **kwargs)]
         assert hasattr(model, "_compiled_call") or hasattr(psr_hf.controller(model).family.decoder(),
                                                             "_compiled_call")
-    assert torch.equal(compiled.sequences, eager.sequences)
-    for a, b in zip(compiled.scores, eager.scores):
-        torch.testing.assert_close(a, b)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            compiled.append(model.generate(batches[1], cache_implementation="static", compile_config=config,
+                                           **kwargs))
+    for mine, theirs in zip(compiled, eager):
+        assert torch.equal(mine.sequences, theirs.sequences)
+        for a, b in zip(mine.scores, theirs.scores):
+            torch.testing.assert_close(a, b)
 
 
 def test_a_forward_compiled_with_fullgraph_is_the_unpatched_forward_under_exact_routing():
