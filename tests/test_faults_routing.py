@@ -243,3 +243,21 @@ def test_a_cache_aware_policy_inside_a_compiled_graph_is_refused_with_the_reason
         compiled = torch.compile(model, fullgraph=True, backend="eager")
         with pytest.raises(Exception, match="decides the routing on the host"):
             compiled(input_ids=ids)
+
+
+def test_following_the_routers_picks_changes_only_the_positions_that_disagree_and_only_their_picks():
+    from psr_hf.hf.router_choice import follow_router_choice
+
+    scores = np.array([[3.0, 2.0, 2.0, 1.0],    # a tie at the boundary: the router took expert 2
+                       [4.0, 3.0, 1.0, 0.0],    # agrees with the policy's top-2
+                       [-np.inf, 1.0, 5.0, 1.0]], dtype=np.float32)  # the router took a masked expert
+    picks = np.array([[0, 2], [1, 0], [0, 2]])
+    out = follow_router_choice(scores, picks)
+    assert out is not scores and out.dtype == np.float32
+    top = np.argsort(-out, axis=1, kind="stable")[:, :2]  # the policy's ranking: ties to the lower index
+    np.testing.assert_array_equal(np.sort(top, 1), np.sort(picks, 1))
+    np.testing.assert_array_equal(out[1], scores[1])  # an agreeing position is untouched
+    assert out[0, 2] == np.nextafter(np.float32(2.0), np.float32(np.inf)) and out[0, 1] == 2.0
+    assert out[2, 0] == np.nextafter(np.float32(1.0), np.float32(np.inf)) and out[2, 2] == 5.0
+    agreeing = scores[1:2]
+    assert follow_router_choice(agreeing, picks[1:2]) is agreeing  # nothing to change: no copy
