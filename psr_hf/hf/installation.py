@@ -9,6 +9,7 @@ the originals in reverse order. The wrappers keep the original's name, docstring
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Callable
@@ -193,8 +194,6 @@ def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
             return done
 
         def __deepcopy__(self, memo: dict) -> StoppingCriteriaList:  # a copy is the plain list: the controller is not copied
-            import copy
-
             return StoppingCriteriaList(copy.deepcopy(list(self), memo))
 
     @functools.wraps(original)
