@@ -171,9 +171,7 @@ class SpeculativeEngine:
             raise ValueError(f"draft_tokens must be >= 1; got {draft_tokens}")
         if getattr(target, CONTROLLER_ATTRIBUTE, None) is not None:
             raise ValueError("SpeculativeEngine routes the target itself: pass an unpatched target model")
-        self.family, moe = moe_routers(target)
-        for m in moe:
-            config.check_top_k(m.router.top_k)
+        self.family, moe = moe_routers(target, config)
         self.layers = L = build_layers(target, max_len)
         if L.model_type != "olmoe":
             raise ValueError(f"SpeculativeEngine supports OLMoE-family targets; got {L.model_type}")

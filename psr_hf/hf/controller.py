@@ -17,6 +17,7 @@ recording live in :mod:`.statistics` and :mod:`.recording`. A batch-1 decoder th
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -712,8 +713,6 @@ def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
     weights are and its margins are moved to the scores."""
     if gate is None:
         return None, None
-    import copy
-
     from ..gates.margin_head import MarginHead
     from ..policy.margins import margin_scale
 

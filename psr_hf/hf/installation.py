@@ -148,7 +148,8 @@ class Installer:
         self.installation.add(lambda: unroute_checkpoints(self._checkpointing))
 
     def route_checkpoints(self) -> None:
-        """Wrap the checkpoint functions transformers set since the last call (:func:`.checkpointing.route_checkpoints`)."""
+        """Wrap the checkpoint functions transformers set since the last call
+        (:func:`.checkpointing.route_checkpoints`)."""
         route_checkpoints(self._checkpointing, self.controller.routing)
 
     def _install_offload(self, config: Any) -> None:
@@ -193,7 +194,7 @@ def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
             ctl.rows_stopped(done)
             return done
 
-        def __deepcopy__(self, memo: dict) -> StoppingCriteriaList:  # a copy is the plain list: the controller is not copied
+        def __deepcopy__(self, memo: dict) -> StoppingCriteriaList:  # a plain list: the controller is not copied
             return StoppingCriteriaList(copy.deepcopy(list(self), memo))
 
     @functools.wraps(original)

@@ -119,9 +119,9 @@ class LayerRouting:
         """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores
         (``hidden``: the router's input, read by a gate)."""
         with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
-            z = self._gated(layer, hidden, self.family.selection_scores(router, own[0].detach()))  # [N, E]
-            ungated = self.family.selection_scores(router, own[0].detach()) if self.gate is not None else None
-            host = _host(self._with_host_extras(z, own, ungated))  # the one transfer of this layer
+            scores = self.family.selection_scores(router, own[0].detach())  # [N, E]
+            z = self._gated(layer, hidden, scores)
+            host = _host(self._with_host_extras(z, own, scores if self.gate is not None else None))  # one transfer
         z_host, mass_scores = self._split_host(host, fwd, extras_from=self.num_experts)
         if fwd.positions == 1:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
@@ -380,9 +380,9 @@ class LayerRouting:
         """What every caller does with a layer's plan: record it, count its statistics
         (:meth:`LogicalCache.finish_layer`; the router's own top-K and the displaced mass from ``mass_scores``, the
         ungated scores of a gated layer, else ``z_host``), write the selected experts into the host staging buffer
-        and tell the offload. Returns the number of positions whose selection is not the router's own top-K, the staging
-        tensor ``[N, K]`` (host; pinned for a CUDA device), the per-position flags (1: not the router's own) and
-        the staging buffer as an array."""
+        and tell the offload. Returns the number of positions whose selection is not the router's own top-K, the
+        staging tensor ``[N, K]`` (host; pinned for a CUDA device), the per-position flags (1: not the router's
+        own) and the staging buffer as an array."""
         N = fwd.rows * fwd.positions
         if self.recorder is not None:
             self.recorder.add_layer(layer, z_host, self.pregate[layer], plan.selected)

@@ -53,14 +53,19 @@ class SpeculativeResult:
         return sum(self.copies) / max(len(self.tokens), 1)
 
 
-def moe_routers(model: torch.nn.Module) -> tuple[Any, list]:
-    """The family patch of ``model`` and its MoE layers; ``ValueError`` where block selection does not apply."""
+def moe_routers(model: torch.nn.Module, block: BlockConfig | None = None) -> tuple[Any, list]:
+    """The family patch of ``model`` and its MoE layers; ``ValueError`` where block selection does not apply, or
+    where ``block``'s ``top_k`` is not the routers'."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     family = get_patch(config.model_type)(model)
     if family.router_mass != MASS_SOFTMAX:
         raise ValueError(f"block-level selection is defined for softmax routers; {config.model_type} routes with "
                          "another scoring (docs/speculative.md)")
-    return family, family.moe_layers()
+    layers = family.moe_layers()
+    if block is not None:
+        for layer in layers:
+            block.check_top_k(layer.router.top_k)
+    return family, layers
 
 
 @contextlib.contextmanager
@@ -92,9 +97,7 @@ class BlockRouting:
     unmodified scores. ``ValueError`` where the pool's ``top_k`` is not the routers'."""
 
     def __init__(self, model: torch.nn.Module, pool: BlockPool):
-        self.family, self.layers = moe_routers(model)
-        for layer in self.layers:
-            pool.config.check_top_k(layer.router.top_k)
+        self.family, self.layers = moe_routers(model, pool.config)
         self.pool = pool
         self.choices: list | None = None  # the open block's LayerChoice per layer
         self.scores: list | None = None
