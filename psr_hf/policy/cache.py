@@ -196,6 +196,36 @@ class IOBuffers:
     plan: StepPlan  # overwritten by every step_io call
 
 
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the kernels read of a :class:`LogicalCache`'s policy and calibration, in their own types, for another
+    implementation of the same step (the engine's device kernel, :mod:`psr_hf.engine.device_decisions`): the
+    state layout is :attr:`STATE_PLANES` x E float64 planes and :attr:`COUNTERS` float64 counters per (layer,
+    row), in the order of :mod:`._kernels` (``S_FAST, S_SLOW, LAST_USE, RESIDENT, PROTECTED, INSERTED``;
+    ``RANGE_SUM, RANGE_COUNT, STEP, PENDING, STEPS, PREFETCH, DEMAND, REPLACED``)."""
+
+    STATE_PLANES = K_.N_PLANES
+    COUNTERS = K_.R_SIZE
+
+    top_j: int
+    running: bool  # delta_mode "running" (in effect: a biased policy without calibration runs it too)
+    inserts: bool  # part 1 runs (at layers >= 1)
+    biased: bool
+    executes_pregate: bool
+    lru: bool  # eviction "lru" (else "score")
+    lam: float
+    decay_fast: float
+    decay_slow: float
+    flush: float  # s_fast below s_slow * flush is flushed to zero (_update_statistics)
+    delta: np.ndarray  # [L] float64: the fixed bonus scale per layer
+    fallback_prior: np.ndarray  # [L * E] float64: the prior of a token never seen in calibration
+    vocab_size: int  # 0: no token prior
+    token_seen: np.ndarray  # [V] int64 (1: seen in calibration)
+    prior_indptr: np.ndarray  # [V * L + 1] int64, row token * L + layer
+    prior_experts: np.ndarray  # [nnz] uint16
+    prior_values: np.ndarray  # [nnz] float32
+
+
 class LogicalCache:
     """The deterministic logical expert cache of every MoE layer for ``rows`` independent batch rows.
 
@@ -378,6 +408,19 @@ class LogicalCache:
         valid = self._no_valid_flat if valid is None else valid.reshape(N)
         return _mass._finish_layer(plan.plan.reshape(N, -1), self.top_k, plan.replaced_column, scores.reshape(N, -1),
                                    valid, int(pad_ties), mass_mode, mass_bias, displaced, S, chosen, flags)
+
+    def kernel_settings(self) -> KernelSettings:
+        """The policy and calibration as the kernels read them (:class:`KernelSettings`)."""
+        mi, mf, L = self._mi, self._mf, self.num_layers
+        return KernelSettings(
+            top_j=int(mi[K_.MI_TOP_J]), running=bool(mi[K_.MI_RUNNING]), inserts=bool(mi[K_.MI_INSERTS]),
+            biased=bool(mi[K_.MI_BIASED]), executes_pregate=bool(mi[K_.MI_EXECUTES_PREGATE]),
+            lru=int(mi[K_.MI_EVICTION]) == K_.EVICT_LRU, lam=float(mf[K_.MF_LAM]),
+            decay_fast=float(mf[K_.MF_DECAY_FAST]), decay_slow=float(mf[K_.MF_DECAY_SLOW]),
+            flush=min(1.0, 1.0 - float(mf[K_.MF_DECAY_FAST])) * K_.FLUSH_RATIO,
+            delta=mf[K_.MF_SIZE : K_.MF_SIZE + L].copy(), fallback_prior=mf[K_.MF_SIZE + L :].copy(),
+            vocab_size=int(mi[K_.MI_VOCAB]), token_seen=mi[K_.MI_SIZE :].copy(), prior_indptr=self._prior[0],
+            prior_experts=self._prior[1], prior_values=self._prior[2])
 
     def stats(self) -> CacheStats:
         r = self.counters

@@ -1,0 +1,330 @@
+"""The Triton source of :mod:`psr_hf.engine.device_decisions`' kernel, kept in a module of its own because
+``triton.jit`` decides at decoration time whether a function runs in the interpreter (``TRITON_INTERPRET=1``) or
+is compiled: :func:`psr_hf.engine.device_decisions.kernel` loads this file once per mode as a separate module, so
+that the kernel and the helpers it calls are always of the same mode. Only triton's builtins and ``tl.reduce``
+with the standard library's combine functions, which the interpreter recognises."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sum(x):
+    return tl.reduce(x, 0, tl.standard._sum_combine)
+
+@triton.jit
+def _min(x):
+    return tl.reduce(x, 0, tl.standard._elementwise_min)
+
+@triton.jit
+def _max(x):
+    return tl.reduce(x, 0, tl.standard._elementwise_max)
+
+@triton.jit
+def _rank(x, y, offs):
+    # each lane's place in the order (x descending, then y descending, then index ascending): the numba
+    # kernels' _select_top order (ties toward the larger y, then the lower index)
+    xe = x[:, None]
+    xj = x[None, :]
+    ye = y[:, None]
+    yj = y[None, :]
+    ahead = (xj > xe) | ((xj == xe) & ((yj > ye) | ((yj == ye) & (offs[None, :] < offs[:, None]))))
+    return tl.reduce(ahead.to(tl.int32), 1, tl.standard._sum_combine)
+
+@triton.jit
+def _at(values, offs, index):
+    # values[index] of an int vector (0 where index is outside it)
+    return tl.reduce(tl.where(offs == index, values, 0), 0, tl.standard._sum_combine)
+
+@triton.jit
+def _evict(priority, eligible, offs, BIG: tl.constexpr):
+    # argmin priority over the eligible lanes, ties to the lower index; -1 if none (priorities are finite)
+    q = tl.where(eligible, priority, float("inf"))
+    lowest = tl.reduce(q, 0, tl.standard._elementwise_min)
+    victim = tl.reduce(tl.where(eligible & (q == lowest), offs, BIG), 0, tl.standard._elementwise_min)
+    return tl.where(lowest < float("inf"), victim, -1)
+
+@triton.jit
+def _priority(row, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
+              fallback_ptr, offs, emask, E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr,
+              LRU: tl.constexpr, HAS_PRIOR: tl.constexpr):
+    # ALGORITHM.md step 1 (numba _priority): last_use for LRU; s_fast + s_slow plus the token prior else
+    if LRU:
+        priority = last_use
+    else:
+        priority = s_fast + s_slow
+        if HAS_PRIOR:
+            seen = tl.load(seen_ptr + token)
+            r = token * L + layer
+            start = tl.load(indptr_ptr + r)
+            end = tl.load(indptr_ptr + r + 1)
+            j = start + offs
+            jm = ((j < end) & (seen != 0)) != 0
+            experts = tl.load(pexp_ptr + j, mask=jm, other=-1).to(tl.int32)
+            values = tl.load(pval_ptr + j, mask=jm, other=0.0).to(tl.float64)
+            match = experts[None, :] == offs[:, None]
+            added = tl.reduce(tl.where(match, values[None, :], 0.0), 1, tl.standard._sum_combine)
+            has = tl.reduce(match.to(tl.int32), 1, tl.standard._sum_combine) > 0
+            fallback = tl.load(fallback_ptr + layer * E + offs, mask=emask, other=0.0)
+            priority = tl.where(seen != 0, tl.where(has, priority + added, priority), priority + fallback)
+    return priority
+
+@triton.jit
+def decide_kernel(
+    layer, scores_ptr, token_ptr, position_ptr, state_ptr, counters_ptr, saved_ptr, delta_ptr, seen_ptr,
+    indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, ids_ptr, slot_ids_ptr, slot_of_ptr, expert_of_ptr,
+    copies_ptr, plans_ptr, pplans_ptr, record_ptr, error_ptr, vocab,
+    lam, decay_fast, decay_slow, flush,
+    E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    BUDGET: tl.constexpr, BP: tl.constexpr, WINDOW: tl.constexpr, TOP_J: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, CW: tl.constexpr, BCW: tl.constexpr,
+    RUNNING: tl.constexpr, INSERTS: tl.constexpr, BIASED: tl.constexpr, EXEC_PREGATE: tl.constexpr,
+    LRU: tl.constexpr, HAS_PRIOR: tl.constexpr, OFFLOADED: tl.constexpr, RECORD: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    offs = tl.arange(0, BE)
+    emask = offs < E
+    pw = tl.arange(0, BW)
+    cidx = tl.arange(0, BC)
+    cw = tl.arange(0, BCW)
+    NEG = float("-inf")
+    # the plan's columns (numba plan_layout)
+    N_PREFETCH: tl.constexpr = K
+    PREFETCH: tl.constexpr = K + 1
+    PREFETCH_EVICTED: tl.constexpr = K + 1 + BUDGET
+    N_DEMAND: tl.constexpr = K + 1 + 2 * BUDGET
+    DEMAND: tl.constexpr = K + 2 + 2 * BUDGET
+    DEMAND_EVICTED: tl.constexpr = K + 2 + 2 * BUDGET + K
+    N_REPLACED: tl.constexpr = K + 2 + 2 * BUDGET + 2 * K
+    # a layer's copy list (CW int32): n_demand | demand (expert, slot) x K | n_prefetch | prefetch x BUDGET
+    C_N_DEMAND: tl.constexpr = 0
+    C_DEMAND: tl.constexpr = 1
+    C_N_PREFETCH: tl.constexpr = 1 + 2 * K
+    C_PREFETCH: tl.constexpr = 2 + 2 * K
+
+    token = tl.load(token_ptr)
+    position = tl.load(position_ptr)
+    error = tl.load(error_ptr)
+    bad_token = (token < 0) | ((vocab > 0) & (token >= vocab))
+    error = tl.where((error == 0) & bad_token, 2, error)
+    token = tl.where(bad_token, 0, token)
+
+    # ---------------------------------------------------------------- part 2 of this layer
+    base = state_ptr + layer * (6 * E)
+    s_fast = tl.load(base + 0 * E + offs, mask=emask, other=0.0)
+    s_slow = tl.load(base + 1 * E + offs, mask=emask, other=0.0)
+    last_use = tl.load(base + 2 * E + offs, mask=emask, other=0.0)
+    resident = (tl.load(base + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    protected = (tl.load(base + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    inserted = (tl.load(base + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    cbase = counters_ptr + layer * 8
+    step = tl.load(cbase + 2)
+
+    z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG)
+    bad = tl.reduce(((z32 != z32) | (z32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
+    finite = tl.reduce((emask & (z32 != NEG)).to(tl.int32), 0, tl.standard._sum_combine)
+    error = tl.where((error == 0) & ((bad > 0) | (finite < K)), 1, error)
+    z32 = tl.where(z32 == z32, z32, NEG)
+    z = z32.to(tl.float64)
+    own_rank = _rank(z, z, offs)
+    own_k = (own_rank < K) & emask
+
+    sel_rank = own_rank
+    range_sum = tl.load(cbase + 0)
+    range_count = tl.load(cbase + 1)
+    if EXEC_PREGATE:
+        g_saved = tl.load(saved_ptr + layer * E + offs, mask=emask, other=NEG).to(tl.float64)
+        g_rank = _rank(g_saved, g_saved, offs)
+        sel_rank = tl.where(layer >= 1, g_rank, own_rank)
+    if BIASED:
+        if RUNNING:
+            fin = emask & (z != NEG)
+            hi = tl.reduce(tl.where(fin, z, NEG), 0, tl.standard._elementwise_max)
+            lo = tl.reduce(tl.where(fin, z, float("inf")), 0, tl.standard._elementwise_min)
+            range_sum = range_sum + (hi - lo)
+            range_count = range_count + 1.0
+            d = range_sum / range_count
+        else:
+            d = tl.load(delta_ptr + layer)
+        bonus = lam * d
+        marked = (resident | (own_rank < TOP_J)) & emask
+        biased = z + tl.where(marked, bonus, 0.0)
+        sel_rank = _rank(biased, z, offs)
+    in_sel = (sel_rank < K) & emask
+
+    plan = tl.full((BW,), -1, tl.int64)
+    ids_out = tl.full((BW,), 0, tl.int64)
+    for i in tl.static_range(K):
+        e = tl.reduce(tl.where(sel_rank == i, offs, 0), 0, tl.standard._sum_combine)
+        plan = tl.where(pw == i, e.to(tl.int64), plan)
+        ids_out = tl.where(pw == i, e.to(tl.int64), ids_out)
+
+    priority = _priority(0, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
+                         fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
+
+    slot_of = tl.full((BE,), -1, tl.int32)
+    expert_of = tl.full((BC,), -1, tl.int32)
+    if OFFLOADED:
+        slot_of = tl.load(slot_of_ptr + layer * E + offs, mask=emask, other=-1)
+        expert_of = tl.load(expert_of_ptr + layer * C + cidx, mask=cidx < C, other=-2)
+    copies = tl.full((BCW,), -1, tl.int32)
+
+    # step 5: demand insertions in ascending expert order, evicting from R - (S u B), else R - S
+    n_resident = tl.reduce(resident.to(tl.int32), 0, tl.standard._sum_combine)
+    remaining = in_sel
+    n_demand = 0
+    for i in tl.static_range(K):
+        e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
+        remaining = remaining & (offs != e)
+        held = tl.reduce((resident & (offs == e)).to(tl.int32), 0, tl.standard._sum_combine) > 0
+        do = (e < E) & (held == 0)
+        full = n_resident == C
+        v1 = _evict(priority, resident & (in_sel == 0) & (protected == 0), offs, BIG)
+        v2 = _evict(priority, resident & (in_sel == 0), offs, BIG)
+        victim = tl.where(full, tl.where(v1 >= 0, v1, v2), -1)
+        resident = tl.where(do & (offs == victim), 0, resident) != 0
+        resident = resident | (do & (offs == e))
+        n_resident = n_resident + tl.where(do & (victim < 0), 1, 0)
+        plan = tl.where(do & (pw == DEMAND + n_demand), e.to(tl.int64), plan)
+        plan = tl.where(do & (pw == DEMAND_EVICTED + n_demand), victim.to(tl.int64), plan)
+        if OFFLOADED:
+            freed = tl.reduce(tl.where(offs == victim, slot_of, 0), 0, tl.standard._sum_combine)
+            free = tl.reduce(tl.where(expert_of == -1, cidx, BIG), 0, tl.standard._elementwise_min)
+            slot = tl.where(victim >= 0, freed, free)
+            error = tl.where((error == 0) & do & (slot >= C), 3, error)
+            slot_of = tl.where(do & (offs == victim), -1, slot_of)
+            slot_of = tl.where(do & (offs == e), slot, slot_of)
+            expert_of = tl.where(do & (cidx == slot), e, expert_of)
+            copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand), e, copies)
+            copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand + 1), slot, copies)
+        n_demand = n_demand + do.to(tl.int32)
+
+    # step 7: statistics from the router's own top-K
+    part1_here = INSERTS & (layer >= 1)
+    last_use = tl.where(in_sel | (inserted & part1_here), step, last_use)
+    replaced = tl.reduce((in_sel & (own_k == 0)).to(tl.int32), 0, tl.standard._sum_combine)
+    flag = tl.where(own_k, 1.0, 0.0).to(tl.float64)
+    sf = decay_fast * s_fast + (1.0 - decay_fast) * flag
+    ss = decay_slow * s_slow + (1.0 - decay_slow) * flag
+    s_fast = tl.where(sf >= ss * flush, sf, 0.0)
+    s_slow = ss
+    protected = protected & (part1_here == 0)
+    plan = tl.where(pw == N_PREFETCH, 0, plan)
+    plan = tl.where(pw == N_DEMAND, n_demand.to(tl.int64), plan)
+    plan = tl.where(pw == N_REPLACED, replaced.to(tl.int64), plan)
+
+    ok = error == 0
+    tl.store(base + 0 * E + offs, s_fast, mask=(emask & ok) != 0)
+    tl.store(base + 1 * E + offs, s_slow, mask=(emask & ok) != 0)
+    tl.store(base + 2 * E + offs, last_use, mask=(emask & ok) != 0)
+    tl.store(base + 3 * E + offs, tl.where(resident, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
+    tl.store(base + 4 * E + offs, tl.where(protected, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
+    tl.store(base + 5 * E + offs, tl.full((BE,), 0.0, tl.float64), mask=(emask & ok) != 0)
+    if RUNNING:
+        if BIASED:
+            tl.store(cbase + 0, range_sum, mask=ok)
+            tl.store(cbase + 1, range_count, mask=ok)
+    tl.store(cbase + 2, step + 1.0, mask=ok)
+    tl.store(cbase + 3, 0.0, mask=ok)
+    tl.store(cbase + 4, tl.load(cbase + 4) + 1.0, mask=ok)
+    tl.store(cbase + 6, tl.load(cbase + 6) + n_demand.to(tl.float64), mask=ok)
+    tl.store(cbase + 7, tl.load(cbase + 7) + replaced.to(tl.float64), mask=ok)
+    tl.store(plans_ptr + layer * W + pw, plan, mask=pw < W)
+    tl.store(ids_ptr + pw, ids_out, mask=pw < K)
+    if OFFLOADED:
+        slots_out = tl.full((BW,), 0, tl.int64)
+        for i in tl.static_range(K):
+            e = tl.reduce(tl.where(sel_rank == i, offs, 0), 0, tl.standard._sum_combine)
+            s = tl.reduce(tl.where(offs == e, slot_of, 0), 0, tl.standard._sum_combine)
+            slots_out = tl.where(pw == i, s.to(tl.int64), slots_out)
+        tl.store(slot_ids_ptr + pw, slots_out, mask=pw < K)
+        tl.store(slot_of_ptr + layer * E + offs, slot_of, mask=(emask & ok) != 0)
+        tl.store(expert_of_ptr + layer * C + cidx, expert_of, mask=((cidx < C) & ok) != 0)
+        copies = tl.where(cw == C_N_DEMAND, tl.where(ok, n_demand, 0), copies)
+    else:
+        tl.store(slot_ids_ptr + pw, ids_out, mask=pw < K)
+    if RECORD:
+        rbase = record_ptr + position * (L * E)
+        tl.store(rbase + layer * E + offs, z32, mask=emask)
+
+    # ---------------------------------------------------------------- part 1 of the next layer
+    nxt = layer + 1
+    pplan = tl.full((BW,), -1, tl.int64)
+    n_ins = 0
+    if INSERTS:
+        if nxt < L:
+            g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG)
+            gbad = tl.reduce(((g32 != g32) | (g32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
+            error = tl.where((error == 0) & (gbad > 0), 1, error)
+            ok = error == 0
+            g32 = tl.where(g32 == g32, g32, NEG)
+            tl.store(saved_ptr + nxt * E + offs, g32, mask=emask)
+            g = g32.to(tl.float64)
+            nbase = state_ptr + nxt * (6 * E)
+            nf = tl.load(nbase + 0 * E + offs, mask=emask, other=0.0)
+            ns = tl.load(nbase + 1 * E + offs, mask=emask, other=0.0)
+            nl = tl.load(nbase + 2 * E + offs, mask=emask, other=0.0)
+            nres = (tl.load(nbase + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+            nprot = (tl.load(nbase + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+            nins = (tl.load(nbase + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+            npri = _priority(0, nxt, token, nf, ns, nl, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
+                             fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
+            grank = _rank(g, g, offs)
+            n_res_next = tl.reduce(nres.to(tl.int32), 0, tl.standard._sum_combine)
+            nslot_of = tl.full((BE,), -1, tl.int32)
+            nexpert_of = tl.full((BC,), -1, tl.int32)
+            ncopies = tl.full((BCW,), -1, tl.int32)
+            if OFFLOADED:
+                nslot_of = tl.load(slot_of_ptr + nxt * E + offs, mask=emask, other=-1)
+                nexpert_of = tl.load(expert_of_ptr + nxt * C + cidx, mask=cidx < C, other=-2)
+                ncopies = tl.load(copies_ptr + nxt * CW + cw, mask=cw < CW, other=-1)
+            stopped = n_ins != 0  # False
+            for i in tl.static_range(WINDOW):
+                e = tl.reduce(tl.where(grank == i, offs, 0), 0, tl.standard._sum_combine)
+                held = tl.reduce((nres & (offs == e)).to(tl.int32), 0, tl.standard._sum_combine) > 0
+                nprot = nprot | ((stopped == 0) & held & (offs == e))
+                try_ins = (stopped == 0) & (held == 0) & (n_ins < BUDGET)
+                full = n_res_next == C
+                v = _evict(npri, nres & (nprot == 0), offs, BIG)
+                stop_now = try_ins & full & (v < 0)
+                stopped = stopped | stop_now
+                do = try_ins & (stop_now == 0)
+                victim = tl.where(full, v, -1)
+                nres = tl.where(do & (offs == victim), 0, nres) != 0
+                n_res_next = n_res_next + tl.where(do & (victim < 0), 1, 0)
+                hit = do & (offs == e)
+                nres = nres | hit
+                nprot = nprot | hit
+                nins = nins | hit
+                pplan = tl.where(do & (pw == PREFETCH + n_ins), e.to(tl.int64), pplan)
+                pplan = tl.where(do & (pw == PREFETCH_EVICTED + n_ins), victim.to(tl.int64), pplan)
+                if OFFLOADED:
+                    freed = tl.reduce(tl.where(offs == victim, nslot_of, 0), 0, tl.standard._sum_combine)
+                    free = tl.reduce(tl.where(nexpert_of == -1, cidx, BIG), 0, tl.standard._elementwise_min)
+                    slot = tl.where(victim >= 0, freed, free)
+                    error = tl.where((error == 0) & do & (slot >= C), 3, error)
+                    nslot_of = tl.where(do & (offs == victim), -1, nslot_of)
+                    nslot_of = tl.where(hit, slot, nslot_of)
+                    nexpert_of = tl.where(do & (cidx == slot), e, nexpert_of)
+                    ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins), e, ncopies)
+                    ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins + 1), slot, ncopies)
+                n_ins = n_ins + do.to(tl.int32)
+            ok = error == 0
+            pplan = tl.where(pw == N_PREFETCH, n_ins.to(tl.int64), pplan)
+            pplan = tl.where(pw == N_DEMAND, 0, pplan)
+            pplan = tl.where(pw == N_REPLACED, 0, pplan)
+            tl.store(nbase + 3 * E + offs, tl.where(nres, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
+            tl.store(nbase + 4 * E + offs, tl.where(nprot, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
+            tl.store(nbase + 5 * E + offs, tl.where(nins, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
+            nc = counters_ptr + nxt * 8
+            tl.store(nc + 3, 1.0, mask=ok)
+            tl.store(nc + 5, tl.load(nc + 5) + n_ins.to(tl.float64), mask=ok)
+            tl.store(pplans_ptr + nxt * W + pw, pplan, mask=pw < W)
+            if OFFLOADED:
+                ncopies = tl.where(cw == C_N_PREFETCH, tl.where(ok, n_ins, 0), ncopies)
+                tl.store(slot_of_ptr + nxt * E + offs, nslot_of, mask=(emask & ok) != 0)
+                tl.store(expert_of_ptr + nxt * C + cidx, nexpert_of, mask=((cidx < C) & ok) != 0)
+                tl.store(copies_ptr + nxt * CW + cw, ncopies, mask=((cw >= C_N_PREFETCH) & (cw < CW)) != 0)
+    if OFFLOADED:
+        tl.store(copies_ptr + layer * CW + cw, copies, mask=cw < C_N_PREFETCH)
+    tl.store(error_ptr, error)

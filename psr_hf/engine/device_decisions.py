@@ -1,0 +1,88 @@
+"""The logical cache's batch-1 decode step as one GPU kernel, so that the engine's token graph routes without a
+host round trip (docs/engine.md, "Routing on the device").
+
+:func:`decide_layer` runs, for MoE layer ``m`` of one decode position, what the engine's host path asks the numba
+kernels of :mod:`psr_hf.policy._kernels` for: ``select(m)`` (part 2: the selection, demand insertions and
+statistics, ALGORITHM.md steps 3-7) and then ``prefetch(m + 1)`` (part 1 of the next layer from its pre-gate,
+step 2). It reads the joint scores the attention graph wrote (``z | g_next``) and the state arrays kept on the
+device in the numba kernels' own layout (``[L, 6, E]`` float64 planes and ``[L, 8]`` counters), so that handing the
+state over in either direction is a copy. The arithmetic is the numba kernels' in the same order (float64,
+fused multiply-adds off), so every decision and every state value is bitwise theirs; the tests check that in
+Triton's interpreter on the CPU, for every policy.
+
+Offloaded, it also keeps each layer's slot maps (expert -> slot, slot -> expert) and writes the copies its
+insertions need (``(expert, slot)`` lists per layer: the demand copies of ``m`` and the prefetch copies of
+``m + 1``), which :mod:`psr_hf.engine.device_copies` carries out inside the same graph. Nothing is read back per
+layer: the plans and scores of every position go to a device record that the host reads once per sequence
+(:class:`~psr_hf.engine.device_routing.DeviceRouting`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+# the numba kernels' state layout (psr_hf.policy._kernels): planes and counters fields
+S_FAST, S_SLOW, LAST_USE, RESIDENT, PROTECTED, INSERTED = range(6)
+N_PLANES = 6
+R_RANGE_SUM, R_RANGE_COUNT, R_STEP, R_PENDING, R_STEPS, R_PREFETCH, R_DEMAND, R_REPLACED = range(8)
+R_SIZE = 8
+
+#: error codes the kernel leaves in its error word (the first one found wins); the host raises on them
+ERR_NONE, ERR_SCORES, ERR_TOKEN, ERR_NO_SLOT = 0, 1, 2, 3
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``: CPU tensors, for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(interpret: bool) -> Any:
+    """The jitted kernel of :mod:`psr_hf.engine.decide_kernel`, loaded once per mode as a module of its own
+    (``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, and the interpreter resolves the helpers a
+    kernel calls in its module's globals)."""
+    import importlib.util
+
+    name = "psr_hf.engine._decide_kernel_" + ("interpreted" if interpret else "compiled")
+    path = os.path.join(os.path.dirname(__file__), "decide_kernel.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module.decide_kernel
+
+
+def copy_list_width(top_k: int, budget: int) -> int:
+    """Columns of a layer's copy list (int32): ``n_demand | (expert, slot) x K | n_prefetch | (expert, slot) x
+    budget``."""
+    return 2 + 2 * int(top_k) + 2 * int(budget)
+
+
+def decide_layer(layer: int, tensors: Any, settings: dict[str, Any]) -> None:
+    """Launch the kernel for MoE layer ``layer`` (one program). ``tensors``: a
+    :class:`~psr_hf.engine.device_routing.DeviceState` (its device arrays, in the numba layout); ``settings``:
+    its :meth:`~psr_hf.engine.device_routing.DeviceState.kernel_settings` (the floats and the constexprs).
+    Capturable: every input is read from device memory."""
+    t = tensors
+    launch = kernel(interpreting())
+    launch[(1,)](
+        layer, t.scores, t.token, t.position, t.state, t.counters, t.saved, t.delta, t.seen, t.indptr, t.prior_experts,
+        t.prior_values, t.fallback, t.ids, t.slot_ids, t.slot_of, t.expert_of, t.copies, t.plans, t.pplans, t.record,
+        t.error, settings["vocab"], settings["lam"], settings["decay_fast"], settings["decay_slow"], settings["flush"],
+        **settings["constexprs"], num_warps=4, **({} if interpreting() else {"enable_fp_fusion": False}),
+    )

@@ -1,0 +1,165 @@
+"""The device decision kernel (psr_hf.engine.device_decisions) against the numba kernels, decision for decision and
+state value for state value (bitwise), for every policy of the table, run in Triton's interpreter on the CPU (and
+compiled on a GPU, marked cuda). The engine's host path calls the numba kernels in this order per token: for each
+MoE layer m, ``select(m)`` (mode "select" when the policy reads a pre-gate, else "both"), then ``prefetch(m + 1)``
+from the pre-gate of m + 1 computed on m's input; the device kernel does both in one launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from psr_hf.engine.moe import triton_available
+from psr_hf.policy import Calibration, LogicalCache, RoutingConfig
+
+TRITON_OK, TRITON_WHY = triton_available()
+pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"{TRITON_WHY}: `make` installs triton where it has wheels")
+
+L, E, K, V = 4, 16, 4, 32
+
+CONFIGS = {
+    "exact": RoutingConfig(policy="exact", capacity=8),
+    "exact_budget1": RoutingConfig(policy="exact", capacity=8, budget=1, window=4),
+    "cache_prior": RoutingConfig(policy="cache_prior", capacity=8, lam=0.3),
+    "cache_prior_top_j_running": RoutingConfig(policy="cache_prior", capacity=8, lam=0.5, top_j=2,
+                                               delta_mode="running"),
+    "psr_score": RoutingConfig(policy="psr", capacity=8, lam=0.3, budget=1),
+    "psr_lru_budget2": RoutingConfig(policy="psr", capacity=6, lam=0.2, budget=2, window=6, eviction="lru"),
+    "psr_running": RoutingConfig(policy="psr", capacity=8, lam=0.4, budget=1, delta_mode="running", top_j=1),
+    "spec": RoutingConfig(policy="spec", capacity=8),
+}
+
+
+def _calibration(rng: np.random.Generator, with_prior: bool) -> Calibration:
+    prior = None
+    counts = None
+    if with_prior:
+        prior = (rng.random((V, L, E)) < 0.3) * rng.random((V, L, E))
+        counts = rng.integers(0, 3, size=V)  # some tokens unseen: the fallback prior
+    return Calibration.from_arrays(delta=rng.random(L) + 0.5, expert_counts=rng.integers(0, 50, size=(L, E)),
+                                   token_prior=prior, token_counts=counts)
+
+
+def _scores(rng: np.random.Generator, ties: bool) -> np.ndarray:
+    if ties:  # few distinct values: ties everywhere, at every boundary
+        return rng.integers(0, 4, size=2 * E).astype(np.float32) * np.float32(0.25)
+    z = rng.standard_normal(2 * E).astype(np.float32)
+    z[rng.integers(0, 2 * E, size=3)] = -np.inf  # group-limited routing masks experts
+    return z
+
+
+def _host_token(cache: LogicalCache, token: int, z: np.ndarray, saved: dict) -> tuple[list, list]:
+    """One token through the numba kernels as the engine's host path calls them; the plans per layer."""
+    io = cache.io
+    io.tokens[:, 0] = token
+    needs = cache.config.needs_pregate
+    plans, pplans = [], []
+    for m in range(L):
+        zm, gm = z[m, :E], z[m, E:]
+        mode = "select" if needs and (m or m + 1 < L) else "both"
+        io.scores[:, 0] = zm
+        if cache.config.executes_pregate and m:
+            io.pregate[:, 0] = saved[m]
+        plans.append(cache.step_io(m, mode).plan[0, 0].copy())
+        if needs and m + 1 < L:
+            saved[m + 1] = gm.copy()
+            io.pregate[:, 0] = gm
+            pplans.append(cache.step_io(m + 1, "prefetch").plan[0, 0].copy())
+        else:
+            pplans.append(None)
+    return plans, pplans
+
+
+def _check_slots(dev, host: LogicalCache, m: int, plan: np.ndarray, pplan: np.ndarray | None) -> None:
+    """Offloaded: the slot maps mirror the logical cache, each insertion's copy names its expert and the slot the
+    maps give it, and the selection's slots are its experts' slots."""
+    slot_of = dev.slot_of.cpu().numpy()
+    expert_of = dev.expert_of.cpu().numpy()
+    copies = dev.copies.cpu().numpy()
+    layout = host.plan_layout.columns
+    for layer in range(L):
+        held = np.flatnonzero(slot_of[layer] >= 0)
+        assert sorted(expert_of[layer][expert_of[layer] >= 0].tolist()) == held.tolist()
+        assert (expert_of[layer, slot_of[layer, held]] == held).all()
+    n = int(plan[layout.n_demand])
+    assert copies[m, 0] == n
+    demand = plan[layout.demand : layout.demand + n]
+    assert copies[m, 1 : 1 + 2 * n : 2].tolist() == demand.tolist()
+    assert copies[m, 2 : 2 + 2 * n : 2].tolist() == slot_of[m, demand].tolist()
+    assert dev.slot_ids.cpu().numpy().tolist() == slot_of[m, plan[:K]].tolist()
+    if pplan is not None:
+        n = int(pplan[layout.n_prefetch])
+        start = 2 + 2 * K
+        assert copies[m + 1, start - 1] == n
+        inserted = pplan[layout.prefetch : layout.prefetch + n]
+        assert copies[m + 1, start : start + 2 * n : 2].tolist() == inserted.tolist()
+        assert copies[m + 1, start + 1 : start + 1 + 2 * n : 2].tolist() == slot_of[m + 1, inserted].tolist()
+
+
+def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int, device: str,
+                offloaded: bool = False) -> None:
+    from psr_hf.engine.device_state import DeviceState
+
+    rng = np.random.default_rng(seed)
+    config = CONFIGS[name]
+    calibration = _calibration(rng, with_prior)
+    kwargs = dict(num_layers=L, num_experts=E, top_k=K, calibration=calibration, vocab_size=V)
+    host = LogicalCache(config, **kwargs)
+    mirror = LogicalCache(config, **kwargs)  # uploaded once, then advanced only by the device
+    dev = DeviceState(mirror, device, max_positions=tokens, offloaded=offloaded)
+    slots = np.full((L, E), -1)
+    for layer in range(L):  # the warm set in ascending order in slots 0.. C - 1
+        held = np.flatnonzero(mirror.state[layer, 0, 3])
+        slots[layer, held] = np.arange(held.size)
+    dev.upload(slots=slots if offloaded else None)
+    saved: dict = {}
+    for t in range(tokens):
+        token = int(rng.integers(0, V))
+        z = np.stack([_scores(rng, ties) for _ in range(L)])  # [L, 2E]: z | the next layer's pre-gate
+        plans, pplans = _host_token(host, token, z, saved)
+        dev.token.fill_(token)
+        dev.position.fill_(t)
+        for m in range(L):
+            dev.scores.copy_(torch.from_numpy(z[m]))
+            dev.decide(m)
+            assert dev.plans[m].cpu().numpy().tolist() == plans[m].tolist(), (t, m, "select plan")
+            if pplans[m] is not None:
+                assert dev.pplans[m + 1].cpu().numpy().tolist() == pplans[m].tolist(), (t, m, "prefetch plan")
+            assert dev.ids.cpu().numpy().tolist() == plans[m][:K].tolist()
+            if offloaded:
+                _check_slots(dev, host, m, plans[m], pplans[m])
+        assert int(dev.error.item()) == 0
+        dev.download()
+        np.testing.assert_array_equal(mirror.state.view(np.uint64), host.state.view(np.uint64))
+        np.testing.assert_array_equal(mirror.counters.view(np.uint64), host.counters.view(np.uint64))
+    assert dev.record[:tokens].shape == (tokens, L, E)
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("with_prior", [False, True], ids=["no_prior", "token_prior"])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_device_decisions_equal_the_numba_kernels_bitwise(name, ties, with_prior):
+    _device_run(name, seed=hash((name, ties, with_prior)) % 2**32, ties=ties, with_prior=with_prior, tokens=6,
+                device="cpu")
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("name", ["exact_budget1", "cache_prior", "psr_lru_budget2", "psr_score", "spec"])
+def test_offloaded_slot_maps_follow_the_decisions_and_name_every_copy(name):
+    _device_run(name, seed=11, ties=False, with_prior=True, tokens=5, device="cpu", offloaded=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_device_decisions_compiled_on_the_gpu_equal_the_numba_kernels_bitwise(name, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for ties in (False, True):
+        _device_run(name, seed=7, ties=ties, with_prior=True, tokens=24, device="cuda", offloaded=ties)
