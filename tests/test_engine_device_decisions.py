@@ -163,3 +163,22 @@ def test_device_decisions_compiled_on_the_gpu_equal_the_numba_kernels_bitwise(na
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for ties in (False, True):
         _device_run(name, seed=7, ties=ties, with_prior=True, tokens=24, device="cuda", offloaded=ties)
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("programs", [1, 3])
+def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(programs):
+    from psr_hf.engine.device_copies import LayerCopies
+
+    gen = torch.Generator().manual_seed(0)
+    host = [torch.randn(6, 5, 4, generator=gen), torch.randn(6, 3, 8, generator=gen).to(torch.bfloat16)]
+    slots = [torch.zeros(3, 5, 4), torch.zeros(3, 3, 8, dtype=torch.bfloat16)]
+    copies = torch.full((2, 7), -1, dtype=torch.int32)
+    copies[1, 2:7] = torch.tensor([2, 4, 0, 1, 2], dtype=torch.int32)  # two pairs: expert 4 -> slot 0, 1 -> 2
+    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs)
+    for h, s in zip(host, slots):
+        assert torch.equal(s[0], h[4]) and torch.equal(s[2], h[1])
+        assert s[1].eq(0).all()  # an unlisted slot is untouched
+    copies[1, 2] = 0
+    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs)  # nothing listed
+    assert slots[0][1].eq(0).all()

@@ -73,7 +73,7 @@ def _priority(row, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr,
 def decide_kernel(
     layer, scores_ptr, token_ptr, position_ptr, state_ptr, counters_ptr, saved_ptr, delta_ptr, seen_ptr,
     indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, ids_ptr, slot_ids_ptr, slot_of_ptr, expert_of_ptr,
-    copies_ptr, plans_ptr, pplans_ptr, record_ptr, error_ptr, vocab,
+    copies_ptr, plans_ptr, pplans_ptr, record_ptr, record_plans_ptr, error_ptr, vocab,
     lam, decay_fast, decay_slow, flush,
     E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     BUDGET: tl.constexpr, BP: tl.constexpr, WINDOW: tl.constexpr, TOP_J: tl.constexpr,
@@ -246,6 +246,7 @@ def decide_kernel(
     if RECORD:
         rbase = record_ptr + position * (L * E)
         tl.store(rbase + layer * E + offs, z32, mask=emask)
+        tl.store(record_plans_ptr + (position * L + layer) * W + pw, plan, mask=pw < W)
 
     # ---------------------------------------------------------------- part 1 of the next layer
     nxt = layer + 1

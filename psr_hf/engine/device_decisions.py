@@ -45,15 +45,15 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(interpret: bool) -> Any:
-    """The jitted kernel of :mod:`psr_hf.engine.decide_kernel`, loaded once per mode as a module of its own
-    (``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, and the interpreter resolves the helpers a
-    kernel calls in its module's globals)."""
+def triton_module(filename: str, interpret: bool) -> Any:
+    """The Triton source ``filename`` of this package loaded as a module of its own for one mode:
+    ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, and the interpreter resolves the helpers a kernel
+    calls in its module's globals, so a kernel and its helpers must be decorated together in the same mode."""
     import importlib.util
 
-    name = "psr_hf.engine._decide_kernel_" + ("interpreted" if interpret else "compiled")
-    path = os.path.join(os.path.dirname(__file__), "decide_kernel.py")
-    spec = importlib.util.spec_from_file_location(name, path)
+    stem = filename.rsplit(".", 1)[0]
+    name = f"psr_hf.engine._{stem}_" + ("interpreted" if interpret else "compiled")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), filename))
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
@@ -64,7 +64,12 @@ def kernel(interpret: bool) -> Any:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
-    return module.decide_kernel
+    return module
+
+
+def kernel(interpret: bool) -> Any:
+    """The decision kernel of :mod:`psr_hf.engine.decide_kernel` for one mode."""
+    return triton_module("decide_kernel.py", interpret).decide_kernel
 
 
 def copy_list_width(top_k: int, budget: int) -> int:
@@ -83,6 +88,6 @@ def decide_layer(layer: int, tensors: Any, settings: dict[str, Any]) -> None:
     launch[(1,)](
         layer, t.scores, t.token, t.position, t.state, t.counters, t.saved, t.delta, t.seen, t.indptr, t.prior_experts,
         t.prior_values, t.fallback, t.ids, t.slot_ids, t.slot_of, t.expert_of, t.copies, t.plans, t.pplans, t.record,
-        t.error, settings["vocab"], settings["lam"], settings["decay_fast"], settings["decay_slow"], settings["flush"],
+        t.record_plans, t.error, settings["vocab"], settings["lam"], settings["decay_fast"], settings["decay_slow"], settings["flush"],
         **settings["constexprs"], num_warps=4, **({} if interpreting() else {"enable_fp_fusion": False}),
     )

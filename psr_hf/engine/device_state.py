@@ -68,7 +68,8 @@ class DeviceState:
         self.plans = new((L, W), i64, -1)
         self.pplans = new((L, W), i64, -1)
         self.max_positions = int(max_positions)
-        self.record = new((max(self.max_positions, 1), L, E), f32)
+        self.record = new((max(self.max_positions, 1), L, E), f32)  # [T, L, E] every position's scores z
+        self.record_plans = new((max(self.max_positions, 1), L, W), i64, -1)  # [T, L, W] and its plans
         self.error = new((1,), i32)
         self._settings = {
             "vocab": vocab, "lam": ks.lam, "decay_fast": ks.decay_fast, "decay_slow": ks.decay_slow,

@@ -156,7 +156,7 @@ class GraphDecoder(DecoderBase):
 
         return body
 
-    def _body_b(self, m: int, d: int) -> Callable[[], None]:
+    def _body_b(self, m: int, d: int, from_host: bool = True) -> Callable[[], None]:
         L, b = self.layers, self.layers.buffers
         width = self._widths[m]
         logits = b.router_logits[:, :width]
@@ -169,9 +169,10 @@ class GraphDecoder(DecoderBase):
         backend = self.backend
 
         def body() -> None:
-            b.expert_ids.copy_(host_ids, non_blocking=True)  # H2D from the pinned buffer (captured)
-            if self.offloaded:
-                self._slot_ids.copy_(host_slots, non_blocking=True)
+            if from_host:  # else the device decided them into the same buffers (psr_hf.engine.token_graph)
+                b.expert_ids.copy_(host_ids, non_blocking=True)  # H2D from the pinned buffer (captured)
+                if self.offloaded:
+                    self._slot_ids.copy_(host_slots, non_blocking=True)
             L.execution_weights(d, logits, b.expert_ids, b.expert_weights)
             moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
                       None if residual is None else residual[0], workspace=workspace, backend=backend)

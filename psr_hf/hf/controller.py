@@ -68,6 +68,7 @@ class Controller:
         self.offload: Any = None  # the OffloadedExperts when the experts are offloaded (patch(..., offload=...))
         self.routing = LayerRouting(model, family, layers, self.num_experts, self.top_k)
         self._fwd: ForwardPass | None = None
+        self._lent: Any = None  # a device decoder holding row 0's state (lend_state)
         self._lock = threading.RLock()  # one forward pass or generate() at a time (see the class docstring)
         self._interrupted: str | None = None  # why the last forward pass stopped part-way; None once a new one starts
         self._sequence_positions: int | None = None  # positions the current sequence's routing state has seen
@@ -133,6 +134,7 @@ class Controller:
         """Start a new sequence in every row (a forward pass does this by itself when a sequence starts); also
         after a forward pass that stopped part-way, to continue its KV cache anyway."""
         with self._lock:
+            self._reclaim()
             self._new_sequence(self.rows)
             self._sequence_positions = None  # any KV cache may continue from here
 
@@ -142,6 +144,7 @@ class Controller:
         parameters); only edits that bypass the version counter (through ``param.data`` or another alias of the
         storage) need this call."""
         with self._lock:
+            self._reclaim()
             if self.offload is None:
                 raise ValueError("this model is not offloaded: its experts compute from the model's own weights")
             self.offload.refresh()
@@ -150,6 +153,7 @@ class Controller:
         """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept), and the
         offload's copy counters."""
         with self._lock:
+            self._reclaim()
             self._totals = RoutingCounters() - self._current_totals()
             if self.offload is not None:
                 self.offload.reset_stats()
@@ -173,6 +177,7 @@ class Controller:
         elif calibration is False:
             calibration = None
         with self._lock:
+            self._reclaim()
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: reconfigure() inside a forward pass of the patched model")
             self._configure(config, calibration, predictor, gate)
@@ -194,6 +199,7 @@ class Controller:
     def stats(self) -> RoutingStats:
         """Copies per token, replaced router slots and displaced router mass, per row and in total."""
         with self._lock:
+            self._reclaim()
             total = self._totals + self._current_totals()
             offload = None if self.offload is None else self.offload.stats(int(total.tokens))
             return RoutingStats.of(self.cache.stats(), self.routing.displaced, total, offload)
@@ -202,6 +208,7 @@ class Controller:
         """Start recording (see :class:`~psr_hf.hf.recording.Recorder`); a recording already running is stopped
         first."""
         with self._lock:
+            self._reclaim()
             if self._recorder is not None:
                 self._recorder.stop()
             self._set_recorder(Recorder(num_layers=self.num_layers, top_k=self.top_k,
@@ -243,6 +250,7 @@ class Controller:
         engine calls this before it re-runs the same sequence from its start on the transformers path, which
         routes and counts it again)."""
         with self._lock:
+            self._reclaim()
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: a sequence cannot be discarded inside its forward pass")
             self.cache.reset()
@@ -253,12 +261,46 @@ class Controller:
 
     def reorder(self, index: Any) -> None:
         """Reorder or expand the rows like the KV cache (beam search): new row ``i`` continues old row ``index[i]``."""
+        self._reclaim()
         index = np.asarray(index, dtype=np.int64).reshape(-1)
         self.cache.reorder(index)
         self.routing.reorder(index)
         self._finished = self._finished[index]
         if self._recorder is not None:
             self._recorder.reorder(index)
+
+    # ------------------------------------------------------------------ state lent to a device decoder
+    # The engine's token graph (psr_hf.engine.token_graph) decides decode steps on the GPU from a copy of row 0's
+    # state. While it holds the state, every caller here that reads or changes the state takes it back first
+    # (``_reclaim``): the borrower's ``return_state(controller)`` copies the state, counters and statistics back.
+    def lend_state(self, borrower: Any) -> None:
+        """Hand row 0's routing state to ``borrower`` (an object with ``return_state(controller)``) until the next
+        call that reads or changes it. ``RuntimeError`` inside an open forward pass or step."""
+        with self._lock:
+            if self._fwd is not None:
+                raise RuntimeError("psr_hf: lend_state() while a forward pass of the patched model is open")
+            self._reclaim()
+            self._lent = borrower
+
+    @property
+    def recording(self) -> bool:
+        """Whether a recording runs (:meth:`record`)."""
+        return self._recorder is not None
+
+    @property
+    def lent(self) -> Any:
+        """The borrower holding the state (None: the controller holds it)."""
+        return self._lent
+
+    def continue_sequence(self, positions: int) -> None:
+        """A borrower decoded the current sequence to ``positions`` positions (called from ``return_state``)."""
+        self._sequence_positions = int(positions)
+
+    def _reclaim(self) -> None:
+        borrower = self._lent
+        if borrower is not None:
+            self._lent = None
+            borrower.return_state(self)
 
     # ------------------------------------------------------------------ batch-1 external decoder
     # The decode (one row, one position) path of the wrapped forward, for a decoder that runs the layers itself
@@ -285,6 +327,7 @@ class Controller:
             raise ValueError(f"position must be >= 0, got {position}")
         self._lock.acquire()
         try:
+            self._reclaim()
             if self._fwd is not None:
                 raise RuntimeError("psr_hf: begin_step() while a forward pass of the patched model is open")
             if getattr(self._bypass, "depth", 0):
@@ -384,6 +427,7 @@ class Controller:
         go back to their devices and the model's own experts implementation is restored), so that the model
         computes exactly as before. Idempotent. Waits for a forward pass or ``generate()`` running in another thread."""
         with self._lock:
+            self._reclaim()
             self._installer.uninstall()
 
     def attach_offload(self, experts: Any) -> None:
@@ -599,6 +643,7 @@ class Controller:
     def _open(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Read the forward's input ids, mask and cache length, start a new sequence or continue the current one,
         and open the forward pass. Invalid input raises before anything changes."""
+        self._reclaim()
         tokens, mask_host = inputs.read_tokens(args, kwargs, needs_ids=self._uses_tokens)
         B, S = tokens.shape
         past = inputs.past_length(kwargs)

@@ -285,6 +285,21 @@ class LayerRouting:
         self._decode_prefetch(fwd, layer, g[:, 0])
         return True
 
+    def absorb_record(self, scores: np.ndarray, plans: np.ndarray) -> None:
+        """Statistics of decode positions another implementation of the step decided (the engine's device kernel,
+        which kept the cache's state and counters itself): ``scores`` ``[T, L, E]`` float32 and the select plans
+        ``[T, L, W]`` of row 0, in order; their displaced mass is added as :meth:`_decide` adds it."""
+        K = self.top_k
+        chosen = np.empty((1, K), dtype=np.int64)
+        flags = np.empty(1, dtype=np.uint8)
+        layout = self.cache.plan_layout
+        for t in range(scores.shape[0]):
+            for layer in range(self.num_layers):
+                plan = StepPlan(plans[t, layer].reshape(1, 1, -1), layout)
+                self.cache.finish_layer(plan, scores[t, layer].reshape(1, 1, -1), None, self.offload is not None,
+                                        self.family.router_mass, self._mass_bias[layer], self.displaced[layer],
+                                        chosen, flags)
+
     # ------------------------------------------------------------------ router weights
     def joint_scores(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`Controller.joint_scores`."""

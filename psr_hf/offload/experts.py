@@ -343,6 +343,17 @@ class OffloadedExperts:
         """Part 1 of ``layer`` ran (one row, one position): queue its prefetch copies."""
         self.scheduler.decode_prefetch(layer, plan, resident)
 
+    # ------------------------------------------------------------------ slots filled by the device
+    def lend_slots(self) -> np.ndarray:
+        """For the engine's token graph, which copies experts itself: every queued copy issued and complete;
+        returns the ``[L, E]`` slot of each expert (-1: none). :meth:`return_slots` hands the slots back."""
+        self._pending = [None] * self.num_layers
+        return self.scheduler.drain()
+
+    def return_slots(self, expert_slot: np.ndarray, demand: int, prefetch: int) -> None:
+        """The slots hold ``expert_slot`` (``[L, E]``) after ``demand`` and ``prefetch`` copies made on the device."""
+        self.scheduler.adopt(expert_slot, demand, prefetch)
+
     # ------------------------------------------------------------------ execution by an external decoder
     def decode_slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """For a decoder that computes the MoE itself (``psr_hf.engine``): the decode selection of ``layer`` made by

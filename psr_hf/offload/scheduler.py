@@ -515,6 +515,47 @@ class SlotScheduler:
         if result:
             self._after(result)
 
+    def drain(self) -> np.ndarray:
+        """Issue every queued prefetch and wait for every copy: afterwards each slot holds its expert. Returns the
+        ``[L, E]`` slot of each expert (-1: none), for a copier that takes over the slots (the engine's device
+        copies); :meth:`adopt` hands them back."""
+        m = self._misc
+        limit = int(m[B.MAX_IN_FLIGHT])
+        m[B.MAX_IN_FLIGHT] = np.iinfo(np.int64).max // 2
+        try:
+            while m[B.Q_HEAD] != m[B.Q_TAIL]:
+                self._poll()
+                result = B.pump(*self._args)
+                if result:
+                    self._after(result)
+        finally:
+            m[B.MAX_IN_FLIGHT] = limit
+        self._synchronize()
+        return self._experts[:, : self.num_experts].copy()
+
+    def adopt(self, expert_slot: np.ndarray, demand: int, prefetch: int) -> None:
+        """The slots were filled by another copier since :meth:`drain`: each layer's slots now hold
+        ``expert_slot`` (``[L, E]``, -1: none), after ``demand`` and ``prefetch`` copies, which are counted (every
+        copy the other copier made is complete). No job is left queued or in flight."""
+        self._synchronize()
+        E = self.num_experts
+        slots, experts, m = self._slots, self._experts, self._misc
+        slots[:, B.S_EXPERT] = -1
+        for layer in range(self.num_layers):
+            held = np.flatnonzero(expert_slot[layer] >= 0)
+            slots[layer, B.S_EXPERT, expert_slot[layer, held]] = held
+        slots[:, B.J_KIND] = B.NO_JOB
+        slots[:, B.J_SEQ] = -1
+        slots[:, B.J_STATE] = B.QUEUED
+        slots[:, B.J_USED] = 0
+        experts[:, :E] = expert_slot
+        experts[:, E] = 1  # DIRTY: the device copy of the map is stale
+        experts[:, E + 1] = -1  # nothing pending
+        m[B.Q_HEAD] = m[B.Q_TAIL]
+        m[B.C_DEMAND] += int(demand)
+        m[B.C_PREFETCH] += int(prefetch)
+        m[B.C_BYTES] += (int(demand) + int(prefetch)) * self.bytes_per_expert
+
     def stats(self) -> CopyCounters:
         """A copy of the counts since :meth:`reset_counters` with the link's wait time (waits on the copies in
         flight to read it)."""

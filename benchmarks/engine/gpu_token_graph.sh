@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The token graph's GPU run, as one device command: its cuda tests (device decisions compiled vs numba, the token
+# graph vs the host-routed GraphDecoder on tiny models), then benchmarks/engine/token_graph_vs_host.py on
+# grown-olmoe-routing (bitwise tokens/logits, statistics, ms/token in interleaved rounds). Records under $OUT.
+set -uo pipefail
+START=$SECONDS
+source benchmarks/device_env.sh
+timeout "${TEST_S:-240}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_engine_device_decisions.py \
+    tests/test_engine_token_graph.py 2>&1 | tail -40 > "$OUT/token_graph_cuda_tests.txt"
+tail -25 "$OUT/token_graph_cuda_tests.txt"
+LEFT=$((570 - (SECONDS - START)))
+echo "bench gets $LEFT s"
+PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing \
+    --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --json "$OUT/token_graph_vs_host.json" 2>&1 \
+    | grep -v "Loading weights" | tee "$OUT/token_graph_vs_host.txt" | tail -40

@@ -1,0 +1,136 @@
+"""The token graph (device routing, one CUDA graph per token) against the host-routed GraphDecoder on the same model,
+side by side in one process: greedy tokens and every step's logits compared bitwise, the routing statistics and
+copy counts compared, then ms/token in interleaved rounds (median and a 95% interval of the per-round ratio).
+
+    python benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing --tokens 64 --rounds 5 --json OUT
+
+Rows: all resident (exact), and psr lam0.3 n1 / cp lam0.2 / exact lru at the given residencies, offloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import psr_hf
+from psr_hf.assets.loading import load_model
+from psr_hf.bench.runners import weight_sharing_copy
+from psr_hf.engine.graphs import GraphDecoder
+from psr_hf.engine.token_graph import TokenGraphDecoder
+
+ROWS = {
+    "psr_lam0.3_n1": dict(policy="psr", lam=0.3, budget=1),
+    "cp_lam0.2": dict(policy="cache_prior", lam=0.2),
+    "exact_lru": dict(policy="exact", eviction="lru"),
+}
+
+
+def _prompt(tokenizer, n: int) -> list[int]:
+    text = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
+            "books were made and read across Europe. ") * 8
+    return tokenizer(text)["input_ids"][:n]
+
+
+def _greedy(decoder, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    logits = decoder.prefill(prompt, batched=False)
+    tokens, seen = [], []
+    for _ in range(n):
+        seen.append(logits[0].float().clone())
+        token = int(torch.argmax(logits[0]))
+        tokens.append(token)
+        logits = decoder.step(token)
+    return tokens, seen
+
+
+def _time(decoder, prompt: list[int], n: int) -> float:
+    decoder.prefill(prompt, batched=False)
+    torch.cuda.synchronize()
+    token = prompt[-1]
+    start = time.perf_counter()
+    for _ in range(n):
+        decoder.step(token)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / n
+
+
+def _ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    ratios = [x / y for x, y in zip(a, b)]
+    mean = statistics.fmean(ratios)
+    if len(ratios) < 2:
+        return mean, mean, mean
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, len(ratios) - 1) * statistics.stdev(ratios) / len(ratios) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="grown-olmoe-routing")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--residency", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    source, tokenizer, info = load_model(args.model, "cuda")
+    calibration = info.get("calibration_file")
+    prompt = _prompt(tokenizer, args.prompt)
+    max_len = args.prompt + args.tokens + 2
+    records = []
+    cases = [("resident_exact", dict(policy="exact"), None)]
+    for r in args.residency:
+        cases += [(f"{name}@{r}", dict(kw, residency=r), r) for name, kw in ROWS.items()]
+    for name, kw, residency in cases:
+        model = weight_sharing_copy(source)
+        if residency is None:  # every expert cached: nothing offloaded
+            kw = dict(kw, capacity=int(source.config.num_experts))
+        config = psr_hf.RoutingConfig(**kw)
+        offload = psr_hf.OffloadConfig() if residency is not None else None
+        psr_hf.patch(model, config, calibration=calibration, offload=offload)
+        ctl = psr_hf.controller(model)
+        host = GraphDecoder(model, max_len)
+        device = TokenGraphDecoder(model, max_len)
+        ctl.reset_stats()
+        host_tokens, host_logits = _greedy(host, prompt, args.tokens)
+        host_stats = ctl.stats()
+        ctl.reset()
+        ctl.reset_stats()
+        dev_tokens, dev_logits = _greedy(device, prompt, args.tokens)
+        dev_stats = ctl.stats()
+        same_tokens = host_tokens == dev_tokens
+        same_logits = all(torch.equal(a, b) for a, b in zip(host_logits, dev_logits))
+        host_ms, dev_ms = [], []
+        for _ in range(args.rounds):  # interleaved rounds
+            host_ms.append(_time(host, prompt, args.tokens))
+            dev_ms.append(_time(device, prompt, args.tokens))
+        ratio = _ratio_interval(host_ms, dev_ms)
+        record = {
+            "row": name, "same_tokens": same_tokens, "same_logits": same_logits,
+            "host_stats": repr(host_stats), "device_stats": repr(dev_stats),
+            "host_ms_median": statistics.median(host_ms), "device_ms_median": statistics.median(dev_ms),
+            "host_ms": host_ms, "device_ms": dev_ms, "host_over_device": ratio,
+        }
+        records.append(record)
+        print(f"{name:22s} tokens equal {same_tokens} logits equal {same_logits}  host {record['host_ms_median']:.3f} "
+              f"ms/token  device {record['device_ms_median']:.3f}  host/device {ratio[0]:.2f} "
+              f"[{ratio[1]:.2f}, {ratio[2]:.2f}]", flush=True)
+        print("   host  ", host_stats, flush=True)
+        print("   device", dev_stats, flush=True)
+        del host, device
+        psr_hf.unpatch(model)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                       "rounds": args.rounds, "rows": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

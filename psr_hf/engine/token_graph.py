@@ -1,0 +1,226 @@
+"""The engine's decode step as one CUDA graph per token, routed on the GPU: :class:`TokenGraphDecoder`.
+
+A :class:`~psr_hf.engine.graphs.GraphDecoder` whose decode steps after a sequence's first host-routed step (a
+prompt's prefill, or ``step`` at position 0) run without any host work between layers. Per MoE layer ``m`` the
+token graph holds graph A_m's body (attention, router scores and the next layer's pre-gate), the decision kernel
+(:mod:`psr_hf.engine.device_decisions`: ``select(m)`` then ``prefetch(m + 1)``, bitwise the numba kernels'), and,
+offloaded, the demand copies of ``m`` on many programs and the prefetch copies of ``m + 1`` on a few programs of a
+side branch that only layer ``m + 1`` waits for (:mod:`psr_hf.engine.device_copies`), then graph B_m's body.
+
+The routing state is lent by the controller (:meth:`Controller.lend_state`) after the host step and copied back
+when anything asks the controller for it (statistics, a new sequence, a forward pass of the model): the state,
+counters, displaced mass and copy counts are then those of the host path, and the offload's slot book takes the
+slot maps over. Page: docs/engine.md, "Routing on the device".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from psr_hf.hf.prefetch_sources import PregateRanking
+from .device_copies import LayerCopies
+from .device_state import DeviceState
+from .graphs import GraphDecoder
+
+logger = logging.getLogger(__name__)
+
+
+def device_routing_unsupported(controller: Any) -> str | None:
+    """Why the routing of ``controller`` cannot be decided on the device (None: it can)."""
+    routing = controller.routing
+    if routing.gate is not None:
+        return "a gate (margin head) routes through the model's forward"
+    if type(routing.source).next_pregate is not PregateRanking.next_pregate:
+        return f"the prefetch source {type(routing.source).__name__} ranks on the host"
+    if controller.cache.rows != 1:
+        return "the engine decodes one row"
+    return None
+
+
+class TokenGraphDecoder(GraphDecoder):
+    """:class:`GraphDecoder` with device routing for decode steps (CUDA, ``graphs=True``). ``prefetch_programs``:
+    the programs of a layer's prefetch copies, beside the compute; ``demand_programs``: of its demand copies
+    (default: the device's SM count). Other arguments: :class:`GraphDecoder`'s."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, *, prefetch_programs: int = 8,
+                 demand_programs: int | None = None, **kwargs: Any):
+        super().__init__(model, max_len, **kwargs)
+        if not self.graphs:
+            raise ValueError("TokenGraphDecoder needs graphs=True (a CUDA device)")
+        ctl = self.controller
+        why = device_routing_unsupported(ctl)
+        if why is not None:
+            raise ValueError(f"psr_hf engine: device routing is not available here: {why}; use GraphDecoder")
+        L, b = self.layers, self.layers.buffers
+        self.prefetch_programs = int(prefetch_programs)
+        self.demand_programs = int(demand_programs or torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.dstate = DeviceState(ctl.cache, self.device, scores=self._scores_f32[0], token=b.token.view(-1),
+                                  position=b.position.view(-1), offloaded=self.offloaded, max_positions=max_len)
+        self.dstate.ids = b.expert_ids[0]
+        self.dstate.slot_ids = self._slot_ids if self.offloaded else b.expert_ids[0]
+        self._copies: list[LayerCopies] = []
+        if self.offloaded:
+            offload = ctl.offload
+            for m in range(len(self.moe_layers)):
+                host = offload.placement.store[m]
+                slots = offload.slots[m]
+                self._copies.append(LayerCopies([host["gate_up_proj"], host["down_proj"]],
+                                                [slots["gate_up_proj"], slots["down_proj"]]))
+        self._token_graph = None
+        self._lent_from = 0  # the first position decided on the device in the lent stretch
+        self._decided_to = 0  # the position after the last one decided on the device
+        self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
+        self._capture_token()
+
+    # ------------------------------------------------------------------ the token graph
+    def _token_body(self, side: torch.cuda.Stream) -> None:
+        L = self.layers
+        main = torch.cuda.current_stream(self.device)
+        previous = -1
+        waits: dict[int, torch.cuda.Event] = {}
+        state = self.dstate
+        for m, d in enumerate(self.moe_layers):
+            self._body_a(m, range(previous + 1, d), d, d2h=False)()
+            state.decide(m)
+            if self.offloaded:
+                decided = torch.cuda.Event()
+                decided.record(main)
+                if m in waits:  # this layer's prefetches (issued at m - 1) land before its demand copies
+                    main.wait_event(waits.pop(m))
+                self._copies[m].launch(state.copies, m, 0, self.demand_programs)
+                if m + 1 < len(self.moe_layers) and state.kernel_settings()["constexprs"]["INSERTS"]:
+                    side.wait_event(decided)
+                    with torch.cuda.stream(side):
+                        self._copies[m + 1].launch(state.copies, m + 1, 1 + 2 * L.top_k, self.prefetch_programs)
+                        landed = torch.cuda.Event()
+                        landed.record(side)
+                    waits[m + 1] = landed
+            self._body_b(m, d, from_host=False)()
+            previous = d
+        self._body_c(range(previous + 1, L.num_layers))()
+        for event in waits.values():
+            main.wait_event(event)
+        main.wait_stream(side)
+
+    @torch.no_grad()
+    def _capture_token(self) -> None:
+        """Warm up (the Triton kernels compile) and capture the token graph. The warm-up decides and copies for
+        real, on the host state and slots as they are: the slots stay consistent (each copy moves the expert the
+        device maps name) and are handed back to the slot book; the routing state is uploaded again when lent."""
+        device = self.device
+        ctl = self.controller
+        ctl._reclaim()
+        slots = ctl.offload.lend_slots() if self.offloaded else None
+        self._upload(slots)
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.Stream(device)
+        side = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._token_body(side)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream, capture_error_mode="thread_local"):
+            self._token_body(side)
+        torch.cuda.synchronize(device)
+        self._token_graph = graph
+        if self.offloaded:
+            ctl.offload.return_slots(self.dstate.slot_of.cpu().numpy().astype(np.int64), 0, 0)
+
+    # ------------------------------------------------------------------ lending
+    def _upload(self, slots: np.ndarray | None) -> None:
+        """Row 0's state (and, offloaded, the slots made to hold exactly the logical cache) to the device."""
+        ctl = self.controller
+        if slots is not None:
+            slots = self._reconcile(slots)
+        self.dstate.upload(0, slots)
+
+    def _reconcile(self, slots: np.ndarray) -> np.ndarray:
+        """The slot map made to hold exactly each layer's logical cache: a resident expert without a slot is
+        copied into a slot whose expert is not resident (on the current stream, before the next graph)."""
+        cache, offload = self.controller.cache, self.controller.offload
+        slots = slots.copy()
+        for m in range(len(self.moe_layers)):
+            resident = cache.resident(m, 0)
+            missing = [e for e in resident.tolist() if slots[m, e] < 0]
+            if not missing:
+                continue
+            keep = np.zeros(slots.shape[1], dtype=bool)
+            keep[resident] = True
+            spare = [int(slots[m, e]) for e in np.flatnonzero((slots[m] >= 0) & ~keep)]
+            used = set(slots[m][slots[m] >= 0].tolist())
+            spare += [s for s in range(offload.capacity) if s not in used]
+            for e in missing:
+                slot = spare.pop(0)
+                holder = np.flatnonzero(slots[m] == slot)
+                slots[m, holder] = -1
+                for name, host in offload.placement.store[m].items():
+                    offload.slots[m][name][slot].copy_(host[e], non_blocking=True)
+                slots[m, e] = slot
+            for e in np.flatnonzero((slots[m] >= 0) & ~keep):  # anything else is not mapped
+                slots[m, e] = -1
+        return slots
+
+    def _lend(self) -> None:
+        ctl = self.controller
+        slots = ctl.offload.lend_slots() if self.offloaded else None
+        self._upload(slots)
+        self._lent_from = self._decided_to = self.position
+        self._counters_at_lend = ctl.cache.counters[:, 0].copy()
+        ctl.lend_state(self)
+
+    def return_state(self, controller: Any) -> None:
+        """The controller takes its state back: state, counters, displaced mass, slot maps and copy counts."""
+        torch.cuda.synchronize(self.device)
+        state = self.dstate
+        try:
+            state.check()
+        finally:
+            cache = controller.cache
+            state.download(0)
+            first, last = self._lent_from, self._decided_to
+            if last > first:
+                controller.routing.absorb_record(state.record[first:last].cpu().numpy(),
+                                                 state.record_plans[first:last].cpu().numpy())
+            controller.continue_sequence(last)
+            if self.offloaded:
+                delta = cache.counters[:, 0] - self._counters_at_lend
+                controller.offload.return_slots(state.slot_of.cpu().numpy().astype(np.int64),
+                                                int(delta[:, 6].sum()), int(delta[:, 5].sum()))
+
+    # ------------------------------------------------------------------ steps
+    def _device_step_ready(self) -> bool:
+        ctl = self.controller
+        if ctl.lent is self:
+            return True
+        if ctl.lent is None and ctl.forward_pass is None and not ctl.recording:
+            self._lend()
+            return True
+        return False
+
+    def _continue(self, token: int | None, read_token: Callable[[], int | None],
+                  overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
+        if not self._device_step_ready():
+            return super()._continue(token, read_token, overlap)
+        if token is None:
+            token = read_token()  # the whole step changes the routing state: launched only for a real token
+            if token is None:
+                return None, None
+            write = None
+        else:
+            write = int(token)
+        position = self.position
+        self._check_slot_buffers()
+        self.layers.check_prefetch_source(self.controller)
+        self.layers.sync_routers(self.controller)
+        self._write_inputs(write, position)
+        self._token_graph.replay()
+        if overlap is not None:
+            overlap()
+        self.position = self._decided_to = position + 1
+        return self.layers.buffers.logits, int(token)
+

@@ -1,0 +1,99 @@
+"""psr_hf.engine.token_graph.TokenGraphDecoder: decode steps as one CUDA graph per token with the routing decided on
+the GPU. Against the host-routed GraphDecoder on the same patched model: the same greedy tokens, bitwise the same
+logits, the same routing statistics (copies, replaced slots, displaced mass) and copy counts, resident and offloaded,
+for every policy; the state handed back to the controller continues on the host path as if the host had decided.
+CPU: the decoder refuses what it cannot route on the device, with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import psr_hf
+from psr_hf import RoutingConfig
+from psr_hf.engine.graphs import GraphDecoder
+from psr_hf.testing import tiny_model
+
+NEW = 8
+MAX_LEN = 40
+POLICIES = {
+    "exact": dict(policy="exact", residency=0.5),
+    "exact_budget1": dict(policy="exact", residency=0.5, budget=1),
+    "cache_prior": dict(policy="cache_prior", lam=0.3, residency=0.5),
+    "psr": dict(policy="psr", lam=0.3, budget=1, residency=0.5),
+    "psr_lru": dict(policy="psr", lam=0.2, budget=2, residency=0.5, eviction="lru"),
+    "spec": dict(policy="spec", residency=0.5),
+}
+STAT_FIELDS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token",
+               "displaced_mass_per_token")
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _greedy(model, decoder, ids):
+    ctl = psr_hf.controller(model)
+    ctl.reset()
+    ctl.reset_stats()
+    sequence, logits = decoder.generate_greedy(ids, NEW, return_logits=True)
+    return sequence, logits, ctl.stats()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_token_graph_decides_as_the_host_bitwise(name, policy, offloaded):
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model(name, dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    with psr_hf.patched(model, RoutingConfig(**POLICIES[policy]), offload=offload):
+        host = _greedy(model, GraphDecoder(model, MAX_LEN), ids)
+        device_decoder = TokenGraphDecoder(model, MAX_LEN)
+        device = _greedy(model, device_decoder, ids)
+        assert psr_hf.controller(model).lent is None  # stats() took the state back
+        torch.testing.assert_close(device[0], host[0], rtol=0, atol=0)
+        torch.testing.assert_close(device[1], host[1], rtol=0, atol=0)
+        for field in STAT_FIELDS:
+            np.testing.assert_array_equal(getattr(device[2], field), getattr(host[2], field), err_msg=field)
+        if offloaded:
+            assert device[2].offload.demand == host[2].offload.demand
+            assert device[2].offload.prefetch == host[2].offload.prefetch
+        again = _greedy(model, device_decoder, ids)  # a second sequence: the slots handed back are consistent
+        torch.testing.assert_close(again[1], host[1], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_device_routed_sequence_continues_on_the_host_path_as_if_the_host_had_decided():
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = [5, 9, 13, 17, 21, 25]
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        host = GraphDecoder(model, MAX_LEN)
+        ctl = psr_hf.controller(model)
+        ctl.reset()
+        host.prefill(ids, batched=False)
+        want = [host.step(t).clone() for t in (3, 4, 5, 6)]
+        device = TokenGraphDecoder(model, MAX_LEN)
+        ctl.reset()
+        device.prefill(ids, batched=False)
+        got = [device.step(3).clone(), device.step(4).clone()]
+        ctl.stats()  # takes the state back mid-sequence
+        with ctl.record():  # while a recording runs, the decoder routes on the host
+            got += [device.step(5).clone(), device.step(6).clone()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_token_graph_refuses_a_cpu_model_and_a_gate_with_the_reason():
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32)
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        with pytest.raises(ValueError, match="CUDA"):
+            TokenGraphDecoder(model, MAX_LEN, graphs=False)
