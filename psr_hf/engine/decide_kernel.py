@@ -70,6 +70,18 @@ def _priority(row, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr,
     return priority
 
 @triton.jit
+def _take_slot(do, e, victim, slot_of, expert_of, offs, cidx, C: tl.constexpr, BIG: tl.constexpr):
+    # expert e (inserted when do) takes the victim's slot, or the first free one: (slot, slot_of, expert_of)
+    freed = tl.reduce(tl.where(offs == victim, slot_of, 0), 0, tl.standard._sum_combine)
+    free = tl.reduce(tl.where(expert_of == -1, cidx, BIG), 0, tl.standard._elementwise_min)
+    slot = tl.where(victim >= 0, freed, free)
+    slot_of = tl.where(do & (offs == victim), -1, slot_of)
+    slot_of = tl.where(do & (offs == e), slot, slot_of)
+    expert_of = tl.where(do & (cidx == slot), e, expert_of)
+    return slot, slot_of, expert_of
+
+
+@triton.jit
 def decide_kernel(
     layer, scores_ptr, token_ptr, position_ptr, state_ptr, counters_ptr, saved_ptr, delta_ptr, seen_ptr,
     indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, ids_ptr, slot_ids_ptr, slot_of_ptr, expert_of_ptr,
@@ -188,13 +200,8 @@ def decide_kernel(
         plan = tl.where(do & (pw == DEMAND + n_demand), e.to(tl.int64), plan)
         plan = tl.where(do & (pw == DEMAND_EVICTED + n_demand), victim.to(tl.int64), plan)
         if OFFLOADED:
-            freed = tl.reduce(tl.where(offs == victim, slot_of, 0), 0, tl.standard._sum_combine)
-            free = tl.reduce(tl.where(expert_of == -1, cidx, BIG), 0, tl.standard._elementwise_min)
-            slot = tl.where(victim >= 0, freed, free)
+            slot, slot_of, expert_of = _take_slot(do, e, victim, slot_of, expert_of, offs, cidx, C, BIG)
             error = tl.where((error == 0) & do & (slot >= C), 3, error)
-            slot_of = tl.where(do & (offs == victim), -1, slot_of)
-            slot_of = tl.where(do & (offs == e), slot, slot_of)
-            expert_of = tl.where(do & (cidx == slot), e, expert_of)
             copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand), e, copies)
             copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand + 1), slot, copies)
         n_demand = n_demand + do.to(tl.int32)
@@ -300,13 +307,8 @@ def decide_kernel(
                 pplan = tl.where(do & (pw == PREFETCH + n_ins), e.to(tl.int64), pplan)
                 pplan = tl.where(do & (pw == PREFETCH_EVICTED + n_ins), victim.to(tl.int64), pplan)
                 if OFFLOADED:
-                    freed = tl.reduce(tl.where(offs == victim, nslot_of, 0), 0, tl.standard._sum_combine)
-                    free = tl.reduce(tl.where(nexpert_of == -1, cidx, BIG), 0, tl.standard._elementwise_min)
-                    slot = tl.where(victim >= 0, freed, free)
+                    slot, nslot_of, nexpert_of = _take_slot(do, e, victim, nslot_of, nexpert_of, offs, cidx, C, BIG)
                     error = tl.where((error == 0) & do & (slot >= C), 3, error)
-                    nslot_of = tl.where(do & (offs == victim), -1, nslot_of)
-                    nslot_of = tl.where(hit, slot, nslot_of)
-                    nexpert_of = tl.where(do & (cidx == slot), e, nexpert_of)
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins), e, ncopies)
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins + 1), slot, ncopies)
                 n_ins = n_ins + do.to(tl.int32)
