@@ -97,3 +97,73 @@ def test_the_token_graph_refuses_a_cpu_model_and_a_gate_with_the_reason():
     with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
         with pytest.raises(ValueError, match="CUDA"):
             TokenGraphDecoder(model, MAX_LEN, graphs=False)
+
+
+def test_device_routing_names_what_keeps_the_decisions_on_the_host():
+    from psr_hf.engine.token_graph import device_routing_unsupported
+
+    model = tiny_model("olmoe", dtype=torch.float32)
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        assert device_routing_unsupported(psr_hf.controller(model)) is None
+    for option, reason in (("copy_delay_ms", "copy_delay_ms"), ("check_slots", "check_slots")):
+        offload = psr_hf.OffloadConfig(device="cpu", **{option: 1.0 if option == "copy_delay_ms" else True})
+        with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=offload):
+            assert reason in device_routing_unsupported(psr_hf.controller(model))
+
+
+def test_graph_decoder_routes_on_the_host_without_cuda_graphs_and_says_why_when_asked_for_the_device():
+    from psr_hf.engine.token_graph import graph_decoder
+
+    model = tiny_model("olmoe", dtype=torch.float32)
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        decoder = graph_decoder(model, MAX_LEN, graphs=False)
+        assert type(decoder) is GraphDecoder
+        with pytest.raises(ValueError, match="CUDA graphs"):
+            graph_decoder(model, MAX_LEN, graphs=False, device_routing=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_graph_decoder_routes_on_the_device_and_follows_a_reconfigure():
+    from psr_hf.engine.token_graph import TokenGraphDecoder, graph_decoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        ctl = psr_hf.controller(model)
+        decoder = graph_decoder(model, MAX_LEN)
+        assert isinstance(decoder, TokenGraphDecoder)
+        _greedy(model, decoder, ids)
+        ctl.reconfigure(RoutingConfig(**POLICIES["cache_prior"]))  # a new cache: the decoder binds to it
+        device = _greedy(model, decoder, ids)
+        host = _greedy(model, graph_decoder(model, MAX_LEN, device_routing=False), ids)
+        torch.testing.assert_close(device[1], host[1], rtol=0, atol=0)
+        for field in STAT_FIELDS:
+            np.testing.assert_array_equal(getattr(device[2], field), getattr(host[2], field), err_msg=field)
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]),
+                        offload=psr_hf.OffloadConfig(device="cuda", copy_delay_ms=1.0)):
+        assert type(graph_decoder(model, MAX_LEN)) is GraphDecoder
+        with pytest.raises(ValueError, match="copy_delay_ms"):
+            graph_decoder(model, MAX_LEN, device_routing=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_attach_generates_the_same_tokens_routed_on_the_device_as_on_the_host():
+    from psr_hf.engine import attach, attached, detach
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(4)).to("cuda")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        outputs = {}
+        for device_routing in (False, None):
+            attach(model, max_len=MAX_LEN, device_routing=device_routing)
+            assert isinstance(attached(model).decoder, TokenGraphDecoder) is (device_routing is None)
+            psr_hf.controller(model).reset_stats()
+            outputs[device_routing] = (model.generate(ids, max_new_tokens=NEW, do_sample=False),
+                                       psr_hf.controller(model).stats())
+            detach(model)
+    torch.testing.assert_close(outputs[None][0], outputs[False][0], rtol=0, atol=0)
+    for field in STAT_FIELDS:
+        np.testing.assert_array_equal(getattr(outputs[None][1], field), getattr(outputs[False][1], field))

@@ -108,7 +108,7 @@ def run_bench(
     calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
     calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
     hf_configs: Sequence[str] | None = None, prefetch_budgets: Sequence[int] | str = (), predictor: Any = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, device_routing: bool | None = None,
 ) -> dict[str, Any]:
     """Load or build the model, cut the windows, calibrate, run :func:`~psr_hf.bench.timing.bench_latency`; returns
     the JSON-ready record: settings (the arguments), model, windows, calibration, machine, versions, results (one
@@ -119,7 +119,8 @@ def run_bench(
     :data:`WINDOW_MODULES`' sources). ``calibration``: a saved :class:`psr_hf.Calibration`; otherwise
     :func:`psr_hf.calibrate` on ``calibration_tokens`` tokens of :data:`CALIBRATION_MODULES`' sources. ``offload``
     False runs the routed rows without offload (logical cache only). ``engine`` adds the engine rows: psr_hf's
-    batch-1 decoder, CUDA graphs on CUDA. ``prefetch_budgets="window"``: the one budget ``M_max`` (at least 1, at
+    batch-1 decoder, CUDA graphs on CUDA; ``device_routing``: its decode steps routed on the device (one graph
+    per token; None: where the row allows it, True: required, False: never). ``prefetch_budgets="window"``: the one budget ``M_max`` (at least 1, at
     most a layer's experts) that :func:`psr_hf.prefetch.window.profile_unpatched` measures on the loaded model first
     (SpecPrefetch's window-aware budget; the profile goes into the record's settings)."""
     check_rounds(rounds)  # before building anything
@@ -170,7 +171,7 @@ def run_bench(
     results = bench_latency(
         net, ids, configs=rows_wanted, calibration=calib, rounds=rounds, warmup=warmup,
         accelerate_tokens=accelerate_tokens, offload=offload, max_in_flight=max_in_flight,
-        copy_delay_ms=copy_delay_ms, progress=progress, predictor=loaded_predictor)
+        copy_delay_ms=copy_delay_ms, progress=progress, predictor=loaded_predictor, device_routing=device_routing)
     return {
         "benchmark": "latency",
         "settings": {
@@ -183,6 +184,7 @@ def run_bench(
             "accelerate_tokens": accelerate_tokens, "accelerate": accelerate, "calibration": calibration,
             "texts": list(texts), "seed": seed,
             "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
+            "device_routing": device_routing,
             "engine_graphs": engine and device_used.type == "cuda",
             "engine_decoding": ENGINE_DECODING if engine else None,
             "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "

@@ -116,13 +116,15 @@ class _SharedCopy:
 
 
 class Runner(abc.ABC):
-    """Decodes the windows of the rows of its kinds; ``capacity`` and ``memory`` (name -> value) note each row's
-    cache slots per layer and offload memory when it first runs."""
+    """Decodes the windows of the rows of its kinds; ``capacity``, ``memory`` and ``decided_on`` (name -> value)
+    note each row's cache slots per layer, offload memory and, for engine rows, where its decode steps are routed
+    ("device" or "host") when it first runs."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.capacity: dict[str, int] = {}
         self.memory: dict[str, Any] = {}
+        self.decided_on: dict[str, str] = {}
 
     @abc.abstractmethod
     def run(self, row: Row, windows: Sequence[torch.Tensor]) -> list[WindowRun]:
@@ -182,16 +184,16 @@ class EngineRunner(Runner):
     when the offload's slot buffers were reallocated or the prefetch ranking changed."""
 
     def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any, max_len: int,
-                 graphs: bool, predictor: Any = None):
+                 graphs: bool, predictor: Any = None, device_routing: bool | None = None):
         super().__init__(device)
         self.source, self.calibration, self.offload, self.predictor = source, calibration, offload, predictor
-        self.max_len, self.graphs = max_len, graphs
+        self.max_len, self.graphs, self.device_routing = max_len, graphs, device_routing
         self.shared: dict[float | None, _SharedCopy] = {}
         self.resident: torch.nn.Module | None = None
         self.decoders: dict[str, Any] = {}  # "resident" / "shared<residency>" -> decoder
 
     def _decoder(self, key: str, model: torch.nn.Module) -> Any:
-        from ..engine.graphs import GraphDecoder
+        from ..engine.token_graph import graph_decoder
 
         decoder = self.decoders.get(key)
         if decoder is not None and decoder.offloaded and decoder._addresses() != decoder._slot_addresses:
@@ -202,7 +204,7 @@ class EngineRunner(Runner):
             self.decoders.pop(key, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            decoder = GraphDecoder(model, self.max_len, graphs=self.graphs)
+            decoder = graph_decoder(model, self.max_len, graphs=self.graphs, device_routing=self.device_routing)
             self.decoders[key] = decoder
         return decoder
 
@@ -226,9 +228,12 @@ class EngineRunner(Runner):
         return self._decoder(f"shared{row.residency}", self.shared[row.residency].activate(row.routing))
 
     def run(self, row: Row, windows: Sequence[torch.Tensor]) -> list[WindowRun]:
+        from ..engine.token_graph import TokenGraphDecoder
+
         decoder = self._activate(row)
         ctl = decoder.controller
         self._note(row, ctl, ctl.offload is not None)
+        self.decided_on.setdefault(row.name, "device" if isinstance(decoder, TokenGraphDecoder) else "host")
         return [decode_engine_window(decoder, ids, device=self.device) for ids in windows]
 
     def close(self) -> None:

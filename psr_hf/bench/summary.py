@@ -107,9 +107,10 @@ def add_host_per_copy(records: Sequence[dict[str, Any]], rows: Sequence[Row], mo
 
 
 def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]], model_info: Mapping[str, Any],
-                capacity: Mapping[str, int], memory: Mapping[str, Any]) -> list[dict[str, Any]]:
+                capacity: Mapping[str, int], memory: Mapping[str, Any],
+                decided_on: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """One record per row (in ``rows`` order) from its timed rounds ``results[name]`` (one list of
-    :class:`WindowRun` per round); ``capacity`` and ``memory`` as the runners noted them."""
+    :class:`WindowRun` per round); ``capacity``, ``memory`` and ``decided_on`` as the runners noted them."""
     reference_ms = {name: [[w.ms for w in run] for run in results[name]]
                     for name in (RESIDENT, ENGINE_RESIDENT) if name in results}
     records = []
@@ -145,6 +146,7 @@ def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]
             "reference": None if row.name == RESIDENT else reference,
             "copies": _copies(row.kind, round_stats, model_info),
             "memory": memory.get(row.name),
+            "decided_on": (decided_on or {}).get(row.name),
             "rounds": [{"ms_per_token": mean, "ms": run, "stats": stats}
                        for mean, run, stats in zip(round_means, ms, round_stats)],
         })

@@ -39,7 +39,7 @@ def bench_latency(
     model: torch.nn.Module, windows: Sequence[torch.Tensor], *, configs: Sequence[Row] | None = None,
     calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, accelerate_tokens: int = 8,
     offload: Any = True, max_in_flight: int = 2, copy_delay_ms: float = 0.0, graphs: bool | None = None,
-    progress: Callable[[str], None] | None = None, predictor: Any = None,
+    progress: Callable[[str], None] | None = None, predictor: Any = None, device_routing: bool | None = None,
     resume: Mapping[str, list[list[WindowRun]]] | None = None,
     on_round: Callable[[int, Mapping[str, list[list[WindowRun]]]], None] | None = None,
     stop: Callable[[], bool] | None = None,
@@ -64,6 +64,9 @@ def bench_latency(
         graphs: whether the engine rows' :class:`~psr_hf.engine.graphs.GraphDecoder` replays CUDA graphs (default:
             on CUDA; the CPU runs the same step eagerly).
         predictor: the :class:`psr_hf.prefetch.Predictor` of the rows with ``prefetch="predictor"``.
+        device_routing: the engine rows' decode steps routed on the device (one CUDA graph per token,
+            :func:`psr_hf.engine.token_graph.graph_decoder`): None (default) where the row allows it, True
+            required, False never (the host decides per layer).
         resume: rounds already timed (name -> one list of :class:`WindowRun` per round, the same number for every
             row, as ``on_round`` saw them): timing continues with the next round (a resumed sweep).
         on_round: called after each timed round with its index and every row's rounds so far (to save them).
@@ -109,7 +112,8 @@ def bench_latency(
         runners[OFFLOAD] = TransformersRunner(model, device, calibration, offload, predictor)
     if kinds & {ENGINE, ENGINE_RESIDENT}:
         runners[ENGINE] = runners[ENGINE_RESIDENT] = EngineRunner(
-            model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs), predictor)
+            model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs), predictor,
+            device_routing)
 
     def windows_of(row: Row, limit: int | None = None) -> list[torch.Tensor]:
         if row.kind == ACCELERATE:
@@ -151,14 +155,16 @@ def bench_latency(
         finally:
             capacity: dict[str, int] = {}
             memory: dict[str, Any] = {}
+            decided_on: dict[str, str] = {}
             for kind in (RESIDENT, OFFLOAD, ENGINE, ACCELERATE):
                 if kind in runners:
                     runners[kind].close()
                     capacity.update(runners[kind].capacity)
                     memory.update(runners[kind].memory)
+                    decided_on.update(runners[kind].decided_on)
             runners.clear()
             release(device)
 
     if not results[RESIDENT]:
         return []  # stopped before the first timed round
-    return row_records(configs, results, describe_model(model), capacity, memory)
+    return row_records(configs, results, describe_model(model), capacity, memory, decided_on)

@@ -78,6 +78,10 @@ def register(subparsers: Any) -> None:
                    help="also time psr_hf's batch-1 decoder (GraphDecoder: CUDA graphs on CUDA, eager on the CPU) "
                         "on the same windows: engine_resident (every expert cached, not offloaded) and "
                         "engine_<row> for every routed row (same routing, offloaded); engine goals need a GPU")
+    p.add_argument("--device-routing", choices=("auto", "on", "off"), default="auto",
+                   help="the engine rows' decode steps routed on the GPU, one CUDA graph per token: auto (default: "
+                        "where the row allows it, see docs/engine.md), on (required), off (the host decides per "
+                        "layer); each row's record says where it was decided (decided_on)")
     add_calibration(p)
     add_texts(p, "text file to cut the windows from (repeatable; default: standard-library sources)")
     p.add_argument("--warmup", type=int, default=1, help="untimed short warm-up rounds first (default 1)")
@@ -180,7 +184,7 @@ def bench(args: argparse.Namespace) -> int:
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
         engine=args.engine, hf_configs=hf_configs, prefetch_budgets=budgets, predictor=args.predictor,
-        progress=progress_line,
+        progress=progress_line, device_routing={"auto": None, "on": True, "off": False}[args.device_routing],
     )
     print(format_table(record))
     print("\n".join(report_lines(record)))

@@ -28,6 +28,8 @@ _LAZY = {
     "check_shapes": "psr_hf.engine.moe",
     "Decoder": "psr_hf.engine.decoder",
     "GraphDecoder": "psr_hf.engine.graphs",
+    "TokenGraphDecoder": "psr_hf.engine.token_graph",
+    "graph_decoder": "psr_hf.engine.token_graph",
     "attach": "psr_hf.engine.generate",
     "detach": "psr_hf.engine.generate",
     "attached": "psr_hf.engine.generate",

@@ -21,10 +21,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from psr_hf.hf.patching import controller as _controller
 from psr_hf.hf.prefetch_sources import PregateRanking
 from .device_copies import LayerCopies
 from .device_state import DeviceState
 from .graphs import GraphDecoder
+from .moe import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,33 @@ def device_routing_unsupported(controller: Any) -> str | None:
         return f"the prefetch source {type(routing.source).__name__} ranks on the host"
     if controller.cache.rows != 1:
         return "the engine decodes one row"
+    offload = controller.offload
+    if offload is not None and offload.config.copy_delay_ms > 0:
+        return "copy_delay_ms delays the copies the host issues"
+    if offload is not None and offload.config.check_slots:
+        return "check_slots checks the slots on the host"
     return None
+
+
+def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, device_routing: bool | None = None,
+                  **kwargs: Any) -> GraphDecoder:
+    """The engine's decoder for ``model``: a :class:`TokenGraphDecoder` (decode steps routed on the device, one
+    CUDA graph per token) where the routing allows it, else a :class:`GraphDecoder` (routed on the host per
+    layer). ``device_routing``: None (default) where possible, True requires it (``ValueError`` saying why
+    not), False never. Other arguments: :class:`GraphDecoder`'s."""
+    if device_routing is False or (device_routing is None and not graphs):
+        return GraphDecoder(model, max_len, graphs=graphs, **kwargs)
+    why = None if graphs else "it needs CUDA graphs (graphs=True on a CUDA device)"
+    if why is None:
+        why = device_routing_unsupported(_controller(model))
+    if why is None and not triton_available()[0]:
+        why = f"triton does not import ({triton_available()[1]})"
+    if why is None:
+        return TokenGraphDecoder(model, max_len, graphs=graphs, **kwargs)
+    if device_routing:
+        raise ValueError(f"psr_hf engine: device routing is not available: {why}; pass device_routing=None or False")
+    logger.info("psr_hf engine: routing on the host per layer: %s", why)
+    return GraphDecoder(model, max_len, graphs=graphs, **kwargs)
 
 
 class TokenGraphDecoder(GraphDecoder):
@@ -55,11 +83,21 @@ class TokenGraphDecoder(GraphDecoder):
         why = device_routing_unsupported(ctl)
         if why is not None:
             raise ValueError(f"psr_hf engine: device routing is not available here: {why}; use GraphDecoder")
-        L, b = self.layers, self.layers.buffers
         self.prefetch_programs = int(prefetch_programs)
         self.demand_programs = int(demand_programs or torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self._max_len = int(max_len)
+        self._lent_from = 0  # the first position decided on the device in the lent stretch
+        self._decided_to = 0  # the position after the last one decided on the device
+        self._bind()
+
+    def _bind(self) -> None:
+        """Device state and copy kernels for the controller's current cache, and the token graph captured on
+        them (again after a ``reconfigure()`` made a new cache)."""
+        ctl, b = self.controller, self.layers.buffers
+        self._token_graph = None
         self.dstate = DeviceState(ctl.cache, self.device, scores=self._scores_f32[0], token=b.token.view(-1),
-                                  position=b.position.view(-1), offloaded=self.offloaded, max_positions=max_len)
+                                  position=b.position.view(-1), offloaded=self.offloaded,
+                                  max_positions=self._max_len)
         self.dstate.ids = b.expert_ids[0]
         self.dstate.slot_ids = self._slot_ids if self.offloaded else b.expert_ids[0]
         self._copies: list[LayerCopies] = []
@@ -70,9 +108,6 @@ class TokenGraphDecoder(GraphDecoder):
                 slots = offload.slots[m]
                 self._copies.append(LayerCopies([host["gate_up_proj"], host["down_proj"]],
                                                 [slots["gate_up_proj"], slots["down_proj"]]))
-        self._token_graph = None
-        self._lent_from = 0  # the first position decided on the device in the lent stretch
-        self._decided_to = 0  # the position after the last one decided on the device
         self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
         self._capture_token()
 
@@ -197,15 +232,24 @@ class TokenGraphDecoder(GraphDecoder):
         ctl = self.controller
         if ctl.lent is self:
             return True
-        if ctl.lent is None and ctl.forward_pass is None and not ctl.recording:
-            self._lend()
-            return True
-        return False
+        if ctl.lent is not None or ctl.forward_pass is not None or ctl.recording:
+            return False
+        if device_routing_unsupported(ctl) is not None:  # reconfigured since: the host path decides
+            return False
+        if self.dstate.cache is not ctl.cache:  # reconfigured since: a new cache
+            self._bind()
+        self._lend()
+        return True
 
     def _continue(self, token: int | None, read_token: Callable[[], int | None],
                   overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
-        if not self._device_step_ready():
-            return super()._continue(token, read_token, overlap)
+        with self.controller.holding():  # no other thread takes the state back while the step is launched
+            if not self._device_step_ready():
+                return super()._continue(token, read_token, overlap)
+            return self._device_step(token, read_token, overlap)
+
+    def _device_step(self, token: int | None, read_token: Callable[[], int | None],
+                     overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
         if token is None:
             token = read_token()  # the whole step changes the routing state: launched only for a real token
             if token is None:

@@ -292,6 +292,13 @@ class Controller:
         """The borrower holding the state (None: the controller holds it)."""
         return self._lent
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the controller's lock (the same thread may nest): a borrower's step, so that no other thread takes
+        the state back while the step is launched."""
+        with self._lock:
+            yield
+
     def continue_sequence(self, positions: int) -> None:
         """A borrower decoded the current sequence to ``positions`` positions (called from ``return_state``)."""
         self._sequence_positions = int(positions)
