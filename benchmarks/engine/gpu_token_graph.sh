@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The token graph's GPU run, as one device command: its cuda tests (device decisions compiled vs numba, the token
-# graph vs the host-routed GraphDecoder on tiny models), then benchmarks/engine/token_graph_vs_host.py on
-# grown-olmoe-routing (bitwise tokens/logits, statistics, ms/token in interleaved rounds). Records under $OUT.
+# graph vs the host-routed GraphDecoder on tiny models), benchmarks/engine/token_graph_profile.py (the GPU's time per
+# token, host time per step, kernels) and benchmarks/engine/token_graph_vs_host.py on grown-olmoe-routing (bitwise
+# tokens/logits, statistics, ms/token in interleaved rounds). Records under $OUT.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
 timeout "${TEST_S:-240}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_engine_device_decisions.py \
     tests/test_engine_token_graph.py 2>&1 | tail -40 > "$OUT/token_graph_cuda_tests.txt"
 tail -25 "$OUT/token_graph_cuda_tests.txt"
+PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-150}" python3 benchmarks/engine/token_graph_profile.py \
+    --model grown-olmoe-routing --json "$OUT/token_graph_profile.json" 2>&1 | grep -v "Loading weights" \
+    | tee "$OUT/token_graph_profile.txt" | tail -45
 LEFT=$((570 - (SECONDS - START)))
 echo "bench gets $LEFT s"
 PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing \

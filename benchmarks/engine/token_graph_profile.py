@@ -1,0 +1,141 @@
+"""Where a token's time goes in the token graph (device routing, one CUDA graph per token), on a GPU.
+
+For the resident model (exact, every expert cached) and an offloaded routed row: the token graph replayed back to
+back with no host work between replays (the GPU's own time per token), the host's time per step (the call's wall
+time, the GPU not waited for), and the CUDA kernels of the replays under torch.profiler (count and device time per
+token, by kernel, with the bytes of weights a token reads and the bandwidth that implies). Prints a table and
+writes a JSON record.
+
+    python benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import psr_hf
+from psr_hf.assets.loading import load_model
+from psr_hf.bench.common import describe_model
+from psr_hf.engine.token_graph import TokenGraphDecoder
+
+PEAK_TBPS = {"H100": 3.35, "H200": 4.8}
+
+
+def _weight_bytes(model: torch.nn.Module, info: dict) -> dict[str, float]:
+    """Bytes of weights one batch-1 token reads: the K selected experts of every MoE layer and every other
+    parameter except the embedding table (one row read) and the routed experts not selected."""
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.get_input_embeddings().weight
+    rest = sum(p.numel() * p.element_size() for p in model.parameters()) - experts - embed.numel() * embed.element_size()
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
+    if tied:
+        rest += embed.numel() * embed.element_size()
+    selected = info["expert_bytes"] * info["top_k"] * info["moe_layers"]
+    return {"selected_experts": float(selected), "dense": float(rest), "total": float(selected + rest)}
+
+
+def _back_to_back(decoder: TokenGraphDecoder, token: int, n: int) -> float:
+    """ms per token of ``n`` steps launched without waiting for the GPU between them."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        decoder.step(token)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / n
+
+
+def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
+    """The host's time per step: the call's wall time, the GPU synchronised after (not inside) it."""
+    spent = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.step(token)
+        spent.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return spent
+
+
+def _kernels(decoder: TokenGraphDecoder, token: int, n: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            decoder.step(token)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events)
+    rows = sorted(events, key=lambda e: -e.self_device_time_total)
+    return {"kernels_per_token": sum(e.count for e in events) / n, "kernel_ms_per_token": total_us / 1e3 / n,
+            "top": [{"kernel": e.key[:100], "per_token": e.count / n, "us_per_token": e.self_device_time_total / n}
+                    for e in rows[:top]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="grown-olmoe-routing")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--residency", type=float, default=0.5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    source, tokenizer, info_model = load_model(args.model, "cuda")
+    calibration = info_model.get("calibration_file")
+    info = describe_model(source)
+    weights = _weight_bytes(source, info)
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_TBPS.items() if k in name), None)
+    prompt = tokenizer("The history of the printing press begins in the fifteenth century.")["input_ids"][:12]
+    record = {"model": args.model, "device": name, "peak_tb_per_s": peak, "weights_bytes_per_token": weights,
+              "rows": {}}
+    from psr_hf.bench.runners import weight_sharing_copy
+
+    cases = {"resident_exact": (dict(policy="exact", capacity=info["num_experts"]), None),
+             f"psr_lam0.3_n1@{args.residency}": (dict(policy="psr", lam=0.3, budget=1, residency=args.residency),
+                                                 psr_hf.OffloadConfig())}
+    for row, (kw, offload) in cases.items():
+        model = weight_sharing_copy(source)
+        psr_hf.patch(model, psr_hf.RoutingConfig(**kw), calibration=calibration, offload=offload)
+        max_len = len(prompt) + args.steps * (args.rounds + 3) + 8
+        decoder = TokenGraphDecoder(model, max_len)
+        decoder.prefill(prompt, batched=False)
+        token = prompt[-1]
+        _back_to_back(decoder, token, 8)  # warm
+        floors, hosts = [], []
+        for _ in range(args.rounds):
+            floors.append(_back_to_back(decoder, token, args.steps))
+            hosts.extend(_host_us(decoder, token, 16))
+        kernels = _kernels(decoder, token, 16, args.top)
+        floor = statistics.median(floors)
+        out = {"gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
+               "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
+               **kernels}
+        if offload is None:
+            out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
+            out["memory_bound_ms"] = None if peak is None else weights["total"] / (peak * 1e12) * 1e3
+        record["rows"][row] = out
+        print(f"== {row}: back to back {floor:.3f} ms/token (rounds {', '.join(f'{f:.3f}' for f in floors)}), "
+              f"host {out['host_us_per_step_median']:.1f} us/step (p90 {out['host_us_per_step_p90']:.1f}), "
+              f"{kernels['kernels_per_token']:.0f} kernels/token, {kernels['kernel_ms_per_token']:.3f} kernel ms/token"
+              + ("" if offload is not None else f", {out['achieved_tb_per_s_back_to_back']:.2f} TB/s of weights "
+                 f"(bound {out['memory_bound_ms']} ms)"), flush=True)
+        for k in kernels["top"]:
+            print(f"   {k['us_per_token']:8.1f} us/token {k['per_token']:6.1f}/token  {k['kernel']}")
+        del decoder
+        psr_hf.unpatch(model)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
