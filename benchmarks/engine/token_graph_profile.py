@@ -35,7 +35,7 @@ def _weight_bytes(model: torch.nn.Module, info: dict) -> dict[str, float]:
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
     if tied:
         rest += embed.numel() * embed.element_size()
-    selected = info["expert_bytes"] * info["top_k"] * info["moe_layers"]
+    selected = info["expert_bytes"] / info["num_experts"] * info["top_k"]  # expert_bytes: every layer's experts
     return {"selected_experts": float(selected), "dense": float(rest), "total": float(selected + rest)}
 
 
