@@ -182,3 +182,55 @@ def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(progr
     copies[1, 2] = 0
     LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs)  # nothing listed
     assert slots[0][1].eq(0).all()
+
+
+def _trace(rng: np.random.Generator, tokens: int, ties: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    joint = np.stack([np.stack([_scores(rng, ties) for _ in range(L)]) for _ in range(tokens)])  # [T, L, 2E]
+    pregate = joint[:, :, E:].copy()
+    pregate[:, 0] = 0.0  # layer 0 has no pre-gate
+    return joint[:, :, :E].copy(), pregate, rng.integers(0, V, size=tokens)
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_replay_on_device_equals_replay(name, ties):
+    from psr_hf.engine.device_replay import replay_on_device
+    from psr_hf.policy import replay
+
+    rng = np.random.default_rng(hash((name, ties, "replay")) % 2**32)
+    calibration = _calibration(rng, with_prior=True)
+    z, g, tokens = _trace(rng, 7, ties)
+    want = replay(CONFIGS[name], z, g, tokens, calibration, top_k=K)
+    got = replay_on_device(CONFIGS[name], scores=z, pregate=g, tokens=tokens, top_k=K, calibration=calibration,
+                           device="cpu")
+    for field in ("selected", "prefetch_copies", "demand_copies", "replaced"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    assert want.prefetch_copies.sum() + want.demand_copies.sum() > 0  # the trace exercises the cache
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_replay_on_device_reproduces_a_recording_of_a_patched_model():
+    import psr_hf
+    from psr_hf.engine.device_replay import replay_on_device
+    from psr_hf.testing import tiny_model
+
+    model = tiny_model("olmoe", dtype=torch.float32)
+    config = RoutingConfig(policy="psr", residency=0.5, lam=0.3, budget=1)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    with psr_hf.patched(model, config):
+        with psr_hf.controller(model).record() as recorder:
+            model(ids)
+    recording = recorder.recordings[0]
+    got = replay_on_device(config, recording, device="cpu")
+    np.testing.assert_array_equal(got.selected, recording.selected)
+
+
+def test_replay_on_device_names_what_is_missing():
+    from psr_hf.engine.device_replay import replay_on_device
+
+    with pytest.raises(ValueError, match="Recording, or scores"):
+        replay_on_device(CONFIGS["psr_score"], scores=np.zeros((2, L, E), np.float32), device="cpu")
+    with pytest.raises(ValueError, match="tokens must have shape"):
+        replay_on_device(CONFIGS["psr_score"], scores=np.zeros((2, L, E), np.float32), tokens=[1], top_k=K,
+                         device="cpu")
