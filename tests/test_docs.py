@@ -154,6 +154,15 @@ def test_the_readme_opens_with_make_demo_and_make_test():
     assert any(line.startswith("make demo") for line in head) and any(line.startswith("make test") for line in head)
 
 
+def test_the_readme_says_how_to_enter_the_environment_before_its_first_command():
+    """`make demo` installs into .venv: without activating it, `psr-hf` and `python3 -c 'import psr_hf'` fail."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in BLOCKS if b.path == "README.md" and b.lang in RUNNABLE and b.marker != "skip"]
+    first = min(b.line for b in blocks)
+    before = "\n".join(text.splitlines()[: first - 1])
+    assert ". .venv/bin/activate" in before, "say how to enter .venv before the README's first command"
+
+
 def test_every_block_names_its_language_and_commands_are_runnable_blocks():
     unnamed = [b.where for b in BLOCKS if b.lang not in RUNNABLE | SHOWN]
     assert not unnamed, f"give these blocks a language (python, bash, text, yaml or json): {unnamed}"
