@@ -1,14 +1,17 @@
 # Two commands on a fresh machine: `make demo` and `make test` (both create .venv and install what is needed).
 #
-# torch: the CPU build (TORCH_SPEC) is installed into .venv unless a torch is already importable there, or in
-# the Python that creates .venv (then .venv sees it through --system-site-packages). A GPU user either runs
-# `make` from a Python that has their CUDA build of torch, or installs it into .venv first
-# (`python3 -m venv .venv && .venv/bin/pip install torch`), and make keeps it.
+# torch: TORCH_SPEC is installed into .venv with pip (TORCH_PIP_ARGS added, e.g. an --index-url) unless a torch
+# is already importable there, or in the Python that creates .venv (then .venv sees it through
+# --system-site-packages). Which build pip installs depends on its index: on Linux x86_64 the default index gives
+# the CUDA build (several GB); PyTorch's CPU wheel index, or a local wheel cache, gives the CPU build. make says
+# which one it got. A GPU user either runs `make` from a Python that has their CUDA build of torch, or installs
+# it into .venv first (`python3 -m venv .venv && .venv/bin/pip install torch`), and make keeps it.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 # eval: lm-eval and the statistics stack; `make test` runs the lm-eval integration tests too; train: peft
 EXTRAS ?= dev,eval,train
 STAMP := $(VENV)/.psr-hf-installed
@@ -43,9 +46,10 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "make: using the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else \
-		echo "make: installing $(TORCH_SPEC) (the CPU build) into $(VENV)"; \
-		$(PY) -m pip install --quiet "$(TORCH_SPEC)"; \
+		echo "make: installing $(TORCH_SPEC) into $(VENV) (the build pip's index gives: see docs/install.md)"; \
+		$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
 	fi
+	@$(PY) -c "import torch; print('make: torch', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(the CPU build)')"
 	@echo "make: installing psr_hf and its dependencies ($(EXTRAS)) into $(VENV): about 2 minutes, quietly"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	@echo "make: compiling the policy kernels into the numba cache (psr-hf warm-up, about 20 s)"

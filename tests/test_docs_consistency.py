@@ -158,3 +158,16 @@ def test_the_shipped_claims_check_catches_the_old_architecture_line():
     old = ("| 1 | `psr_hf/assets/` | the shipped trained models `tiny-moe`, `olmoe-routing` and `moonlight-routing` "
            "(weights, tokenizer, calibration, card), the held-out text |")
     assert [name for name, _ in _shipped_claims(old, ["moonlight-routing"])] == ["moonlight-routing"]
+
+
+def test_make_reports_the_torch_build_it_got_instead_of_promising_the_cpu_build():
+    """pip's default index gives the CUDA build of torch on Linux x86_64: make must not call what it installs the
+    CPU build; it prints the build torch reports."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    install = [line for line in makefile.splitlines() if "pip install" in line and "TORCH_SPEC" in line]
+    assert install and all("TORCH_PIP_ARGS" in line for line in install)
+    assert "(the CPU build) into" not in makefile
+    assert "torch.version.cuda" in makefile
+    for page in ("README.md", "docs/install.md"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert "Otherwise it installs the CPU build" not in text and "otherwise the CPU build" not in text, page
