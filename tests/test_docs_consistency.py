@@ -171,3 +171,10 @@ def test_make_reports_the_torch_build_it_got_instead_of_promising_the_cpu_build(
     for page in ("README.md", "docs/install.md"):
         text = (ROOT / page).read_text(encoding="utf-8")
         assert "Otherwise it installs the CPU build" not in text and "otherwise the CPU build" not in text, page
+
+
+def test_make_test_says_what_it_runs_how_long_it_takes_and_lists_the_slowest_tests():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
+    assert "minutes" in recipe and "CI" in recipe, "make test says how long it takes on the CI machine"
+    assert "--durations=" in recipe
