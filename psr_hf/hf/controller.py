@@ -471,8 +471,7 @@ class Controller:
                 raise
             self._close()
             if self._sequence_cache is None:  # a cache the forward created itself (either field name)
-                cache = getattr(output, "past_key_values", None)
-                self._remember_cache(getattr(output, "cache", None) if cache is None else cache)
+                self._remember_cache(inputs.output_cache(output))
             return output
 
     def run_generate(self, original: Callable, args: tuple, kwargs: dict) -> Any:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import Any
@@ -20,8 +21,22 @@ CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.23+ names o
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The name of ``model.forward``'s KV cache argument: ``cache`` from transformers 5.23 (``past_key_values``
-    warns there), ``past_key_values`` before (5.17 knows only that)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    is deprecated there), ``past_key_values`` before (5.17 knows only that)."""
+    return _forward_cache_keyword(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_cache_keyword(model_class: type) -> str:
+    # a signature per model class, not per forward: decode loops ask once a token
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a model output carries (None without one): its ``cache`` field where the output class has one
+    (transformers 5.23+, where reading ``past_key_values`` logs a deprecation warning), else ``past_key_values``."""
+    if "cache" in getattr(output, "__dataclass_fields__", ()):
+        return output.cache
+    return getattr(output, "past_key_values", None)
 
 
 class ForwardPass:
