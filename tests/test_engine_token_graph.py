@@ -167,3 +167,20 @@ def test_attach_generates_the_same_tokens_routed_on_the_device_as_on_the_host():
     torch.testing.assert_close(outputs[None][0], outputs[False][0], rtol=0, atol=0)
     for field in STAT_FIELDS:
         np.testing.assert_array_equal(getattr(outputs[None][1], field), getattr(outputs[False][1], field))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_copy_timing_changes_no_token_graph_output():
+    """One program per layer's copies (slow, late prefetches) or every SM: the same tokens, logits and copies."""
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(6))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        runs = [_greedy(model, TokenGraphDecoder(model, MAX_LEN, prefetch_programs=p, demand_programs=d), ids)
+                for p, d in ((1, 1), (8, None), (32, 4))]
+    for run in runs[1:]:
+        torch.testing.assert_close(run[0], runs[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(run[1], runs[0][1], rtol=0, atol=0)
+        assert run[2].offload.prefetch == runs[0][2].offload.prefetch
