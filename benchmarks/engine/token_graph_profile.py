@@ -61,6 +61,25 @@ def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
     return spent
 
 
+def _host_profile(decoder: TokenGraphDecoder, token: int, n: int, top: int) -> list[dict]:
+    """cProfile of ``n`` steps (each followed by a synchronize, outside the step): where the host's time goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        profiler.enable()
+        decoder.step(token)
+        profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own (total internal) time
+    return [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls_per_step": calls / n,
+             "own_us_per_step": own * 1e6 / n, "cumulative_us_per_step": cum * 1e6 / n}
+            for (path, line, name), (_, calls, own, cum, _) in rows]
+
+
 def _kernels(decoder: TokenGraphDecoder, token: int, n: int, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,7 +122,7 @@ def main() -> None:
     for row, (kw, offload) in cases.items():
         model = weight_sharing_copy(source)
         psr_hf.patch(model, psr_hf.RoutingConfig(**kw), calibration=calibration, offload=offload)
-        max_len = len(prompt) + args.steps * (args.rounds + 3) + 8
+        max_len = len(prompt) + args.steps * (args.rounds + 3) + 160
         decoder = TokenGraphDecoder(model, max_len)
         decoder.prefill(prompt, batched=False)
         token = prompt[-1]
@@ -113,10 +132,11 @@ def main() -> None:
             floors.append(_back_to_back(decoder, token, args.steps))
             hosts.extend(_host_us(decoder, token, 16))
         kernels = _kernels(decoder, token, 16, args.top)
+        host_profile = _host_profile(decoder, token, 64, args.top)
         floor = statistics.median(floors)
         out = {"gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
-               **kernels}
+               **kernels, "host_profile": host_profile}
         if offload is None:
             out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
             out["memory_bound_ms"] = None if peak is None else weights["total"] / (peak * 1e12) * 1e3
@@ -128,6 +148,10 @@ def main() -> None:
                  f"(bound {out['memory_bound_ms']} ms)"), flush=True)
         for k in kernels["top"]:
             print(f"   {k['us_per_token']:8.1f} us/token {k['per_token']:6.1f}/token  {k['kernel']}")
+        print("   host, by own time (cProfile, us per step: own / cumulative):")
+        for h in host_profile:
+            print(f"   {h['own_us_per_step']:8.1f} {h['cumulative_us_per_step']:8.1f}  x{h['calls_per_step']:.0f}  "
+                  f"{h['function']}")
         del decoder
         psr_hf.unpatch(model)
         del model
