@@ -35,6 +35,7 @@ from ..hf.installation import CONTROLLER_ATTRIBUTE
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .common import describe_model, device_sync, machine, paired_summary, rotated, summarize, versions
+from .generate_sizes import CUDA_SIZES
 from .runners import offload_config
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,12 @@ GENERATE_OVER_STEP_GOAL = 1.10  # generate()'s decode at most 10% over the engin
 @dataclass(frozen=True)
 class GenerateBenchConfig:
     """What ``psr-hf bench-generate`` measures: ``rounds`` interleaved rounds (at least 2) of a ``prompt_tokens``
-    prompt and ``new_tokens`` decoded tokens; the offloaded setups route with ``routing`` at ``residency``."""
+    prompt and ``new_tokens`` decoded tokens; the offloaded setups route with ``routing`` at ``residency``. The
+    sizes default to CUDA's (the command sizes them for its device: :mod:`.generate_sizes`)."""
 
-    prompt_tokens: int = 512
-    new_tokens: int = 64
-    rounds: int = 3
+    prompt_tokens: int = CUDA_SIZES.prompt_tokens
+    new_tokens: int = CUDA_SIZES.new_tokens
+    rounds: int = CUDA_SIZES.rounds
     residency: float = 0.5
     routing: str = "psr_lam0.3_n1"
     by_token: bool = True  # also time the token-by-token prefill of the engine setups (one per round)
@@ -194,7 +196,7 @@ def _forward_ms(model: Any, ids: torch.Tensor, sync: Callable[[], None]) -> floa
 
 
 def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: GenerateBenchConfig, pad: int,
-                   sync: Callable[[], None], progress: Callable[[str], None]) -> dict[str, Any]:
+                   sync: Callable[[], None], progress: Callable[[str], None], bar: Any) -> dict[str, Any]:
     from ..engine import attached
 
     state = attached(model)
@@ -215,6 +217,7 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
 
     tasks = ["ttft", "greedy", "sampling", "forward"] + (["step", "step_sampled", "by_token"]
                                                          if decoder is not None else [])
+    bar.set_description(name)
     for r in range(config.rounds):
         progress(f"{name}: round {r + 1}/{config.rounds}")
         ttft_ms, _ = _timed(sync, lambda: _generate(model, ids, 1, sample=False, seed=r, pad=pad))
@@ -242,6 +245,7 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
             elif task == "by_token" and config.by_token:
                 ms, _ = _timed(sync, lambda: decoder.prefill(prompt_list, batched=False))
                 runs["ttft_by_token"].append(ms)
+        bar.update()
     result: dict[str, Any] = {name: summarize(v) for name, v in runs.items() if v}
     if decoder is not None:
         result["generate_over_step"] = paired_summary(runs["decode"], runs["step"])
@@ -270,9 +274,12 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
 
 
 def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchConfig, *, calibration: Any = None,
-                       pad: int = 0, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+                       pad: int = 0, progress: Callable[[str], None] = lambda _: None,
+                       progress_bar: bool = False) -> dict[str, Any]:
     """Every setup of :data:`SETUPS` on ``model`` (loaded, unpatched; left unpatched) with ``prompt [1, S]``: one
-    record per setup (:func:`_measure_setup`: summaries over rounds, ratios, goals)."""
+    record per setup (:func:`_measure_setup`: summaries over rounds, ratios, goals). ``progress_bar``: a tqdm bar
+    (stderr) over the setups' rounds, with its estimate of the time left."""
+    from .._progress import tqdm
     from ..engine import attach, detach
 
     device = next(model.parameters()).device
@@ -282,9 +289,11 @@ def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchCo
     results: dict[str, Any] = {}
     wanted = set(config.setups)
 
+    bar = tqdm(total=len(wanted) * config.rounds, unit="round", desc="bench-generate", disable=not progress_bar)
+
     def measure(name: str) -> None:
         if name in wanted:
-            results[name] = _measure_setup(name, model, prompt, config, pad, sync, progress)
+            results[name] = _measure_setup(name, model, prompt, config, pad, sync, progress, bar)
 
     measure("transformers")
     try:
@@ -303,6 +312,7 @@ def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchCo
                 detach(model)
             measure("transformers_offloaded")
     finally:
+        bar.close()
         detach(model)
         if getattr(model, CONTROLLER_ATTRIBUTE, None) is not None:
             unpatch(model)
@@ -313,11 +323,12 @@ def run_generate_bench(model: Any, prompt: torch.Tensor, config: GenerateBenchCo
 
 
 def bench_generate(model: str, device: str | None, config: GenerateBenchConfig, *, calibration: str | None = None,
-                   calibration_tokens: int = 20000, texts: Any = (),
-                   progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+                   calibration_tokens: int = 20000, texts: Any = (), progress: Callable[[str], None] = lambda _: None,
+                   progress_bar: bool = False) -> dict[str, Any]:
     """``psr-hf bench-generate``: load ``model`` (:func:`psr_hf.assets.loading.load_model`), cut a
     ``prompt_tokens`` prompt from its held-out text (or ``texts``), calibrate as ``psr-hf bench`` does, and run
-    :func:`run_generate_bench`. The record names the model, the calibration, the machine and the versions."""
+    :func:`run_generate_bench` (``progress_bar``: its bar over the rounds). The record names the model, the
+    calibration, the machine and the versions."""
     from ..assets.loading import load_model
     from ..assets.texts import measured_texts, text_windows
     from ..eval.calibration import model_calibration
@@ -332,7 +343,8 @@ def bench_generate(model: str, device: str | None, config: GenerateBenchConfig, 
                                                 beside=beside, beside_name=description.get("calibration"),
                                                 progress=progress)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    record = run_generate_bench(net, prompt, config, calibration=calib, pad=int(pad), progress=progress)
+    record = run_generate_bench(net, prompt, config, calibration=calib, pad=int(pad), progress=progress,
+                                progress_bar=progress_bar)
     device_used = next(net.parameters()).device
     return {"benchmark": "generate", "model": description, "texts": names, "calibration": calibration_info,
             **record, "machine": machine(device_used), "versions": versions()}
