@@ -134,6 +134,21 @@ def test_a_typo_names_the_nearest_model_on_stderr(capsys, no_network):
     assert err.startswith("psr-hf excess-nll: error: no model 'tiny_moe'") and "did you mean tiny-moe?" in err
 
 
+@pytest.mark.parametrize("given", ["olmoe-1b-7b", "moonlight-16b-a3b", "Qwen3.6-35B-A3B"])
+def test_a_grow_targets_name_given_as_a_model_names_the_model_grown_to_it(given, capsys, no_network):
+    from psr_hf.assets.loading import GROWN, load_model, model_hidden_size
+
+    grown = next(name for name, (_, preset) in GROWN.items() if preset == given.lower())
+    message = f"model '{given}' is a grow target .* named {grown}: use that name"
+    with pytest.raises(ValueError, match=message):
+        model_hidden_size(given)
+    with pytest.raises(ValueError, match=message):
+        load_model(given, "cpu")
+    assert main(["bench", "--model", given, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"psr-hf bench: error: model '{given}' is a grow target") and "Traceback" not in err
+
+
 # ---------------------------------------------------------------------------------------------------- help
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
@@ -329,6 +344,34 @@ def test_demo_shows_progress_on_stderr_and_writes_its_plot(tmp_path, capsys):
     assert "generating: 100%" in captured.err and "excess NLL: 100%" in captured.err
     assert "generating" not in captured.out
     assert _is_png(plot)
+
+
+def test_bench_prints_its_header_only_once_the_benchmark_has_checked_its_arguments(capsys):
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--configs", "no_such_row"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no header above the error
+    assert "psr-hf bench: error: --configs: unknown no_such_row" in captured.err
+
+
+def test_warm_up_says_it_compiles_on_a_line_of_its_own_before_the_bar(monkeypatch, capsys):
+    from numba.core import event
+
+    import psr_hf.testing
+    from psr_hf._progress import tqdm
+
+    def compile_kernels(progress=False):  # the warm-up's bar, and numba's event while it compiles a kernel
+        bar = tqdm(total=2, unit="run", desc="warm-up", disable=not progress)
+        with event.trigger_event("numba:compile"):
+            bar.update()
+        bar.update()
+        bar.close()
+        return 2
+
+    monkeypatch.setattr(psr_hf.testing, "warm_up", compile_kernels)
+    assert main(["warm-up"]) == 0
+    first, rest = capsys.readouterr().err.split("\n", 1)
+    assert first.startswith("psr-hf warm-up: compiling the policy kernels into numba's cache")
+    assert "warm-up: 100%" in rest and "compil" not in rest
 
 
 def test_the_plot_refuses_no_rows_and_rows_of_something_else(tmp_path):

@@ -48,7 +48,19 @@ def model_hidden_size(model: str, built: Mapping[str, int] = BUILT_HIDDEN_SIZES)
     """The hidden size of the model ``model`` names, without loading it: ``built`` gives it for the names the
     caller builds itself; any other name goes through :func:`resolve_model`, which reads its config (so a typo or
     a model psr_hf cannot patch fails here, before anything loads)."""
-    return built[model] if model in built else resolve_model(model, also=tuple(built)).hidden_size
+    return built[model] if model in built else _resolve(model, tuple(built)).hidden_size
+
+
+def _resolve(model: str, also: tuple[str, ...]) -> ModelSource:
+    """:func:`resolve_model` for a name this module loads (``also``: the names the caller builds), refusing first
+    a grow preset's name (``olmoe-1b-7b``: the target ``psr-hf grow`` grows to, not a model) with the name of the
+    model grown to it, where the caller builds that one."""
+    grown = [name for name, (_, preset) in GROWN.items() if preset == str(model).strip().lower() and name in also]
+    if grown:
+        small, preset = GROWN[grown[0]]
+        raise ValueError(f"model {model!r} is a grow target (the dimensions psr-hf grow --target grows to), not a "
+                         f"model; the shipped {small} grown to it is named {grown[0]}: use that name")
+    return resolve_model(model, also=also)
 
 
 # ---------------------------------------------------------------------------------------------------- random models
@@ -157,7 +169,7 @@ def load_model(model: str, device: str, *, seed: int = 0) -> tuple[torch.nn.Modu
         return built, byte_tokenizer(), {
             "name": model, "weights": f"random, seed {seed} (build_random_model: routers at router_weight_std)",
             "tokenizer": "byte-level, 256 ids (psr_hf.testing.byte_tokenizer)"}
-    source = resolve_model(model, also=BUILT_MODELS)  # a clear error for a typo or a non-MoE model, before loading
+    source = _resolve(model, BUILT_MODELS)  # a clear error for a typo or a non-MoE model, before loading
     # the shipped models are small: float32 (their bf16 weights upcast), the precision a CPU runs best
     dtype = torch.float32 if source.kind in ("shipped", "built") else "auto"
     loaded, tokenizer = load_pretrained(source, target, dtype, experts_implementation="grouped_mm")

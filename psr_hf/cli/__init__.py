@@ -1,7 +1,9 @@
 """The ``psr-hf`` command (docs/cli.md), the one part of psr_hf that prints. Each command group is a module that
 registers its sub-commands (``register``) and runs them; the options they share are defined once in
-:mod:`.options`. :func:`main` parses, checks devices and output paths before any work, and prints an error in what
-was given as one line on stderr (exit status 2) without a traceback."""
+:mod:`.options`. :func:`main` parses, checks rounds, devices and output paths before any work, and prints an error
+in what was given as one line on stderr (exit status 2) without a traceback. Building the parser imports no torch
+(nor transformers, numba or numpy): ``--help``, ``--version`` and argument errors answer at once, and a command
+imports what it needs when it runs (tests/test_cli_startup.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from . import bench, demo, evaluation, excess_nll, free_generation, gates, models, prefetch, speculative, sweep
-from .options import check_device, check_outputs
+from .options import check_device, check_outputs, check_rounds
 
 DESCRIPTION = (
     "Cache-aware expert routing for transformers Mixture-of-Experts models: run the demo, measure how far a routing "
@@ -26,9 +28,22 @@ DESCRIPTION = (
 GROUPS = (demo, models, bench, free_generation, speculative, sweep, excess_nll, prefetch, gates, evaluation)
 
 
+def package_version() -> str:
+    """The installed distribution's version, or psr_hf's own where it runs from a checkout without one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("psr-hf")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="psr-hf", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(subparsers)
@@ -45,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_rounds(args)  # cheap, so first: check_device may import torch
         check_device(args)
         check_outputs(args)
         return int(args.func(args) or 0)

@@ -10,9 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from .._text import text_table
-from .console import compile_notice, progress_line, write_json
-from .options import (add_calibration, add_device, add_json, add_model, add_out, add_plot, add_rounds, add_seed,
-                      add_texts, add_threads, comma_floats, comma_ints, set_threads, set_threads_for_model)
+from .console import HeaderFirst, compile_notice, progress_line, write_json
+from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out, add_plot,
+                      add_rounds, add_seed, add_texts, add_threads, comma_floats, comma_ints, set_threads,
+                      set_threads_for_model)
+
+#: bench-generate's setups in their fixed order: psr_hf.bench.generate_latency.SETUPS, named here because that
+#: module imports torch and --help must not (tests/test_cli_startup.py keeps the two equal)
+GENERATE_SETUPS = ("transformers", "engine_resident", "engine_offloaded", "transformers_offloaded")
 
 
 def register(subparsers: Any) -> None:
@@ -49,7 +54,7 @@ def register(subparsers: Any) -> None:
     add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU: trained routing, real-size experts; the shipped "
                                              "models run in float32)")
     add_device(p, None)
-    add_rounds(p, 3, "interleaved rounds, at least 3")
+    add_latency_rounds(p)
     p.add_argument("--windows", type=int, default=2, help="text windows per round (default 2)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode positions per window (default 128)")
     p.add_argument("--capacities", default="0.5,0.25", help="residencies of the routed rows (default 0.5,0.25)")
@@ -96,14 +101,14 @@ def register(subparsers: Any) -> None:
                                                      "offloaded, beside the engine's own step")
     add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU; the shipped models run in float32)")
     add_device(p, None)
-    add_rounds(p, 3, "interleaved rounds, at least 2")
+    add_rounds(p, 3, minimum=2, why="an interval needs two")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, from held-out text (default 512)")
     p.add_argument("--new-tokens", type=int, default=64, help="timed decode tokens (default 64)")
     p.add_argument("--residency", type=float, default=0.5, help="residency of the offloaded setups (default 0.5)")
     p.add_argument("--routing", default="psr_lam0.3_n1", help="routing of the offloaded setups (default psr_lam0.3_n1)")
     p.add_argument("--no-by-token", action="store_true", help="skip timing the engine's token-by-token prefill")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile of one engine generate()")
-    p.add_argument("--setups", default=",".join(_generate_setups()),
+    p.add_argument("--setups", default=",".join(GENERATE_SETUPS),
                    help="comma-separated setups to time, in their fixed order (default: all: %(default)s)")
     add_calibration(p)
     add_texts(p, "text file to cut the prompt from (default: the model's held-out text)")
@@ -176,16 +181,17 @@ def bench(args: argparse.Namespace) -> int:
     if args.predictor and not budgets:
         raise ValueError("--predictor is used by the specprefetch_mM rows: give --prefetch-budgets too (e.g. 2,4,8)")
     set_threads_for_model(args)  # a typo fails here
-    print(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of {args.windows} window(s) "
-          f"x {args.tokens} tokens, {args.rounds} interleaved rounds")
+    progress = HeaderFirst(f"psr-hf bench: {args.model} on {args.device}, teacher-forced batch-1 decode of "
+                           f"{args.windows} window(s) x {args.tokens} tokens, {args.rounds} interleaved rounds")
     record = run_bench(
         model=args.model, device=args.device, rounds=args.rounds, windows=args.windows, tokens=args.tokens,
         capacities=capacities, configs=configs, max_in_flight=args.max_in_flight, copy_delay_ms=args.copy_delay_ms,
         accelerate_tokens=args.accelerate_tokens, accelerate=not args.no_accelerate, calibration=args.calibration,
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
         engine=args.engine, hf_configs=hf_configs, prefetch_budgets=budgets, predictor=args.predictor,
-        progress=progress_line, device_routing={"auto": None, "on": True, "off": False}[args.device_routing],
+        progress=progress, device_routing={"auto": None, "on": True, "off": False}[args.device_routing],
     )
+    progress.show()
     print(format_table(record))
     print("\n".join(report_lines(record)))
     if args.json:
@@ -193,12 +199,6 @@ def bench(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot(record, args.plot)}")
     return 0
-
-
-def _generate_setups() -> tuple[str, ...]:
-    from ..bench.generate_latency import SETUPS
-
-    return SETUPS
 
 
 def bench_generate(args: argparse.Namespace) -> int:

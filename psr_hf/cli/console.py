@@ -22,6 +22,24 @@ def progress_line(message: str) -> None:
     err("  " + message)
 
 
+class HeaderFirst:
+    """A benchmark's progress callback that prints the command's header (stdout) before the first progress line:
+    a benchmark checks its arguments before it reports anything, so an argument it refuses leaves no header above
+    the error. :meth:`show` prints the header where no progress line came."""
+
+    def __init__(self, header: str) -> None:
+        self.header: str | None = header
+
+    def __call__(self, message: str) -> None:
+        self.show()
+        progress_line(message)
+
+    def show(self) -> None:
+        if self.header is not None:
+            print(self.header, flush=True)  # flushed: the progress lines go to stderr
+            self.header = None
+
+
 def write_json(path: str, record: Any, **dumps: Any) -> None:
     """Write ``record`` to ``path`` (indented JSON; ``dumps`` go to ``json.dumps``) and say where."""
     Path(path).write_text(json.dumps(record, indent=2, **dumps))

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from .._text import text_table
-from .console import compile_notice
+from .console import compile_notice, err
 from .options import add_model, add_plot, add_threads, set_threads
 
 
@@ -81,8 +81,11 @@ def warm_up(args: argparse.Namespace) -> int:
     from ..testing import warm_up as compile_kernels
 
     torch.set_num_threads(1)
+    # said on its own line before the bar starts: a notice from numba's compile event would land inside the bar
+    # wherever stderr is not a terminal (make install's output, a log)
+    err("psr-hf warm-up: compiling the policy kernels into numba's cache (about 20 s on a 2-core machine; seconds "
+        "where they are cached already)")
     start = time.perf_counter()
-    with compile_notice():
-        runs = compile_kernels(progress=True)
+    runs = compile_kernels(progress=True)
     print(f"psr-hf warm-up: policy kernels compiled and cached ({runs} runs, {time.perf_counter() - start:.1f} s)")
     return 0

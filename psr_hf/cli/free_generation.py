@@ -8,8 +8,8 @@ import argparse
 from typing import Any
 
 from .console import compile_notice, progress_line, write_json
-from .options import (add_calibration, add_device, add_json, add_model, add_out, add_rounds, add_seed, add_threads,
-                      set_threads_for_model)
+from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out, add_seed,
+                      add_threads, set_threads_for_model)
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stop", choices=STOP_MODES, default=STOP_MODES[0],
                    help="eos (default): a continuation ends at the end-of-sequence token or after --max-new-tokens; "
                         "task: also at the task's stop sequences (lm-eval's until)")
-    add_rounds(p, 3, "interleaved rounds, at least 3")
+    add_latency_rounds(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed short warm-up rounds first (default 1)")
     p.add_argument("--max-in-flight", type=int, default=2, help="prefetch copies in flight at most (default 2)")
     p.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES,

@@ -7,11 +7,19 @@ import argparse
 import json
 from typing import Any
 
+from ..assets.grow_families import grow_family, grow_model_types
+from ..assets.grow_families.base import QWEN_FIELDS
 from .options import add_device, add_model, add_out, add_threads, set_threads
 
 CALIBRATE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 GROW_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                "float32": "float32", "fp32": "float32"}
+
+
+def grow_presets() -> list[str]:
+    """The name of every grow family's preset target, in listing order, read from the families themselves
+    (:data:`psr_hf.assets.grow.PRESETS` holds the same, but that module imports torch)."""
+    return [grow_family(model_type).preset.name for model_type in grow_model_types()]
 
 
 def register(subparsers: Any) -> None:
@@ -27,11 +35,12 @@ def register(subparsers: Any) -> None:
     add_threads(p)
     p.set_defaults(func=calibrate)
 
-    p = subparsers.add_parser("grow", help="grow a small trained MoE model to real-size dimensions (OLMoE-1B-7B, "
-                                           "Moonlight-16B-A3B) that compute exactly its function: same routing, "
-                                           "real-size experts for latency benchmarks")
+    presets = grow_presets()
+    what = ("grow a small trained MoE model to real-size dimensions that compute exactly its function: same routing, "
+            f"real-size experts for latency benchmarks; targets: {', '.join(presets)}")
+    p = subparsers.add_parser("grow", help=what, description=what + " (docs/models.md)")
     add_model(p, built=False, note="; a hub id must be in the local hub cache")
-    p.add_argument("--target", help="olmoe-1b-7b, moonlight-16b-a3b or qwen3.6-35b-a3b (default: the preset of the "
+    p.add_argument("--target", help=f"{', '.join(presets[:-1])} or {presets[-1]} (default: the preset of the "
                                     "model's family)")
     p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="replace one dimension of the target (repeatable), e.g. a reduced target of the same code "
@@ -39,7 +48,8 @@ def register(subparsers: Any) -> None:
                         "--override num_key_value_heads=8 --override head_dim=64 --override "
                         "expert_intermediate_size=96; fields: hidden_size, num_attention_heads, num_key_value_heads, "
                         "expert_intermediate_size, head_dim (OLMoE), dense_intermediate_size, kv_lora_rank, "
-                        "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (DeepSeek-V3)")
+                        "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (DeepSeek-V3), "
+                        f"{', '.join(QWEN_FIELDS)} (Qwen3.5/3.6)")
     add_out(p, "directory to write the grown model to (new or empty)", directory=True)
     p.add_argument("--dtype", default="bfloat16", choices=list(GROW_DTYPES),
                    help="dtype of the grown model's weights (default bfloat16)")

@@ -1,7 +1,8 @@
 """The options several commands share (``--model``, ``--device``, ``--threads``, the records and plots they write,
 seeds, calibrations, rounds), each defined once here, and what is done with them before a command runs: the
-device a left-out ``--device`` means, output paths checked before the work, the thread decision
-(docs/cli.md#threads: one torch thread for a small model on a CPU unless told), comma-separated lists."""
+rounds a benchmark needs, the device a left-out ``--device`` means, output paths checked before the work, the
+thread decision (docs/cli.md#threads: one torch thread for a small model on a CPU unless told), comma-separated
+lists."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ SMALL_MODELS = ("tiny", "tiny-moe", "olmoe-routing", "moonlight-routing", "qwen3
 THREADS_HELP = ("torch intra-op threads (and numba's); default: 1 for a small model on a CPU (hidden size <= "
                 f"{SMALL_HIDDEN}), torch's default otherwise, or OMP_NUM_THREADS where it is set")
 _OUTPUTS = ("out", "json", "plot", "markdown")  # every option that names a path the command writes
+#: the rounds a latency benchmark needs at least: psr_hf.bench.timing.MIN_ROUNDS, named here because that module
+#: imports torch (tests/test_cli_startup.py keeps the two equal)
+LATENCY_ROUNDS = 3
+LATENCY_ROUNDS_WHY = "latency ratios come from a paired t-test over rounds (the round is the unit)"
 
 
 def add_model(parser: argparse.ArgumentParser, default: str | None = None, *, built: bool = True, also: str = "",
@@ -68,8 +73,16 @@ def add_seed(parser: argparse.ArgumentParser, of: str = "the random models' weig
     parser.add_argument("--seed", type=int, default=0, help=f"seed of {of} (default 0)")
 
 
-def add_rounds(parser: argparse.ArgumentParser, default: int, what: str = "interleaved rounds") -> None:
-    parser.add_argument("--rounds", type=int, default=default, help=f"{what} (default {default})")
+def add_rounds(parser: argparse.ArgumentParser, default: int, what: str = "interleaved rounds", *, minimum: int = 1,
+               why: str = "") -> None:
+    """``--rounds``: at least ``minimum`` (``why``: the reason an error gives), checked by :func:`check_rounds`."""
+    parser.add_argument("--rounds", type=int, default=default, help=f"{what}, at least {minimum} (default {default})")
+    parser.set_defaults(rounds_minimum=(minimum, why))
+
+
+def add_latency_rounds(parser: argparse.ArgumentParser, what: str = "interleaved rounds") -> None:
+    """``--rounds`` of a latency benchmark: :data:`LATENCY_ROUNDS` by default and at least."""
+    add_rounds(parser, LATENCY_ROUNDS, what, minimum=LATENCY_ROUNDS, why=LATENCY_ROUNDS_WHY)
 
 
 def add_texts(parser: argparse.ArgumentParser, help: str, option: str = "--text") -> None:
@@ -103,6 +116,17 @@ def comma_ints(option: str, text: str) -> list[int]:
     if any(v != int(v) or v < 1 for v in values):
         raise ValueError(f"{option} {text}: expected comma-separated integers >= 1, e.g. 2,4,8")
     return [int(v) for v in values]
+
+
+def check_rounds(args: argparse.Namespace) -> None:
+    """``--rounds`` below the command's minimum refused before anything prints or loads (the benchmark would
+    refuse it too, but only after the command's header)."""
+    if getattr(args, "rounds", None) is None:
+        return  # a command without --rounds, or one that picks them itself
+    minimum, why = getattr(args, "rounds_minimum", (1, ""))
+    if args.rounds < minimum:
+        needed = f"at least {minimum} round{'s are' if minimum > 1 else ' is'} needed{f'; {why}' if why else ''}"
+        raise ValueError(f"rounds={args.rounds}: {needed}: give --rounds {minimum} or more")
 
 
 def check_device(args: argparse.Namespace) -> None:

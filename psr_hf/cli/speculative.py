@@ -7,12 +7,15 @@ import argparse
 from typing import Any
 
 from .console import compile_notice, progress_line, write_json
-from .options import add_device, add_json, add_model, add_rounds
+from .options import add_device, add_json, add_latency_rounds, add_model
+
+
+#: the AR rows beside the speculative ones: psr_hf.bench.speculative.DEFAULT_AR, named here because that module
+#: imports torch and --help must not (tests/test_cli_startup.py keeps the two equal)
+DEFAULT_AR = ("psr_lam0.25_n1_res37", "psr_lam0.3_n1_res37")
 
 
 def register(subparsers: Any) -> None:
-    from ..bench.speculative import DEFAULT_AR
-
     p = subparsers.add_parser("bench-speculative",
                               help="speculative decoding (exact verification, block selection with position or "
                                    "confidence weights) against AR PSR in the engine on HumanEval prompts: tau, "
@@ -38,7 +41,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stop", choices=("eos", "task"), default="eos",
                    help="eos (default): a continuation ends at the end-of-sequence token or after --max-new-tokens; "
                         "task: also at HumanEval's stop sequences")
-    add_rounds(p, 3, "interleaved rounds, at least 3")
+    add_latency_rounds(p)
     add_json(p)
     p.set_defaults(func=bench_speculative)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from .console import compile_notice, progress_line
-from .options import (add_calibration, add_device, add_json, add_model, add_plot, add_rounds, add_seed, add_threads,
-                      comma_floats, comma_ints, set_threads_for_model)
+from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_plot, add_seed,
+                      add_threads, comma_floats, comma_ints, set_threads_for_model)
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-published", action="store_true",
                    help="leave out Cache-Prior as published (top-J 1 and 2, running bonus scale)")
     p.add_argument("--configs", help="comma-separated grid names to keep (e.g. exact_lru,cp_lam0.2,psr_lam0.2_n1)")
-    add_rounds(p, 3, "interleaved latency rounds, at least 3")
+    add_latency_rounds(p, "interleaved latency rounds")
     p.add_argument("--windows", type=int, default=2, help="latency windows per round (default 2)")
     p.add_argument("--tokens", type=int, default=64, help="timed decode positions per window (default 64)")
     p.add_argument("--selfgen-windows", type=int, default=8, help="windows sampled from the exact model (default 8)")

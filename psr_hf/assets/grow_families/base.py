@@ -10,11 +10,12 @@ import abc
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import grow_family, grow_model_types
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: listing the presets needs none
+    import torch
 
 
 # ---------------------------------------------------------------------------------------------------- targets
@@ -173,38 +174,42 @@ class Filler:
         self.filled: set[int] = set()
         self.stream_scale = stream_scale
 
-    @torch.no_grad()
     def put(self, dst: torch.Tensor, src: torch.Tensor, maps: Sequence[Any], scale: Any = 1.0) -> None:
         """``dst`` = zeros with ``src * scale`` at the mapped positions. ``maps``: per axis None (the first
         ``src.shape[axis]`` positions), a tensor of destination positions (one per source position), or a pair
         ``(source positions, destination positions)`` (to repeat source entries). ``scale``: a number or a tensor
         broadcastable to ``src``. Computed in float32, cast to ``dst``'s dtype."""
-        if src.ndim != dst.ndim or len(maps) != src.ndim:
-            raise ValueError(f"grow: a {tuple(src.shape)} tensor cannot fill a {tuple(dst.shape)} one")
-        value = src.detach().to(device=dst.device, dtype=torch.float32)
-        if isinstance(scale, torch.Tensor):
-            value = value * scale.to(device=dst.device, dtype=torch.float32)
-        elif scale != 1.0:
-            value = value * float(scale)
-        index = []
-        for axis, m in enumerate(maps):
-            if isinstance(m, tuple):
-                value = value.index_select(axis, m[0].to(dst.device))
-                m = m[1]
-            n = value.shape[axis]
-            m = torch.arange(n) if m is None else m
-            if m.numel() != n or (n and int(m.max()) >= dst.shape[axis]):
-                raise ValueError(f"grow: axis {axis} of a {tuple(src.shape)} tensor does not map into "
-                                 f"{tuple(dst.shape)}")
-            shape = [1] * value.ndim
-            shape[axis] = n
-            index.append(m.to(device=dst.device, dtype=torch.long).view(shape))
-        dst.zero_()
-        dst[tuple(index)] = value.to(dst.dtype)
-        self.filled.add(id(dst))
+        import torch
+
+        with torch.no_grad():  # dst may be a parameter that requires grad
+            if src.ndim != dst.ndim or len(maps) != src.ndim:
+                raise ValueError(f"grow: a {tuple(src.shape)} tensor cannot fill a {tuple(dst.shape)} one")
+            value = src.detach().to(device=dst.device, dtype=torch.float32)
+            if isinstance(scale, torch.Tensor):
+                value = value * scale.to(device=dst.device, dtype=torch.float32)
+            elif scale != 1.0:
+                value = value * float(scale)
+            index = []
+            for axis, m in enumerate(maps):
+                if isinstance(m, tuple):
+                    value = value.index_select(axis, m[0].to(dst.device))
+                    m = m[1]
+                n = value.shape[axis]
+                m = torch.arange(n) if m is None else m
+                if m.numel() != n or (n and int(m.max()) >= dst.shape[axis]):
+                    raise ValueError(f"grow: axis {axis} of a {tuple(src.shape)} tensor does not map into "
+                                     f"{tuple(dst.shape)}")
+                shape = [1] * value.ndim
+                shape[axis] = n
+                index.append(m.to(device=dst.device, dtype=torch.long).view(shape))
+            dst.zero_()
+            dst[tuple(index)] = value.to(dst.dtype)
+            self.filled.add(id(dst))
 
     def linear(self, big: Any, small: Any, rows: Any, cols: Any, row_scale: Any = 1.0, col_scale: Any = 1.0) -> None:
         """A ``nn.Linear`` (weight ``[out, in]``, optional bias ``[out]``)."""
+        import torch
+
         rs = row_scale.reshape(-1, 1) if isinstance(row_scale, torch.Tensor) else row_scale
         cs = col_scale.reshape(1, -1) if isinstance(col_scale, torch.Tensor) else col_scale
         self.put(big.weight, small.weight, (rows, cols), rs * cs)
@@ -231,6 +236,8 @@ class Filler:
         give the small norm's output exactly (with ``r`` a power of 4 the scaling is exact in bfloat16 too).
         ``zero_centred``: a norm that multiplies by ``1 + weight`` (Qwen3.5/3.6's), whose real entries become
         ``(1 + w) scale / sqrt(r) - 1`` (exact in float32; rounded in bfloat16, where ``-1`` costs bits)."""
+        import torch
+
         eps_small = _epsilon(small)
         eps_big = _epsilon(big)
         if eps_small is None or eps_big is None or eps_small <= 0:
@@ -257,6 +264,8 @@ def _epsilon(norm: Any) -> float | None:
 def head_positions(heads: int, dim_small: int, dim_big: int, inner: torch.Tensor | None = None) -> torch.Tensor:
     """Destination positions of ``heads`` heads of ``dim_small`` entries each: small entry ``h * dim_small + i``
     goes to ``h * dim_big + inner[i]`` (``inner``: default the identity)."""
+    import torch
+
     inner = torch.arange(dim_small) if inner is None else inner
     return (torch.arange(heads).view(-1, 1) * dim_big + inner.view(1, -1)).reshape(-1)
 
@@ -265,6 +274,8 @@ def rope_map(small: int, big: int, interleaved: bool) -> torch.Tensor:
     """Where each of ``small`` rotary dimensions goes among ``big``: with ``rotate_half`` (dim ``i`` pairs with
     ``i + d/2``, frequency ``theta^(-2i/d)``) dim ``i`` goes to ``f i``, ``f = big / small`` (an integer), which
     keeps the pairs and the frequencies; DeepSeek's interleaved pairs ``(2j, 2j+1)`` map ``2j + e -> 2fj + e``."""
+    import torch
+
     f = big // small
     i = torch.arange(small)
     return 2 * f * (i // 2) + i % 2 if interleaved else f * i

@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import torch
-
 from . import register_grow
 from .base import QWEN_FIELDS, Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
 
@@ -56,6 +54,8 @@ class DeepseekV3Grow(GrowFamily, model_name="Moonlight-16B-A3B", rotary="rope", 
                              f"{small.heads}, which DeepSeek-V3's attention does not support")
 
     def attention(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, config: Any) -> None:
+        import torch
+
         rope = rope_map(s.rope, b.rope, bool(getattr(config, "rope_interleave", False)))
         qk_small, qk_big = s.nope + s.rope, b.nope + b.rope
         # query rows per head: nope dims keep their place, rope dims follow the rotary map; the attention scale

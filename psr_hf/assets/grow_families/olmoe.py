@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import torch
-
 from . import register_grow
 from .base import QWEN_FIELDS, Dims, Filler, GrowFamily, GrowTarget, head_positions, rope_map
 
@@ -54,6 +52,8 @@ class OlmoeGrow(GrowFamily, model_name="OLMoE-1B-7B", rotary="head_dim", listing
                              f"{small.hidden} (OLMoE's q_norm spans the hidden size)")
 
     def attention(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, config: Any) -> None:
+        import torch
+
         clip = getattr(config, "clip_qkv", None) is not None
         f = b.head_dim // s.head_dim
         inner = rope_map(s.head_dim, b.head_dim, interleaved=False)

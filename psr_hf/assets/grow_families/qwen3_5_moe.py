@@ -19,12 +19,13 @@ transformers' ``Qwen3_5MoeTextConfig`` defaults, which are Qwen3.6-35B-A3B's (an
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import register_grow
 from .base import Dims, Filler, GrowFamily, GrowTarget, head_positions
+
+if TYPE_CHECKING:
+    import torch
 
 _NOT_QWEN = ("dense_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
              "v_head_dim")
@@ -35,11 +36,15 @@ _REQUIRED = ("head_dim", "shared_expert_intermediate_size", "linear_num_key_head
 def _grouped(small_groups: int, big_groups: int, small_keys: int) -> torch.Tensor:
     """Which small key head each big key head holds: small key head ``j`` repeated ``small_groups / big_groups``
     times (a big group is a part of a small one), for the first ``small_keys * repeat`` big key heads."""
+    import torch
+
     return torch.repeat_interleave(torch.arange(small_keys), small_groups // big_groups)
 
 
 def _channels(heads: torch.Tensor, dim: int, big_dim: int | None = None) -> torch.Tensor:
     """Channel indices ``h * dim + i`` of the heads ``heads`` (``big_dim``: the stride, default ``dim``)."""
+    import torch
+
     stride = dim if big_dim is None else big_dim
     return (heads.view(-1, 1) * stride + torch.arange(dim).view(1, -1)).reshape(-1)
 
@@ -97,6 +102,8 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
     def attention(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, config: Any) -> None:
         """Gated attention: ``q_proj`` holds each head's query then its gate (``2 head_dim`` rows a head); small
         query head ``h`` is big head ``h``, each small key/value head is repeated ``g / g'`` times."""
+        import torch
+
         D = s.head_dim
         heads = torch.arange(s.heads)
         q_rows = _channels(heads, 2 * D, 2 * D)  # the query and the gate of each small head, at its big head
@@ -114,6 +121,8 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
         """One Gated DeltaNet layer. Its channels are ``[q (key heads) | k (key heads) | v (value heads)]``,
         through ``in_proj_qkv`` and the depthwise convolution alike; ``z``, ``b``, ``a``, ``A_log`` and
         ``dt_bias`` are per value head; small value head ``v`` is big value head ``v``."""
+        import torch
+
         Dk, Dv = s.linear_k_dim, s.linear_v_dim
         keys = _grouped(s.linear_v_heads // s.linear_k_heads, b.linear_v_heads // b.linear_k_heads,
                         s.linear_k_heads)  # the small key head of each of the first big key heads
