@@ -13,6 +13,7 @@ import torch
 import psr_hf
 import psr_hf.engine as engine
 from psr_hf.bench.generate_latency import SETUPS, GenerateBenchConfig, TokenClock
+from psr_hf.bench.generate_sizes import CPU_SIZES, CUDA_SIZES, GenerateSizes, sizes_for
 from psr_hf.cli import main
 from psr_hf.testing import tiny_model
 
@@ -95,3 +96,36 @@ def test_the_token_clock_notes_each_new_token_of_one_generate_call():
     psr_hf.unpatch(model)
     with pytest.raises(RuntimeError, match="needs at least 2"):
         TokenClock().decode_ms()
+
+
+def test_bench_generate_sizes_itself_for_the_device_it_runs_on():
+    assert sizes_for("cuda") == sizes_for("cuda:1") == CUDA_SIZES == GenerateSizes(512, 64, 3)
+    assert sizes_for("cpu") == CPU_SIZES == GenerateSizes(prompt_tokens=64, new_tokens=16, rounds=2)
+    assert sizes_for("cpu", new_tokens=5, rounds=4) == GenerateSizes(64, 5, 4)  # a size given stays as given
+    assert sizes_for("cuda:0", prompt_tokens=100) == GenerateSizes(100, 64, 3)
+    GenerateBenchConfig(rounds=CPU_SIZES.rounds)  # the fewest rounds the benchmark takes
+    assert GenerateBenchConfig().prompt_tokens == CUDA_SIZES.prompt_tokens  # the library's default: CUDA's
+
+
+def test_bench_generate_help_states_the_sizes_of_both_devices(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench-generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--prompt-tokens", "--new-tokens", "--rounds"):
+        assert option in text
+    for cuda, cpu in ((512, 64), (64, 16), (3, 2)):
+        assert f"default: {cuda} on CUDA, {cpu} on a CPU" in text
+
+
+def test_bench_generate_on_the_cpu_runs_the_cpu_sizes_under_one_overall_bar(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    # the command of the issue (tiny-moe, no sizes given: the CPU's), without the profiles
+    assert main(["bench-generate", "--model", "tiny-moe", "--threads", "1", "--no-profile", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(out.read_text())
+    assert record["machine"]["device_type"] == "cpu"  # a small model's device where --device is left out
+    config = record["config"]
+    assert GenerateSizes(config["prompt_tokens"], config["new_tokens"], config["rounds"]) == CPU_SIZES
+    assert "a 64-token prompt, 16 decoded tokens, 2 interleaved rounds" in captured.out
+    rounds = len(SETUPS) * CPU_SIZES.rounds
+    assert f"{rounds}/{rounds}" in captured.err  # the bar over every setup's rounds reached its end

@@ -1,7 +1,7 @@
 """The sizes ``psr-hf bench-generate`` runs at where its command line leaves them out, by the device it runs on. On
-CUDA they are the sizes its goals are stated at; on a CPU those take more than five minutes even with the small
-models, so there it times a short prompt, a few tokens and the fewest rounds an interval allows. Imports no torch,
-so that ``--help`` can state them."""
+CUDA they are the sizes its goals are stated at. A CPU runs the small models, for a first look that should take
+seconds (and the CUDA prompt and tokens together run past the shipped tiny-moe's 512 positions): a short prompt, a
+few tokens and the fewest rounds an interval allows. Imports no torch, so that ``--help`` can state them."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._text import text_table
+from ..bench.generate_sizes import sizes_for, sizes_help
 from .console import HeaderFirst, compile_notice, progress_line, write_json
 from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out, add_plot,
                       add_rounds, add_seed, add_texts, add_threads, comma_floats, comma_ints, set_threads,
@@ -101,9 +102,11 @@ def register(subparsers: Any) -> None:
                                                      "offloaded, beside the engine's own step")
     add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU; the shipped models run in float32)")
     add_device(p, None)
-    add_rounds(p, 3, minimum=2, why="an interval needs two")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, from held-out text (default 512)")
-    p.add_argument("--new-tokens", type=int, default=64, help="timed decode tokens (default 64)")
+    # the sizes' defaults depend on the device (generate_sizes): None here, decided when the command runs
+    add_rounds(p, None, minimum=2, why="an interval needs two", default_help=sizes_help("rounds"))
+    p.add_argument("--prompt-tokens", type=int,
+                   help=f"prompt length, from held-out text ({sizes_help('prompt_tokens')})")
+    p.add_argument("--new-tokens", type=int, help=f"timed decode tokens ({sizes_help('new_tokens')})")
     p.add_argument("--residency", type=float, default=0.5, help="residency of the offloaded setups (default 0.5)")
     p.add_argument("--routing", default="psr_lam0.3_n1", help="routing of the offloaded setups (default psr_lam0.3_n1)")
     p.add_argument("--no-by-token", action="store_true", help="skip timing the engine's token-by-token prefill")
@@ -204,14 +207,17 @@ def bench(args: argparse.Namespace) -> int:
 def bench_generate(args: argparse.Namespace) -> int:
     from ..bench.generate_latency import GENERATE_HEADER, GenerateBenchConfig, bench_generate as run, generate_rows
 
-    config = GenerateBenchConfig(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds,
+    sizes = sizes_for(args.device, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rounds=args.rounds)
+    config = GenerateBenchConfig(prompt_tokens=sizes.prompt_tokens, new_tokens=sizes.new_tokens, rounds=sizes.rounds,
                                  residency=args.residency, routing=args.routing, by_token=not args.no_by_token,
                                  profile=not args.no_profile, setups=tuple(args.setups.split(",")))
     set_threads_for_model(args)
-    print(f"psr-hf bench-generate: {args.model}, a {args.prompt_tokens}-token prompt, {args.new_tokens} decoded "
-          f"tokens, {args.rounds} interleaved rounds (medians; ratios paired by round, 95% intervals)")
+    print(f"psr-hf bench-generate: {args.model} on {args.device}, a {config.prompt_tokens}-token prompt, "
+          f"{config.new_tokens} decoded tokens, {config.rounds} interleaved rounds (medians; ratios paired by round, "
+          "95% intervals)")
     record = run(args.model, args.device, config, calibration=args.calibration,
-                 calibration_tokens=args.calibration_tokens, texts=args.text or (), progress=progress_line)
+                 calibration_tokens=args.calibration_tokens, texts=args.text or (), progress=progress_line,
+                 progress_bar=True)
     print(text_table(generate_rows(record), GENERATE_HEADER))
     for name, setup in record["setups"].items():
         for key, what in (("ttft_goal", "time to first token"), ("generate_goal", "generate/step (greedy)"),

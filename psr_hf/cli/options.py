@@ -73,10 +73,12 @@ def add_seed(parser: argparse.ArgumentParser, of: str = "the random models' weig
     parser.add_argument("--seed", type=int, default=0, help=f"seed of {of} (default 0)")
 
 
-def add_rounds(parser: argparse.ArgumentParser, default: int, what: str = "interleaved rounds", *, minimum: int = 1,
-               why: str = "") -> None:
-    """``--rounds``: at least ``minimum`` (``why``: the reason an error gives), checked by :func:`check_rounds`."""
-    parser.add_argument("--rounds", type=int, default=default, help=f"{what}, at least {minimum} (default {default})")
+def add_rounds(parser: argparse.ArgumentParser, default: int | None, what: str = "interleaved rounds", *,
+               minimum: int = 1, why: str = "", default_help: str | None = None) -> None:
+    """``--rounds``: at least ``minimum`` (``why``: the reason an error gives), checked by :func:`check_rounds`;
+    ``default_help``: what ``--help`` says of a default the command decides when it runs (``default`` None)."""
+    parser.add_argument("--rounds", type=int, default=default,
+                        help=f"{what}, at least {minimum} ({default_help or f'default {default}'})")
     parser.set_defaults(rounds_minimum=(minimum, why))
 
 
