@@ -35,13 +35,12 @@ from ..hf.installation import CONTROLLER_ATTRIBUTE
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .common import describe_model, device_sync, machine, paired_summary, rotated, summarize, versions
-from .generate_sizes import CUDA_SIZES
+from .generate_sizes import CUDA_SIZES, SETUPS
 from .runners import offload_config
 
 logger = logging.getLogger(__name__)
 
 #: the setups, in the order they run (the offloaded engine and the transformers offload path share one patch)
-SETUPS = ("transformers", "engine_resident", "engine_offloaded", "transformers_offloaded")
 GOALS_MS = {"engine_resident": 60.0, "engine_offloaded": 300.0}  # time to first token (the issue's goals)
 GENERATE_OVER_STEP_GOAL = 1.10  # generate()'s decode at most 10% over the engine's own step
 

@@ -17,6 +17,9 @@ class GenerateSizes:
     rounds: int
 
 
+#: the setups it times, in their fixed order
+SETUPS = ("transformers", "engine_resident", "engine_offloaded", "transformers_offloaded")
+
 CUDA_SIZES = GenerateSizes(prompt_tokens=512, new_tokens=64, rounds=3)
 CPU_SIZES = GenerateSizes(prompt_tokens=64, new_tokens=16, rounds=2)
 

@@ -10,15 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from .._text import text_table
-from ..bench.generate_sizes import sizes_for, sizes_help
+from ..bench.generate_sizes import SETUPS as GENERATE_SETUPS, sizes_for, sizes_help  # torch-free, for --help
 from .console import HeaderFirst, compile_notice, progress_line, write_json
 from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out, add_plot,
                       add_rounds, add_seed, add_texts, add_threads, comma_floats, comma_ints, set_threads,
                       set_threads_for_model)
-
-#: bench-generate's setups in their fixed order: psr_hf.bench.generate_latency.SETUPS, named here because that
-#: module imports torch and --help must not (tests/test_cli_startup.py keeps the two equal)
-GENERATE_SETUPS = ("transformers", "engine_resident", "engine_offloaded", "transformers_offloaded")
 
 
 def register(subparsers: Any) -> None:
