@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import psr_hf
-from psr_hf.hf.inputs import cache_keyword
+from psr_hf.hf.inputs import cache_keyword, output_cache
 from psr_hf import RoutingConfig, engine
 from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.testing import tiny_model
@@ -280,7 +280,7 @@ def test_a_returned_cache_passed_to_another_generate_is_refused_or_continued_exa
         ids = tokenizer("It was a truth", return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         try:
-            again = model.generate(out.sequences, **{cache_keyword(model): out.past_key_values}, max_new_tokens=3,
+            again = model.generate(out.sequences, **{cache_keyword(model): output_cache(out)}, max_new_tokens=3,
                                    do_sample=False)
         except RuntimeError as error:
             assert "cannot be passed to another generate" in str(error)

@@ -13,6 +13,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import psr_hf
+from psr_hf.hf.inputs import cache_keyword
 from psr_hf.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("quiet_psr_hf")
@@ -186,10 +187,10 @@ def test_a_forward_over_a_cropped_cache_is_refused_under_a_cache_aware_policy():
     ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(4))
     with psr_hf.patched(model, psr_hf.RoutingConfig(policy="psr", lam=0.3, residency=0.5)), torch.no_grad():
         cache = DynamicCache()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
         cache.crop(-3)  # three positions the routing state has seen are gone from the KV cache
         with pytest.raises(RuntimeError, match="cropped"):
-            model(input_ids=ids[:, 7:8], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, 7:8], use_cache=True, **{cache_keyword(model): cache})
 
 
 def _compile_config():

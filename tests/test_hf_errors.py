@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, OlmoeForCausalLM
 
 import psr_hf
-from psr_hf.hf.inputs import cache_keyword
+from psr_hf.hf.inputs import cache_keyword, output_cache
 from psr_hf import RoutingConfig
 from psr_hf.hf.installation import Installation
 from psr_hf.testing import FAMILIES, tiny_config, tiny_model
@@ -178,7 +178,7 @@ def test_an_attention_mask_it_cannot_read_raises(model):
 def test_a_batch_size_change_while_continuing_a_sequence_raises(model):
     psr_hf.patch(model, CONFIG)
     with torch.no_grad():
-        past = model(input_ids=IDS, use_cache=True).past_key_values
+        past = output_cache(model(input_ids=IDS, use_cache=True))
         with pytest.raises(RuntimeError, match="a batch of 2 rows continues a cached sequence of 1 rows"):
             model(input_ids=torch.tensor([[5], [6]]), **{cache_keyword(model): past})
 

@@ -14,7 +14,7 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig
-from psr_hf.hf.inputs import cache_keyword
+from psr_hf.hf.inputs import cache_keyword, output_cache
 from psr_hf.testing import FAMILIES, tiny_model
 from test_offload import _ids
 from test_offload_faults import NEW, OFFLOAD, POLICIES, _assert_slots_consistent, _fresh, _generate
@@ -91,7 +91,7 @@ def test_continuing_the_interrupted_sequence_raises_and_a_new_one_works():
     ctl = psr_hf.controller(model)
     ids = _ids(4, 1, 6)
     with torch.no_grad():
-        past = model(input_ids=ids, use_cache=True).past_key_values
+        past = output_cache(model(input_ids=ids, use_cache=True))
         stop = _Stop(ctl.layers[1].block, KeyboardInterrupt, at_forward=0, before=False)
         with pytest.raises(KeyboardInterrupt):
             model(input_ids=torch.tensor([[7]]), **{cache_keyword(model): past})
@@ -117,9 +117,9 @@ def test_continuing_a_kv_cache_after_another_prompts_forward_raises(longer):
     _step(model, _ids(5, 1, 9 if longer else 3), None)  # another prompt: a new routing sequence
     token = first.logits[:, -1:].argmax(-1)
     with pytest.raises(RuntimeError, match=r"KV cache of 6 positions.*belongs to .*reset\(\)"):
-        _step(model, token, first.past_key_values)
+        _step(model, token, output_cache(first))
     psr_hf.controller(model).reset()  # what the message says: continue this cache with fresh routing state
-    assert _step(model, token, first.past_key_values).logits.shape[1] == 1
+    assert _step(model, token, output_cache(first)).logits.shape[1] == 1
 
 
 def test_continuing_the_same_cache_and_generate_with_it_still_work():
@@ -127,11 +127,11 @@ def test_continuing_the_same_cache_and_generate_with_it_still_work():
     psr_hf.patch(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5))
     out = _step(model, _ids(6, 1, 5), None)
     for _ in range(3):
-        out = _step(model, out.logits[:, -1:].argmax(-1), out.past_key_values)
+        out = _step(model, out.logits[:, -1:].argmax(-1), output_cache(out))
     ids = _ids(7, 1, 4)
     with torch.no_grad():
         first = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        more = model.generate(first.sequences, **{cache_keyword(model): first.past_key_values}, max_new_tokens=3,
+        more = model.generate(first.sequences, **{cache_keyword(model): output_cache(first)}, max_new_tokens=3,
                               do_sample=False, pad_token_id=0)
     assert more.shape[1] == first.sequences.shape[1] + 3
 

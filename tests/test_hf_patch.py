@@ -7,16 +7,15 @@ execution weights are the model's own router weights for the executed experts.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import psr_hf
 from psr_hf import RoutingConfig
+from psr_hf.hf.inputs import cache_keyword, output_cache
 from psr_hf.testing import FAMILIES, tiny_model
 from psr_hf.patches import get_patch
 from psr_hf.policy.calibration import Calibration, CalibrationBuilder
@@ -26,10 +25,6 @@ NEW = 6  # tokens generated per call
 RESIDENCY = 0.5  # 8 of 16 experts per layer
 
 
-
-# generate()'s name for a cache to continue: `cache` from transformers 5.2x, `past_key_values` before (5.17)
-_CACHE_KWARG = ("cache" if "cache" in inspect.signature(transformers.OlmoeForCausalLM.forward).parameters
-                else "past_key_values")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
@@ -514,7 +509,7 @@ def test_a_generate_call_continuing_a_cached_sequence_routes_its_whole_prompt(mo
             history = torch.cat([first.sequences, turn], dim=1)  # [2, 8 + new + 3]
             mask = torch.ones_like(history)
             mask[0, 8 + j : 8 + new] = 0  # row 0's eos and padding from the first call
-            second = model.generate(history, attention_mask=mask, **{_CACHE_KWARG: first.past_key_values},
+            second = model.generate(history, attention_mask=mask, **{cache_keyword(model): output_cache(first)},
                                     max_new_tokens=3, **options)
         tokens = ctl.stats().tokens.tolist()
         # row 1 never finished: its whole history as one prompt must decide as the two calls did

@@ -11,7 +11,7 @@ import torch
 
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
-from psr_hf.hf.inputs import cache_keyword
+from psr_hf.hf.inputs import cache_keyword, output_cache
 from psr_hf.offload.scheduler import SlotScheduler, ThreadLink
 from psr_hf.testing import tiny_model
 from test_offload import _ids
@@ -214,12 +214,12 @@ def test_weights_changed_in_the_middle_of_a_sequence_are_used_from_the_next_step
         steps = []
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            past, token = output_cache(out), out.logits[:, -1:].argmax(-1)
             for step in range(6):
                 if step == 2:
                     _scale_first_layer(model)
                 out = model(input_ids=token, use_cache=True, **{cache_keyword(model): past})
-                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                past, token = output_cache(out), out.logits[:, -1:].argmax(-1)
                 steps.append(out.logits)
         outputs.append(torch.cat(steps))
         psr_hf.unpatch(model)
