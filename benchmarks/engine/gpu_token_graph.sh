@@ -16,7 +16,7 @@ PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-150}" python3 benchmarks/engine/token_g
 PYTHONUNBUFFERED=1 timeout "${RECORD_S:-120}" python3 benchmarks/engine/device_decisions_record.py \
     --model grown-olmoe-routing --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
     | tee "$OUT/device_decisions_record.txt" | tail -16
-LEFT=$((570 - (SECONDS - START)))
+LEFT=$((${TOTAL_S:-570} - (SECONDS - START)))
 echo "bench gets $LEFT s"
 PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing \
     --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --json "$OUT/token_graph_vs_host.json" 2>&1 \
