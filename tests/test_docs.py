@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,9 +260,28 @@ def _run_section(key: tuple[str, str], folder: Path) -> dict:
     return _namespaces[key]
 
 
+#: seconds a page states for a section's commands, measured on the quiet 2-core CI machine; the test allows ten times
+#: as much (a generous bound: a busy machine was seen 7x slower), so a statement that drifts far from the truth fails
+STATED_SECONDS = {
+    ("README.md", "Quickstart"): 5.5,
+    ("docs/lm-eval.md", "Two policies, one paired comparison (runs offline on the shipped model)"): 36,
+}
+
+
 @pytest.mark.parametrize("key", SECTIONS, ids=[f"{p}::{s}" for p, s in SECTIONS])
 def test_the_docs_blocks_run(key, tmp_path, one_torch_thread):
+    start = time.perf_counter()
     _run_section(key, tmp_path)
+    if key in STATED_SECONDS:
+        spent = time.perf_counter() - start
+        assert spent < 10 * STATED_SECONDS[key], f"{key} took {spent:.0f} s; the page states {STATED_SECONDS[key]} s"
+
+
+def test_the_stated_times_are_on_their_pages():
+    for (page, section), seconds in STATED_SECONDS.items():
+        assert (page, section) in SECTIONS, (page, section)
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert f"{seconds:g} s" in text, f"{page} should state {seconds:g} s, as measured"
 
 
 def _continuation(row: torch.Tensor, prompt_len: int, pad: int) -> list[int]:

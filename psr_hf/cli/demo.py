@@ -83,8 +83,8 @@ def warm_up(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     # said on its own line before the bar starts: a notice from numba's compile event would land inside the bar
     # wherever stderr is not a terminal (make install's output, a log)
-    err("psr-hf warm-up: compiling the policy kernels into numba's cache (about 20 s on a 2-core machine; seconds "
-        "where they are cached already)")
+    err("psr-hf warm-up: compiling the policy kernels into numba's cache (18 s on the quiet 2-core CI "
+        "machine, longer on a busy one; seconds where they are cached already)")
     start = time.perf_counter()
     runs = compile_kernels(progress=True)
     print(f"psr-hf warm-up: policy kernels compiled and cached ({runs} runs, {time.perf_counter() - start:.1f} s)")
