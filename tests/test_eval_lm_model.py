@@ -624,3 +624,15 @@ def test_the_wheel_ships_the_startup_hook(tmp_path):
         assert "psr_hf_lm_eval.pth," in archive.read(record).decode()  # so pip uninstall removes it
     assert {"_psr_hf_lm_eval.py", "psr_hf/eval/lm_model.py"} <= names
     assert not any(name.startswith("startup/") for name in names)
+
+
+@pytest.mark.parametrize("build", ["arg_obj", "arg_string"])
+def test_a_bad_model_argument_is_logged_as_one_line_before_lm_evals_traceback(lm_eval_api, build, caplog):
+    _, _, PSRLM = lm_eval_api
+    with caplog.at_level(logging.ERROR, logger="lm_eval.models.psr_hf"), pytest.raises(ValueError, match="tiny-moe"):
+        if build == "arg_obj":
+            PSRLM.create_from_arg_obj({"pretrained": "tiny-mo", "residency": 0.5})
+        else:
+            PSRLM.create_from_arg_string("pretrained=tiny-mo,residency=0.5")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "no model 'tiny-mo'" in errors[0] and "\n" not in errors[0]

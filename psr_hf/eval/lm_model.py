@@ -356,6 +356,25 @@ class PSRLM(HFLM):
     ``speculative=``, else None) and ``drafter`` (its model); :meth:`routing_stats` gives the statistics so far.
     """
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "PSRLM":
+        """lm-eval's constructor; a bad argument's ``ValueError`` is also logged as one line, so that the message
+        comes before the traceback lm-eval's command line prints."""
+        try:
+            return super().create_from_arg_obj(arg_dict, additional_config)
+        except ValueError as error:
+            logger.error("psr_hf model: %s", error)
+            raise
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PSRLM":
+        """As :meth:`create_from_arg_obj`, from ``--model_args``' string."""
+        try:
+            return super().create_from_arg_string(arg_string, additional_config)
+        except ValueError as error:
+            logger.error("psr_hf model: %s", error)
+            raise
+
     def __init__(self, pretrained: Any, calibration: str | None = None, config: str | None = None,
                  offload: str | bool | None = None, max_in_flight: int | None = None, predictor: str | None = None,
                  gate: str | None = None, distilled: str | None = None, engine: bool = False,
