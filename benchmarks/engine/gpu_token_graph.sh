@@ -14,10 +14,11 @@ PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-150}" python3 benchmarks/engine/token_g
     --model grown-olmoe-routing --json "$OUT/token_graph_profile.json" 2>&1 | grep -v "Loading weights" \
     | tee "$OUT/token_graph_profile.txt" | tail -45
 PYTHONUNBUFFERED=1 timeout "${RECORD_S:-120}" python3 benchmarks/engine/device_decisions_record.py \
-    --model grown-olmoe-routing --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
+    --model grown-olmoe-routing --windows "${WINDOWS:-2}" --tokens "${RECORD_TOKENS:-128}" \
+    --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
     | tee "$OUT/device_decisions_record.txt" | tail -16
 LEFT=$((${TOTAL_S:-570} - (SECONDS - START)))
 echo "bench gets $LEFT s"
 PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing \
-    --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --json "$OUT/token_graph_vs_host.json" 2>&1 \
+    --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --residency ${RESIDENCY:-0.5 0.25} --json "$OUT/token_graph_vs_host.json" 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/token_graph_vs_host.txt" | tail -40
