@@ -23,9 +23,9 @@ demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
 
 test: $(STAMP)
-	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU); about 25 minutes on the 2-core CI"
-	@echo "machine (the last CI run: 28 minutes with the install). Each test file prints its name, then a dot per"
-	@echo "test; the 20 slowest tests are listed at the end."
+	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU); on the 2-core CI machine 13 minutes"
+	@echo "when quiet with its caches warm, 28 minutes in the last CI run from a clean clone (install included)."
+	@echo "Each test file prints its name, then a dot per test; the 20 slowest tests are listed at the end."
 	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
 install: $(STAMP)
