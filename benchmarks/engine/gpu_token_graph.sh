@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The token graph's GPU run, as one device command: its cuda tests (device decisions compiled vs numba, the token
 # graph vs the host-routed GraphDecoder on tiny models), benchmarks/engine/token_graph_profile.py (the GPU's time per
-# token, host time per step, kernels) and benchmarks/engine/token_graph_vs_host.py on grown-olmoe-routing (bitwise
-# tokens/logits, statistics, ms/token in interleaved rounds), and benchmarks/engine/device_decisions_record.py
-# (device vs numba decisions on teacher-forced windows of every policy). Records under $OUT.
+# token, host time per step, kernels), benchmarks/engine/token_graph_vs_host.py on grown-olmoe-routing (bitwise
+# tokens/logits, statistics, ms/token in interleaved rounds) and benchmarks/engine/device_decisions_record.py
+# (device vs numba decisions on teacher-forced windows of every policy), each within its time. Records under $OUT.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -13,12 +13,12 @@ tail -25 "$OUT/token_graph_cuda_tests.txt"
 PYTHONUNBUFFERED=1 timeout "${PROFILE_S:-150}" python3 benchmarks/engine/token_graph_profile.py \
     --model grown-olmoe-routing --json "$OUT/token_graph_profile.json" 2>&1 | grep -v "Loading weights" \
     | tee "$OUT/token_graph_profile.txt" | tail -45
-PYTHONUNBUFFERED=1 timeout "${RECORD_S:-120}" python3 benchmarks/engine/device_decisions_record.py \
+PYTHONUNBUFFERED=1 timeout "${VS_HOST_S:-200}" python3 benchmarks/engine/token_graph_vs_host.py \
+    --model grown-olmoe-routing --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --residency ${RESIDENCY:-0.5 0.25} \
+    --json "$OUT/token_graph_vs_host.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/token_graph_vs_host.txt" | tail -40
+LEFT=$((${TOTAL_S:-570} - (SECONDS - START)))
+echo "the decisions record gets $LEFT s"
+PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/device_decisions_record.py \
     --model grown-olmoe-routing --windows "${WINDOWS:-2}" --tokens "${RECORD_TOKENS:-128}" \
     --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
     | tee "$OUT/device_decisions_record.txt" | tail -16
-LEFT=$((${TOTAL_S:-570} - (SECONDS - START)))
-echo "bench gets $LEFT s"
-PYTHONUNBUFFERED=1 timeout "$LEFT" python3 benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing \
-    --tokens "${TOKENS:-64}" --rounds "${ROUNDS:-5}" --residency ${RESIDENCY:-0.5 0.25} --json "$OUT/token_graph_vs_host.json" 2>&1 \
-    | grep -v "Loading weights" | tee "$OUT/token_graph_vs_host.txt" | tail -40
