@@ -49,7 +49,9 @@ def _run(model, ids, decoder_class, batched):
     S = ids.shape[1]
     with ctl.record() as recorder:
         first = decoder.prefill(ids, batched=batched).float().clone()
-        kv = [k[:S].clone() for k in decoder.layers.kv.keys]
+        kv = [k[:S].clone() for k in decoder.layers.kv.keys if k is not None]
+        kv += [t.clone() for t in getattr(decoder.layers.kv, "conv", []) + getattr(decoder.layers.kv, "recurrent", [])
+               if t is not None]  # a hybrid model's Gated DeltaNet states after the prompt
         sequences, logits = decoder.generate_greedy(ids, NEW, return_logits=True, batched=batched)
     return first, sequences, logits, recorder.recordings, ctl.stats(), kv
 
@@ -60,7 +62,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "shipped"])
 def test_batched_prefill_makes_the_token_by_token_decisions(engine_case, name, config, offloaded):
     model, ids, calibration = _long_prompt(engine_case, name)
     offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None
@@ -83,7 +85,7 @@ def test_batched_prefill_makes_the_token_by_token_decisions(engine_case, name, c
         np.testing.assert_array_equal(getattr(st1, field), getattr(st0, field), err_msg=field)
 
 
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_graph_decoder_batched_prefill_equals_its_token_by_token_prefill(engine_case, name):
     model, ids, calibration = _long_prompt(engine_case, name)
     with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"]), calibration=calibration):
@@ -202,9 +204,10 @@ def test_a_family_without_prompt_kv_prefills_token_by_token(engine_case, monkeyp
     with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"])):
         batched = Decoder(model, MAX_LEN).prefill(ids).clone()
         monkeypatch.setattr(OlmoeLayers, "_prompt_kv", DecodeLayers._prompt_kv)
+        monkeypatch.setattr(OlmoeLayers, "_transformers_kv", DecodeLayers._transformers_kv)
         decoder = Decoder(model, MAX_LEN)
         assert not decoder.layers.batched_prefill
         by_token = decoder.prefill(ids)
-        with pytest.raises(ValueError, match="define no _prompt_kv"):
+        with pytest.raises(ValueError, match="define neither _prompt_kv nor _transformers_kv"):
             decoder.prefill(ids, batched=True)
     assert _rel(by_token.float(), batched.float()) < LOGITS_TOL

@@ -113,8 +113,8 @@ class DecoderBase(abc.ABC):
         if batched is None:
             batched = len(ids) > 1 and self.layers.batched_prefill
         elif batched and not self.layers.batched_prefill:
-            raise ValueError(f"prefill(batched=True): the {self.layers.model_type} engine layers define no "
-                             "_prompt_kv (the KV rows of a prompt block); use batched=False")
+            raise ValueError(f"prefill(batched=True): the {self.layers.model_type} engine layers define neither "
+                             "_prompt_kv nor _transformers_kv (the KV rows of a prompt block); use batched=False")
         self.reset()
         if not batched:
             logits = None

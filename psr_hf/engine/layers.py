@@ -353,9 +353,9 @@ class DecodeLayers(abc.ABC):
 
     @property
     def batched_prefill(self) -> bool:
-        """Whether this family writes the KV rows of a prompt block (:meth:`_prompt_kv`), so that a prompt can
-        run as one block (:mod:`psr_hf.engine.prefill`)."""
-        return type(self)._prompt_kv is not DecodeLayers._prompt_kv
+        """Whether this family writes the KV rows of a prompt block (:meth:`_prompt_kv`, or from transformers'
+        cache: :attr:`kv_from_transformers`), so that a prompt can run as one block (:mod:`psr_hf.engine.prefill`)."""
+        return type(self)._prompt_kv is not DecodeLayers._prompt_kv or self.kv_from_transformers
 
     @torch.no_grad()
     def write_prompt_kv(self, layer: int, x: torch.Tensor, start: int) -> None:
@@ -391,6 +391,13 @@ class DecodeLayers(abc.ABC):
             raise ValueError(f"write_transformers_kv: keys must be [1, heads, S, dim] with start + S <= max_len "
                              f"{self.max_len}; got {tuple(keys.shape)} at start {start}")
         self._write_rows(layer, *self._transformers_kv(layer, keys, values), start)
+
+    @torch.no_grad()
+    def write_transformers_layer(self, layer: int, cache_layer: Any, start: int) -> None:
+        """Write what transformers' cache layer ``cache_layer`` (of decoder layer ``layer``) holds after a prompt
+        block from ``start``: its keys and values (:meth:`write_transformers_kv`); a family with other state per
+        layer (the hybrid families' recurrent states) overrides it."""
+        self.write_transformers_kv(layer, cache_layer.keys, cache_layer.values, start)
 
     def _write_rows(self, layer: int, keys: torch.Tensor, values: torch.Tensor | None, start: int) -> None:
         S = int(keys.shape[0])

@@ -49,7 +49,8 @@ def prefill_block(layers: Any, model: torch.nn.Module, tokens: list[int], out_lo
     ``out_logits [1, V]``. The caller checked that ``S <= max_len``.
 
     Where the engine's cache holds what transformers' attention caches (``layers.kv_from_transformers``), the
-    forward fills a transformers cache whose tensors are copied over (two copies per layer); otherwise a pre-hook
+    forward fills a transformers cache whose tensors are copied over (two copies per layer: keys and values, or a
+    Gated DeltaNet layer's convolution and recurrent states); otherwise a pre-hook
     on each attention layer computes the rows from the layer's input (``layers.write_prompt_kv``)."""
     ids = torch.tensor([tokens], dtype=torch.int64, device=layers.device)
     forward = patched_forward(model)
@@ -58,14 +59,14 @@ def prefill_block(layers: Any, model: torch.nn.Module, tokens: list[int], out_lo
 
         from psr_hf.hf.inputs import cache_keyword
 
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)  # the config's layer types: a hybrid model's linear layers
         output = forward(input_ids=ids, use_cache=True, logits_to_keep=1, return_dict=True,
                          **{cache_keyword(model): cache})
         if len(cache.layers) != layers.num_layers:
             raise RuntimeError(f"psr_hf.engine prefill: transformers' cache holds {len(cache.layers)} layers, the "
                                f"engine {layers.num_layers}")
         for index, layer in enumerate(cache.layers):
-            layers.write_transformers_kv(index, layer.keys, layer.values, 0)
+            layers.write_transformers_layer(index, layer, 0)
     else:
         output = _forward_writing_kv(layers, forward, ids)
     logits = output.logits

@@ -11,12 +11,15 @@ State layout, all static and written in place (no allocation, no host synchronis
   (model dtype), and ``recurrent`` ``[num_value_heads, key_head_dim, value_head_dim]`` float32, as transformers
   keeps them. Both are cleared at a sequence's first position (:meth:`Qwen35MoeLayers.begin_sequence`).
 
-The prompt runs token by token (no batched prefill: the family defines no ``_prompt_kv``).
+A prompt runs as one block through the model's own forward (:mod:`psr_hf.engine.prefill`): transformers' cache
+holds the same tensors after it (the keys after the k-norm and RoPE, the values, the last ``kernel`` convolution
+inputs and the final recurrent state), and they are copied into this state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +160,24 @@ class Qwen35MoeLayers(DecodeLayers):
 
     def begin_sequence(self) -> None:
         self.kv.clear_recurrent()
+
+    def _transformers_kv(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        # a full-attention layer caches the keys after the k-norm and the partial RoPE, [1, nKV, S, D]
+        return keys[0].transpose(0, 1), values[0].transpose(0, 1)
+
+    @torch.no_grad()
+    def write_transformers_layer(self, layer: int, cache_layer: Any, start: int) -> None:
+        if self.layer_types[layer] == FULL:
+            super().write_transformers_layer(layer, cache_layer, start)
+            return
+        if start != 0:
+            raise ValueError("a Gated DeltaNet layer's state is written after a prompt from position 0 only")
+        conv, recurrent = cache_layer.conv_states[0], cache_layer.recurrent_states[0]  # [1, conv_dim, kernel], [1, Hv, Dk, Dv]
+        if conv is None or recurrent is None:
+            raise RuntimeError(f"psr_hf.engine prefill: transformers' cache holds no Gated DeltaNet state for layer "
+                               f"{layer} after the prompt")
+        self.kv.conv[layer].copy_(conv[0])
+        self.kv.recurrent[layer].copy_(recurrent[0])
 
 
 @dataclass(frozen=True)
