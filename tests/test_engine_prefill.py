@@ -211,3 +211,25 @@ def test_a_family_without_prompt_kv_prefills_token_by_token(engine_case, monkeyp
         with pytest.raises(ValueError, match="define neither _prompt_kv nor _transformers_kv"):
             decoder.prefill(ids, batched=True)
     assert _rel(by_token.float(), batched.float()) < LOGITS_TOL
+
+
+def test_the_composite_qwen3_5_moe_prefills_as_one_block_and_generates_the_transformers_paths_tokens():
+    """Qwen3.5/3.6-MoE's image-text class: the batched prefill hands transformers' Gated DeltaNet states to the
+    engine (not token by token), and the engine's greedy tokens are the transformers path's."""
+    from psr_hf.testing import tiny_model
+
+    model = tiny_model("qwen3_5_moe", dtype=torch.float32)
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with psr_hf.patched(model, RoutingConfig(**CONFIGS["psr"])):
+        decoder = Decoder(model, MAX_LEN)
+        assert decoder.layers.batched_prefill
+        by_token = _run(model, ids, Decoder, False)
+        batched = _run(model, ids, Decoder, True)
+        transformers_path = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    torch.testing.assert_close(batched[1], by_token[1], rtol=0, atol=0)
+    torch.testing.assert_close(batched[1], transformers_path, rtol=0, atol=0)
+    assert _rel(batched[2], by_token[2]) < LOGITS_TOL
+    for a, b in zip(batched[5], by_token[5]):  # keys, values, convolution and recurrent states
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(batched[3], by_token[3]):
+        np.testing.assert_array_equal(a.selected, b.selected)
