@@ -126,7 +126,7 @@ def test_the_engine_continues_a_batched_prompt_where_the_patched_forward_left_it
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_cuda_graphs_batched_prefill_makes_the_token_by_token_decisions(name, offloaded):
     """float32 on the GPU, CUDA graphs replayed after the block: the same decisions and tokens."""
     from psr_hf.testing import tiny_model
