@@ -19,7 +19,7 @@ from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.engine.families.deepseek_v3 import DeepseekV3Layers
 from psr_hf.engine.families.olmoe import OlmoeLayers
 from psr_hf.engine.layers import DecodeLayers, build_layers
-from psr_hf.testing import tiny_config, tiny_model
+from psr_hf.testing import tiny_model
 
 LOGITS_TOL = 1e-5  # relative to the largest |logit| of the position
 ROUTER_TOL = 5e-6  # relative to the largest |logit|; measured up to 7e-7 (another matmul shape than HF's)
@@ -401,12 +401,6 @@ def test_out_hidden_may_alias_hidden(models):
 
 
 # ---------------------------------------------------------------------------------------------------- errors
-def test_qwen3_next_hybrid_linear_attention_is_refused():
-    stub = types.SimpleNamespace(config=tiny_config("qwen3_next"))
-    with pytest.raises(ValueError, match="does not support hybrid linear attention yet"):
-        build_layers(stub, 8)
-
-
 def test_other_model_types_are_refused():
     from transformers import AutoConfig
 

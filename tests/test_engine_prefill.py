@@ -62,7 +62,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "shipped"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "shipped"])
 def test_batched_prefill_makes_the_token_by_token_decisions(engine_case, name, config, offloaded):
     model, ids, calibration = _long_prompt(engine_case, name)
     offload = psr_hf.OffloadConfig(device="cpu", check_slots=True) if offloaded else None

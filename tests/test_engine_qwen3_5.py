@@ -1,6 +1,7 @@
-"""The engine on Qwen3.5/3.6-MoE's hybrid decoder (psr_hf/engine/families/qwen3_5_moe.py), CPU, float32: generate()
+"""The engine on the hybrid decoders of Qwen3.5/3.6-MoE (psr_hf/engine/families/qwen3_5_moe.py) and Qwen3-Next
+(qwen3_next.py: fused Gated DeltaNet projections, a dense MLP layer in the tiny config), CPU, float32: generate()
 through the engine gives the patched transformers path's tokens, scores within 1e-4 and routing decisions, for the
-causal LM and the image-text model on text, exact and PSR routing, resident and offloaded; the Gated DeltaNet
+causal LMs and the image-text model on text, exact and PSR routing, resident and offloaded; the Gated DeltaNet
 state starts every sequence from zero; the layers' step equals the model's own forward position by position.
 """
 
@@ -64,7 +65,8 @@ def _same(hf, ours) -> None:
         assert ours[2].total[name] == hf[2].total[name], name
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe"], ids=["causal_lm", "image_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"],
+                         ids=["causal_lm", "image_text", "qwen3_next"])
 @pytest.mark.parametrize("policy", ["exact", "psr"])
 def test_generate_through_the_engine_equals_the_transformers_path(model_type, policy):
     model = _model(model_type)
@@ -75,8 +77,9 @@ def test_generate_through_the_engine_equals_the_transformers_path(model_type, po
         assert ours[2].total["replaced_per_token"] > 0  # the policy steered somewhere
 
 
-def test_sampling_and_offload_equal_the_transformers_path():
-    model = _model("qwen3_5_moe_text", seed=3)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_next"])
+def test_sampling_and_offload_equal_the_transformers_path(model_type):
+    model = _model(model_type, seed=3)
     offload = psr_hf.OffloadConfig(device="cpu", check_slots=True)
     hf, ours, (served, fallbacks, _) = _both(model, _ids(2, 7), "psr", offload=offload, seed=5, do_sample=True,
                                              top_k=20)
@@ -103,13 +106,15 @@ def test_every_sequence_starts_from_a_cleared_recurrent_state():
     _same(want, got)
 
 
-def test_the_layers_step_equals_the_models_forward_position_by_position():
-    model = _model("qwen3_5_moe_text", seed=6)
+@pytest.mark.parametrize("model_type, layers_class", [("qwen3_5_moe_text", "Qwen35MoeLayers"),
+                                                       ("qwen3_next", "Qwen3NextLayers")])
+def test_the_layers_step_equals_the_models_forward_position_by_position(model_type, layers_class):
+    model = _model(model_type, seed=6)
     ids = _ids(5, 12)[0].tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0]
     layers = build_layers(model, max_len=len(ids) + 1)
-    assert type(layers).__name__ == "Qwen35MoeLayers"
+    assert type(layers).__name__ == layers_class
     kinds = model.config.layer_types
     assert [layers.kv.conv[i] is not None for i in range(len(kinds))] == [k == "linear_attention" for k in kinds]
     got = torch.stack([layers.decode_step_reference(t, p)[0].clone() for p, t in enumerate(ids)])

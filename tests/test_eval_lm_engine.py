@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from psr_hf.testing import save_tiny
 
 from module_files import load_module
 
@@ -181,16 +180,6 @@ def test_a_grown_model_name_takes_no_tokenizer_parallelize_or_integer_dtype():
             PSRLM.create_from_arg_string(f"pretrained=grown-olmoe-routing,residency=0.5,{arg}", {"device": "cpu"})
     with pytest.raises(ValueError, match=r"dtype of pretrained=grown-olmoe-routing: give float32, bfloat16"):
         PSRLM.create_from_arg_string("pretrained=grown-olmoe-routing,residency=0.5,dtype=int8", {"device": "cpu"})
-
-
-def test_engine_true_on_a_hybrid_attention_family_fails_before_loading(tmp_path):
-    from psr_hf.eval.lm_model import PSRLM
-
-    model = save_tiny("qwen3_next", tmp_path / "qwen3_next")
-    for weights in Path(model).glob("*.safetensors"):
-        weights.unlink()  # refused from config.json alone: nothing is loaded
-    with pytest.raises(ValueError, match=r"engine=true: the engine does not support 'qwen3_next' \(hybrid linear"):
-        PSRLM.create_from_arg_string(f"pretrained={model},residency=0.5,engine=true", {"device": "cpu"})
 
 
 # ---------------------------------------------------------------------------------------------- the task

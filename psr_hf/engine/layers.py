@@ -29,10 +29,6 @@ from .families import layers_class, supported_model_types
 
 logger = logging.getLogger(__name__)
 
-#: families psr_hf patches but the engine refuses: their decoders mix in linear-attention (Gated DeltaNet) layers
-HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next",)
-
-
 @dataclass(frozen=True)
 class DecodeBuffers:
     """The static buffers of :meth:`DecodeLayers.decode_step_reference` (and the shapes the graphs will use):
@@ -701,13 +697,6 @@ def build_layers(model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> 
     model_type = getattr(model.config, "model_type", None)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = [t for t in (model_type, getattr(text, "model_type", None)) if t]
-    for t in types:
-        if t in HYBRID_MODEL_TYPES:
-            raise ValueError(
-                f"the engine does not support hybrid linear attention yet (model_type {t!r} mixes Gated DeltaNet "
-                f"layers into its decoder); supported: {', '.join(supported_model_types())}. psr_hf.patch() still "
-                "routes this model through transformers"
-            )
     for t in types:
         cls = layers_class(t)
         if cls is not None:

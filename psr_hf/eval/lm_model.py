@@ -226,15 +226,6 @@ def check_engine_args(engine: Any, engine_max_len: Any, kwargs: Mapping[str, Any
     return engine
 
 
-def _check_engine_family(model_type: str | None) -> None:
-    """``ValueError`` before loading when the engine has no layers for ``model_type`` (hybrid attention models)."""
-    from ..engine.layers import HYBRID_MODEL_TYPES
-
-    if model_type in HYBRID_MODEL_TYPES:
-        raise ValueError(f"psr_hf model arg engine=true: the engine does not support {model_type!r} (hybrid linear "
-                         "attention); drop engine=true, and the generations run on the transformers path")
-
-
 @dataclasses.dataclass(frozen=True)
 class SpeculativeArgs:
     """The speculative model args as checked before anything loads: the block ``mode``, the ``drafter``
@@ -417,8 +408,6 @@ class PSRLM(HFLM):
             pretrained, kwargs["tokenizer"], calibration = grown_model(pretrained, device, kwargs.pop("dtype", None),
                                                                        calibration)
         else:
-            if use_engine and isinstance(pretrained, (str, Path)):
-                _check_engine_family(resolve_model(pretrained).model_type)
             pretrained, calibration = model_and_calibration(pretrained, calibration)
         self._psr_offload = offload
         if offload is not None:

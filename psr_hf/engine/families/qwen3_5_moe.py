@@ -84,6 +84,10 @@ class Qwen35MoeLayers(DecodeLayers):
 
     listing_order = 3
     norm_fn = staticmethod(zero_centred_rms_norm)
+    #: the Gated DeltaNet's input projections: separate (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    #: ``in_proj_a``), or fused per key head (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``)
+    fused_projections = False
+    projection_names: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def _build_attention(self) -> None:
         c = self.config
@@ -117,7 +121,7 @@ class Qwen35MoeLayers(DecodeLayers):
                 self._attn.append(self._linear_refs(i, layer.linear_attn))
         self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
                                  self.head_dim ** -0.5, self.rope_scaling)
-        self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim)
+        self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.fused_projections)
 
     def _full_refs(self, i: int, a: torch.nn.Module) -> dict:
         refs = {**self._projections(i, a, ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -129,8 +133,7 @@ class Qwen35MoeLayers(DecodeLayers):
         return refs
 
     def _linear_refs(self, i: int, a: torch.nn.Module) -> dict:
-        refs = {**self._projections(i, a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
-                **self._norms_of(i, a, ("norm",))}
+        refs = {**self._projections(i, a, (*self.projection_names, "out_proj")), **self._norms_of(i, a, ("norm",))}
         conv = a.conv1d
         if tuple(conv.weight.shape) != (self.conv_dim, 1, self.kernel):
             raise ValueError(f"layer {i} conv1d weight {tuple(conv.weight.shape)}: expected "
@@ -196,6 +199,7 @@ class _LinearStatic:
     v_heads: int
     k_dim: int
     v_dim: int
+    fused: bool  # Qwen3-Next's projections fused per key head (in_proj_qkvz, in_proj_ba)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -229,16 +233,30 @@ def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
+def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
+    """A Gated DeltaNet layer's projections of one token: the convolution's input ``[conv_dim]`` (q, k, v, each
+    head after head), the output gate ``z [Hv, Dv]``, and ``b`` and ``a`` ``[Hv]``. Fused projections hold, per
+    key head, its q and k and the q/k/v/z (b/a) of the value heads that share it: reordered on the outputs, so
+    the model's weights are read in place."""
+    if not s.fused:
+        return (F.linear(x, *a["in_proj_qkv"])[0], F.linear(x, *a["in_proj_z"]).view(s.v_heads, s.v_dim),
+                F.linear(x, *a["in_proj_b"])[0], F.linear(x, *a["in_proj_a"])[0])
+    group = s.v_heads // s.k_heads * s.v_dim
+    qkvz = F.linear(x, *a["in_proj_qkvz"]).view(s.k_heads, 2 * s.k_dim + 2 * group)
+    q, k, v, z = torch.split(qkvz, (s.k_dim, s.k_dim, group, group), dim=-1)
+    mixed = torch.cat((q.reshape(-1), k.reshape(-1), v.reshape(-1)))
+    ba = F.linear(x, *a["in_proj_ba"]).view(s.k_heads, 2 * (s.v_heads // s.k_heads))
+    b, g_in = torch.chunk(ba, 2, dim=-1)
+    return mixed, z.reshape(s.v_heads, s.v_dim), b.reshape(s.v_heads), g_in.reshape(s.v_heads)
+
+
 def _gated_delta_net(s: _LinearStatic, a: dict, x: torch.Tensor, position: torch.Tensor, conv: torch.Tensor,
                      recurrent: torch.Tensor) -> torch.Tensor:
     """One token of a Gated DeltaNet layer, updating its convolution window and recurrent state in place:
     the short causal convolution (silu) over q, k and v, the L2-normalised q and k, the gated delta rule in
     float32 (decay ``exp(g)``, write strength ``beta``), the gated RMSNorm of the output and its projection."""
     dtype = x.dtype
-    mixed = F.linear(x, *a["in_proj_qkv"])[0]  # [conv_dim]
-    z = F.linear(x, *a["in_proj_z"]).view(s.v_heads, s.v_dim)
-    b = F.linear(x, *a["in_proj_b"])[0]
-    g_in = F.linear(x, *a["in_proj_a"])[0]
+    mixed, z, b, g_in = _linear_inputs(s, a, x)
     conv.copy_(torch.cat((conv[:, 1:], mixed[:, None].to(conv.dtype)), dim=1))
     weight = a["conv_weight"]
     mixed = (conv.to(torch.float32) * weight.to(torch.float32)).sum(dim=-1)
