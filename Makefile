@@ -52,9 +52,9 @@ $(STAMP): $(PY) pyproject.toml setup.py Makefile
 		echo "make: installing $(TORCH_SPEC) into $(VENV) (the build pip's index gives: see docs/install.md)"; \
 		$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
 	fi
-	@$(PY) -c "import torch; print('make: torch', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(the CPU build)')"
 	@echo "make: installing psr_hf and its dependencies ($(EXTRAS)) into $(VENV), quietly (see docs/install.md for how long)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@$(PY) -c "import torch; print('make: torch', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(the CPU build)')"
 	@echo "make: compiling the policy kernels into the numba cache (psr-hf warm-up)"
 	$(VENV)/bin/psr-hf warm-up
 	@touch $(STAMP)
