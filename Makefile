@@ -17,7 +17,7 @@ EXTRAS ?= dev,eval,train
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs install bench-policy moonlight-routing qwen36-routing clean
+.PHONY: demo test test-quick docs install bench-policy moonlight-routing qwen36-routing clean
 
 demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
@@ -27,6 +27,11 @@ test: $(STAMP)
 	@echo "when quiet with its caches warm, 28 minutes in the last CI run from a clean clone (install included)."
 	@echo "Each test file prints its name, then a dot per test; the 20 slowest tests are listed at the end."
 	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+
+# the inner loop: every test but the ~190 listed in tests/slow_tests.txt (over 0.5 s each on the CI machine)
+test-quick: $(STAMP)
+	@echo "make test-quick: the test suite without the tests marked slow (tests/slow_tests.txt); make test runs all"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 install: $(STAMP)
 

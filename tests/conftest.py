@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads OpenMP; subprocesses inherit it
 
@@ -70,3 +71,15 @@ def engine_case():
         return cache[name]
 
     return get
+
+
+_SLOW_TESTS = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests listed in slow_tests.txt ``slow`` (``make test-quick`` runs ``-m "not slow"``)."""
+    listed = {line.strip() for line in _SLOW_TESTS.read_text(encoding="utf-8").splitlines()
+              if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
