@@ -18,10 +18,8 @@ import torch
 from psr_hf.policy import LogicalCache, Recording, RoutingConfig
 from psr_hf.policy.config import DEFAULT_WINDOW
 from psr_hf.policy.replaying import ReplayResult
+from .device_decisions import R_DEMAND, R_PREFETCH, R_REPLACED
 from .device_state import DeviceState
-
-# the counters' columns (the numba kernels' layout, KernelSettings' docstring)
-_PREFETCH, _DEMAND, _REPLACED = 5, 6, 7
 
 
 def replay_on_device(config: RoutingConfig | dict, recording: Recording | None = None, *,
@@ -69,7 +67,7 @@ def replay_on_device(config: RoutingConfig | dict, recording: Recording | None =
         for m in range(L):
             state.scores.copy_(joint_device[t, m])
             state.decide(m)
-        counts[t + 1] = state.counters[:, [_PREFETCH, _DEMAND, _REPLACED]].cpu().numpy()
+        counts[t + 1] = state.counters[:, [R_PREFETCH, R_DEMAND, R_REPLACED]].cpu().numpy()
     state.check()
     plans = state.record_plans[:T].cpu().numpy()  # [T, L, W]: each position's select plans, K selected first
     per_token = np.diff(counts, axis=0).astype(np.int64)

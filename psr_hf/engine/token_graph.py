@@ -23,6 +23,7 @@ import torch
 
 from psr_hf.hf.patching import controller as _controller
 from psr_hf.hf.prefetch_sources import PregateRanking
+from . import device_decisions as D
 from .device_copies import LayerCopies
 from .device_state import DeviceState
 from .graphs import GraphDecoder
@@ -225,7 +226,7 @@ class TokenGraphDecoder(GraphDecoder):
             if self.offloaded:
                 delta = cache.counters[:, 0] - self._counters_at_lend
                 controller.offload.return_slots(state.slot_of.cpu().numpy().astype(np.int64),
-                                                int(delta[:, 6].sum()), int(delta[:, 5].sum()))
+                                                int(delta[:, D.R_DEMAND].sum()), int(delta[:, D.R_PREFETCH].sum()))
 
     # ------------------------------------------------------------------ steps
     def _device_step_ready(self) -> bool:
