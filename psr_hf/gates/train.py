@@ -121,7 +121,7 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     if not (load_penalty >= 0 and temperature > 0):
         raise ValueError(f"load_penalty={load_penalty} must be >= 0 and temperature={temperature} > 0")
     relaxed = gate is not None or load_penalty > 0
-    if relaxed and (config.policy not in ("cache_prior", "psr") or config.delta_mode != "fixed"):
+    if relaxed and not config.takes_gate:
         raise ValueError(f"a gate or a load penalty trains the bonus of cache_prior or psr with delta_mode='fixed'; "
                          f"got policy={config.policy!r}, delta_mode={config.delta_mode!r}")
     if gate is not None:

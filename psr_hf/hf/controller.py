@@ -566,7 +566,7 @@ class Controller:
     @property
     def _outputs_exact(self) -> bool:
         """Exact routing: every output is the unpatched model's whatever the routing state holds."""
-        return self.config.policy == "exact"
+        return self.config.follows_router
 
     def _new_sequence(self, rows: int) -> None:
         self._interrupted = None
@@ -769,7 +769,7 @@ def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
 
     head = MarginHead.coerce(gate)
     head.check(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"], model_type=shape["model_type"])
-    if config.policy not in ("cache_prior", "psr") or config.delta_mode != "fixed":
+    if not config.takes_gate:
         raise ValueError(f"gate=: a margin head sets the bonus of a biased policy with a fixed bonus scale; got "
                          f"policy={config.policy!r}, delta_mode={config.delta_mode!r}: use policy='cache_prior' "
                          "(with eviction='lru': the change-based gate) or 'psr', delta_mode='fixed'")

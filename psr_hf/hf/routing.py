@@ -79,7 +79,7 @@ class LayerRouting:
         self.source, self.cache = source, cache
         self.needs_pregate = config.needs_pregate
         self.executes_pregate = config.executes_pregate
-        self.follows_router = config.policy == "exact"
+        self.follows_router = config.follows_router
         self.displaced = np.zeros((self.num_layers, 1))
         source.start(1, cache.calibration)
 

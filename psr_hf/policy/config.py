@@ -202,6 +202,16 @@ class RoutingConfig:
         return self.definition.executes_pregate
 
     @property
+    def follows_router(self) -> bool:
+        """Whether selection is the router's own top-K (exact routing, with or without logical prefetch)."""
+        return self.definition.follows_router
+
+    @property
+    def takes_gate(self) -> bool:
+        """Whether a margin head can set the bonus: a biased policy with a fixed bonus scale."""
+        return self.definition.takes_gate and self.delta_mode == "fixed"
+
+    @property
     def needs_pregate(self) -> bool:
         """Whether steps at layers >= 1 need the pre-gate scores (part 1 runs, or selection executes them)."""
         return self.inserts or self.executes_pregate

@@ -81,6 +81,16 @@ class Policy:
         return {name: getattr(self, name) for name in DEFAULTED_FIELDS}
 
     @property
+    def follows_router(self) -> bool:
+        """Whether selection is the router's own top-K (exact routing: outputs are the unpatched model's)."""
+        return not (self.biased or self.executes_pregate)
+
+    @property
+    def takes_gate(self) -> bool:
+        """Whether a margin head (a learned bonus per token) can set this policy's bonus: biased policies."""
+        return self.biased
+
+    @property
     def reads_pregate(self) -> bool:
         """Whether the policy can read the pre-gate at all (part 1, or pre-gate selection)."""
         return self.part1 != PART1_NEVER or self.executes_pregate
