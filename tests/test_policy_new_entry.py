@@ -24,7 +24,9 @@ NEW = "psr_lru"  # PSR's behaviour with LRU eviction by default: no rule the ker
 def new_policy(monkeypatch):
     psr = policies.POLICY_TABLE["psr"]
     code = 1 + max(entry.code for entry in policies.POLICY_TABLE.values())
-    entry = dataclasses.replace(psr, name=NEW, code=code, eviction="lru", description="PSR with LRU eviction")
+    # paper=None: a policy the paper does not have (the frontier labels it by its name, the grid does not name it)
+    entry = dataclasses.replace(psr, name=NEW, code=code, eviction="lru", description="PSR with LRU eviction",
+                                paper=None)
     monkeypatch.setitem(policies.POLICY_TABLE, NEW, entry)
     return entry
 

@@ -11,6 +11,7 @@ import pytest
 
 import psr_hf.policy
 from psr_hf.policy import _kernels as K_
+from psr_hf.policy import policies
 from psr_hf.policy import Calibration, LogicalCache, PlanLayout, RoutingConfig
 from psr_hf.policy.config import POLICIES
 from psr_hf.policy.policies import (
@@ -86,6 +87,26 @@ def test_table_entries_are_frozen():
 def test_a_contradictory_table_entry_is_rejected_naming_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
         dataclasses.replace(POLICY_TABLE["psr"], **changes)
+
+
+def test_the_papers_policies_carry_their_labels_and_grid_stems():
+    names = {name: (entry.paper.label, entry.paper.stem) for name, entry in POLICY_TABLE.items()}
+    assert names == {"exact": ("exact", "exact"), "cache_prior": ("Cache-Prior", "cp"), "psr": ("PSR", "psr"),
+                     "spec": ("spec", "spec")}
+
+
+def test_a_paper_name_taken_by_another_entry_is_rejected():
+    psr = POLICY_TABLE["psr"]
+    twin = dataclasses.replace(psr, name="psr_twin", code=99)
+    with pytest.raises(ValueError, match="paper label 'PSR' or stem 'psr' is taken"):
+        policies._table([psr, twin])
+    assert policies._table([psr, dataclasses.replace(twin, paper=None)])["psr_twin"].paper is None
+
+
+@pytest.mark.parametrize("policy", list(POLICY_TABLE))
+def test_can_prefetch_is_whether_part1_ever_runs(policy):
+    part1, _, _ = ALGORITHM_MD[policy]
+    assert POLICY_TABLE[policy].can_prefetch is (part1 != PART1_NEVER)
 
 
 def test_users_of_lists_the_policies_reading_an_option_in_table_order():

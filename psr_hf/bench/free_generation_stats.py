@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..eval.stats import holm
+from ..policy.config import RoutingConfig
 from .common import paired_summary, summarize
 from .free_generation_timing import Continuation, Results
 from .rows import ENGINE_RESIDENT, RESIDENT, Row
@@ -89,9 +90,19 @@ def task_records(rows: Sequence[Row], results: Results, tasks: Sequence[str], mo
 def table_pairs(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
     """(PSR row, Cache-Prior row) at the same residency: the ratios of the paper's Table 6."""
     return [(a, b) for a in rows for b in rows
-            if a.routing is not None and b.routing is not None and a.routing.policy == "psr"
-            and b.routing.policy == "cache_prior" and a.residency == b.residency
+            if a.routing is not None and b.routing is not None and _steers_and_prefetches(a.routing)
+            and _steers_only(b.routing) and a.residency == b.residency
             and not (a.copies_skipped or b.copies_skipped)]
+
+
+def _steers_and_prefetches(routing: RoutingConfig) -> bool:
+    """Whether ``routing`` is PSR's: biased selection and pre-gate prefetch insertion."""
+    return routing.biased and routing.definition.can_prefetch
+
+
+def _steers_only(routing: RoutingConfig) -> bool:
+    """Whether ``routing`` is Cache-Prior's: biased selection, no insertion."""
+    return routing.biased and not routing.definition.can_prefetch
 
 
 def over_prompts(numerator: Sequence[Mapping[str, Any]], denominator: Sequence[Mapping[str, Any]], *,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..eval.stats import mean_interval
-from ..policy.policies import POLICY_TABLE
+from ..policy.policies import POLICY_TABLE, Policy
 from .common import paired_summary
 
 logger = logging.getLogger(__name__)
@@ -48,38 +48,67 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "p", "d")
 
 
 # ---------------------------------------------------------------------------------------------------- families
+def _entry(point: Point) -> Policy:
+    """The policy table's entry of ``point``'s policy; raises ``ValueError`` for a policy that is not in the table."""
+    policy = point.get("policy")
+    if policy not in POLICY_TABLE:
+        raise ValueError(f"point {point.get('name')!r} has unknown policy {policy!r}: use one of "
+                         f"{tuple(POLICY_TABLE)}")
+    return POLICY_TABLE[policy]
+
+
+def _paper_entry(point: Point) -> Policy | None:
+    """The entry of ``point``'s policy where it is one of the paper's (it draws the paper's curves), else None."""
+    entry = _entry(point)
+    return entry if entry.paper is not None else None
+
+
+def _on_exact_curve(point: Point) -> bool:
+    """Whether ``point`` is one of the paper's exact-routing points (the router's own top-K)."""
+    entry = _paper_entry(point)
+    return entry is not None and entry.follows_router
+
+
+def _on_psr_curve(point: Point) -> bool:
+    """Whether ``point`` is one of the paper's PSR points (biased selection and prefetch insertion)."""
+    entry = _paper_entry(point)
+    return entry is not None and entry.biased and entry.can_prefetch
+
+
+def _on_cache_prior_curve(point: Point) -> bool:
+    """Whether ``point`` is one of the paper's Cache-Prior points (biased selection, no insertion)."""
+    entry = _paper_entry(point)
+    return entry is not None and entry.biased and not entry.can_prefetch
+
+
 def family(point: Point) -> str:
     """The curve ``point`` belongs to, as the paper's figure and tables name it: ``exact+LRU`` / ``exact+A+prefetch``
     (and ``exact+A`` / ``exact+LRU+prefetch`` for the other two exact combinations), ``Cache-Prior``,
     ``Cache-Prior (A)``, ``Cache-Prior J={j}``, ``Cache-Prior J={j} running``, ``PSR n={budget}`` (A eviction),
     ``PSR n={budget} (LRU)`` (``PSR n={budget}, window {w}`` with a pre-gate window other than the default),
-    ``spec``, or another policy of the policy table by its name. Raises ``ValueError``
-    for a policy that is not in the table or an unknown eviction."""
-    policy = point.get("policy")
+    ``spec``, or another policy of the policy table by its name. The names start with the table's paper labels
+    (``Policy.paper``). Raises ``ValueError`` for a policy that is not in the table or an unknown eviction."""
+    entry = _entry(point)
     eviction = point.get("eviction")
-    if policy not in POLICY_TABLE:
-        raise ValueError(f"point {point.get('name')!r} has unknown policy {policy!r}: use one of "
-                         f"{tuple(POLICY_TABLE)}")
-    if policy == "spec":
-        return "spec"
+    if entry.paper is not None and entry.executes_pregate:
+        return entry.paper.label
     if eviction not in ("lru", "score"):
         raise ValueError(f"point {point.get('name')!r} has unknown eviction {eviction!r}: use 'lru' or 'score'")
+    if entry.paper is None:
+        return entry.name
+    label = entry.paper.label
     budget = int(point.get("budget") or 0)
-    if policy == "exact":
-        if eviction == "lru":
-            return "exact+LRU" if budget == 0 else "exact+LRU+prefetch"
-        return "exact+A+prefetch" if budget > 0 else "exact+A"
-    if policy == "psr":
+    if entry.follows_router:
+        return f"{label}+{'LRU' if eviction == 'lru' else 'A'}" + "+prefetch" * entry.inserts(budget)
+    if entry.can_prefetch:
         window = f", window {int(point['window'])}" if point.get("window") is not None else ""
-        return f"PSR n={budget}{window}" if eviction == "score" else f"PSR n={budget}{window} (LRU)"
-    if policy != "cache_prior":
-        return str(policy)
+        return f"{label} n={budget}{window}" if eviction == "score" else f"{label} n={budget}{window} (LRU)"
     top_j = int(point.get("top_j") or 0)
     if point.get("delta_mode") == "running":
-        return f"Cache-Prior J={top_j} running"
+        return f"{label} J={top_j} running"
     if top_j > 0:
-        return f"Cache-Prior J={top_j}"
-    return "Cache-Prior" if eviction == "lru" else "Cache-Prior (A)"
+        return f"{label} J={top_j}"
+    return label if eviction == "lru" else f"{label} (A)"
 
 
 def _order_key(point: Point) -> tuple:
@@ -90,24 +119,20 @@ def _order_key(point: Point) -> tuple:
     lam = point.get("lam")
     tail = (lam is None, float(lam) if lam is not None else 0.0, float(point["sg_pct"]), str(point["name"]))
     budget = int(point.get("budget") or 0)
-    if fam == "exact+LRU":
-        head: tuple = (0,)
-    elif fam == "exact+A+prefetch":
-        head = (1,)
-    elif point["policy"] == "exact":
-        head = (2, fam)
-    elif fam == "Cache-Prior":
-        head = (3,)
-    elif point["policy"] == "psr" and point["eviction"] == "score":
-        head = (4, budget, point.get("window") is not None, int(point.get("window") or 0))
-    elif point["policy"] == "cache_prior":
-        head = (5, 0, int(point.get("top_j") or 0), point.get("delta_mode") == "running", point["eviction"] != "lru")
-    elif point["policy"] == "psr":
-        head = (5, 1, budget)
-    elif point["policy"] != "spec":  # a policy without a curve of the paper's
-        head = (8, str(point["policy"]))
-    else:
+    entry = _paper_entry(point)
+    if entry is None:  # a policy without a curve of the paper's
+        head: tuple = (8, str(point["policy"]))
+    elif entry.executes_pregate:
         head = (9,)
+    elif entry.follows_router:
+        head = {"exact+LRU": (0,), "exact+A+prefetch": (1,)}.get(fam, (2, fam))
+    elif not entry.can_prefetch:
+        head = (3,) if fam == "Cache-Prior" else (5, 0, int(point.get("top_j") or 0),
+                                                  point.get("delta_mode") == "running", point["eviction"] != "lru")
+    elif point["eviction"] == "score":
+        head = (4, budget, point.get("window") is not None, int(point.get("window") or 0))
+    else:
+        head = (5, 1, budget)
     return head + tail
 
 
@@ -176,14 +201,6 @@ def pareto_front(points: Iterable[Point]) -> list[str]:
     return [name for _, _, name in sorted(front)]
 
 
-def _fronts(points: Sequence[Point]) -> set[str]:
-    """The names of the frontier points of every residency (each residency's own :func:`pareto_front`)."""
-    out: set[str] = set()
-    for _, group in _by_residency(points):
-        out.update(pareto_front(group))
-    return out
-
-
 def _curve(points: Sequence[Point]) -> list[Point]:
     """A family's points in curve order: by lam, or by sg_pct (then ms) where lam is None."""
     return sorted(points, key=lambda p: (p.get("lam") is None, float(p["lam"]) if p.get("lam") is not None
@@ -230,7 +247,7 @@ def plot_frontier(points: Iterable[Point], path: str | Path, title: str | None =
             y = np.array([float(p["ms"]) for p in curve])
             xerr = np.array([_errors(float(p["sg_pct"]), p["sg_pct_ci95"]) for p in curve]).T
             yerr = np.array([_errors(float(p["ms"]), p["ms_ci95"]) for p in curve]).T
-            single = curve[0]["policy"] == "exact"
+            single = _on_exact_curve(curve[0])
             container = ax.errorbar(x, y, xerr=xerr, yerr=yerr, color=colours[fam], marker=markers[fam],
                                     linestyle="none" if single else "-", markersize=9 if single else 6,
                                     capsize=2, elinewidth=0.8, linewidth=1.3, label=fam)
@@ -337,7 +354,7 @@ def ablation_markdown(points: Iterable[Point], lam: float = 0.2) -> str:
                       f"{_with_ci(p['sg_pct'], p['sg_pct_ci95'], 1)} |" for steer, ev, _, p in found if p]
         lines.append("")
         # (b) prefetch budget
-        budgets = sorted({int(p["budget"]) for p in group if p["policy"] == "psr" and p["eviction"] == "score"
+        budgets = sorted({int(p["budget"]) for p in group if _on_psr_curve(p) and p["eviction"] == "score"
                           and _same_lam(p.get("lam"), lam)})
         absent = [f"PSR n={n}" for n in (1, 2, 8) if n not in budgets]
         lines.append(f"(b) prefetch budget, PSR (A) at {lam_text}")
@@ -355,7 +372,7 @@ def ablation_markdown(points: Iterable[Point], lam: float = 0.2) -> str:
                 lines.append(f"\nnot measured: {', '.join(absent)} at {lam_text}")
         lines.append("")
         # (c) Cache-Prior as published
-        cache_prior = sorted((p for p in group if p["policy"] == "cache_prior"), key=_order_key)
+        cache_prior = sorted((p for p in group if _on_cache_prior_curve(p)), key=_order_key)
         lines.append("(c) Cache-Prior as published (J, fixed or running delta, every lam)")
         if not cache_prior:
             lines.append("skipped: missing every Cache-Prior point")
@@ -448,7 +465,7 @@ def _claim_b(residency: float, group: Sequence[Point]) -> dict[str, Any]:
         lows.append(lo)
         highs.append(hi)
     sg_range = [xs[0], xs[-1]]
-    others = [p for p in group if p["policy"] != "exact" and family(p) != "PSR n=1"
+    others = [p for p in group if not _on_exact_curve(p) and family(p) != "PSR n=1"
               and sg_range[0] <= float(p["sg_pct"]) <= sg_range[1]]
     if not others:
         return {**base, "verdict": "not resolved",

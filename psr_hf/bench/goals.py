@@ -13,11 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..eval.grid import PREFETCH_STEMS, cache_prior, exact_lru, prefetch_only, psr
+from ..policy.policies import POLICY_TABLE
 from .common import matched_round_means, paired_summary
 from .rows import ACCELERATE, BASELINES, ENGINE, ENGINE_RESIDENT, OFFLOAD, RESIDENT, Row, capacity_suffix, routed
 
 PSR_GOAL_ROUTING = psr(0.3, 1)  # the PSR row the goals are set for (rows.PSR_GOAL)
-PSR_ROUTINGS = [fields for fields in BASELINES.values() if fields["policy"] == "psr"]
+# the baselines that steer and prefetch (PSR's rows)
+PSR_ROUTINGS = [fields for fields in BASELINES.values()
+                if POLICY_TABLE[fields["policy"]].biased and POLICY_TABLE[fields["policy"]].can_prefetch]
 # the goals: PSR within 15% / 30% of resident at 50% / 25% residency; accelerate at least 50x slower
 RESIDENT_GOALS = {0.5: 1.15, 0.25: 1.3}
 ACCELERATE_GOAL = 50.0

@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from ..assets.loading import model_hidden_size
-    from ..demo import DEMO_SHAPE, RANDOM, run_demo as demo
+    from ..demo import DEMO_CONFIGS, DEMO_SHAPE, RANDOM, run_demo as demo
+    from ..policy.policies import POLICY_TABLE
 
     # a typo fails here, before anything loads
     set_threads(args, hidden_size=model_hidden_size(args.model, {RANDOM: DEMO_SHAPE["hidden_size"]}))
@@ -44,12 +45,13 @@ def run_demo(args: argparse.Namespace) -> int:
               "meaningless text; the routing numbers are the point.")
     print()
     runs = result["runs"]
+    exact = {name for name, fields in DEMO_CONFIGS if POLICY_TABLE[fields["policy"]].follows_router}
     for p, prompt in enumerate(result["prompts"]):
         print(f"prompt {p + 1}: {prompt!r}")
         for run in runs:
-            if run.name.startswith("exact") and run.residency != runs[0].residency:
+            if run.name in exact and run.residency != runs[0].residency:
                 continue  # exact routing gives the same text at every residency
-            label = "exact" if run.name.startswith("exact") else f"{run.name} @ {run.residency:.0%}"
+            label = "exact" if run.name in exact else f"{run.name} @ {run.residency:.0%}"
             print(f"  {label:<28} {run.texts[p]!r}")
         print()
     rows = []

@@ -26,6 +26,7 @@ from .._progress import tqdm
 
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
+from ..policy.policies import POLICY_TABLE
 from .grid import cache_prior, exact_lru, psr, routing_name
 from .stats import mean_interval
 
@@ -217,6 +218,12 @@ def format_rows(rows: Sequence[DivergenceRow]) -> str:
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _follows_router(routing: Mapping[str, Any]) -> bool:
+    """Whether a row's routing (``RoutingConfig.to_dict()``) is exact: its lam, if any, steers nothing."""
+    entry = POLICY_TABLE.get(routing.get("policy"))
+    return entry is not None and entry.follows_router
+
+
 def plot_divergence(rows: Sequence[DivergenceRow | Mapping[str, Any]], path: str | Path, title: str | None = None) -> Path:
     """Write a PNG to ``path`` (returned): excess NLL over exact routing against copies per token, one panel per
     residency, one colour and line per policy (its points ordered by copies, labelled by lam), bars: the 95%
@@ -255,7 +262,7 @@ def plot_divergence(rows: Sequence[DivergenceRow | Mapping[str, Any]], path: str
                         capsize=3, linewidth=1, label=policy)
             for p, xi, yi in zip(mine, x, y):
                 lam = p["routing"].get("lam")
-                if lam is not None and p["routing"].get("policy") != "exact":
+                if lam is not None and not _follows_router(p["routing"]):
                     ax.annotate(f"lam {lam:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_title(f"{residency:.0%} of experts resident")

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..policy.config import MAX_EXPERTS, RoutingConfig
+from ..policy.policies import POLICY_TABLE
 
 # the name stems of the prefetch-only entries by prefetch source: SpecPrefetch (a learned predictor's ranking) and
 # Naive Prefetch (the previous token's scores); their names end in m<budget>
@@ -67,28 +68,41 @@ def prefetch_only(budget: int, source: str) -> dict[str, Any]:
 
 
 def routing_name(config: RoutingConfig) -> str:
-    """The grid's name of ``config`` (its residency or capacity aside); ``ValueError`` for a configuration the grid
-    does not name."""
+    """The grid's name of ``config`` (its residency or capacity aside), which starts with its policy's paper stem
+    (``Policy.paper``); ``ValueError`` for a configuration the grid does not name."""
     c = config
+    entry = c.definition
     plain = (c.decay_fast, c.decay_slow) == (_DEFAULTS["decay_fast"], _DEFAULTS["decay_slow"])
+    name = _paper_name(c) if plain and entry.paper is not None else None
+    if name is None:
+        raise ValueError(f"the routing grid has no name for {c}; build grid entries with psr_hf.eval.grid's "
+                         f"constructors")
+    return name
+
+
+def _paper_name(c: RoutingConfig) -> str | None:
+    """The grid's name of ``c``, a configuration of one of the paper's policies with the default decays; None where
+    the grid has none."""
+    entry = c.definition
+    stem = entry.paper.stem
     pregate = c.prefetch == _DEFAULTS["prefetch"]
     unbiased = c.top_j == 0 and c.delta_mode == _DEFAULTS["delta_mode"]
-    if plain and unbiased and c.policy == "exact":
+    if unbiased and entry.follows_router:
         if pregate and c.window is None and (c.eviction, c.budget) == ("lru", 0):
-            return "exact_lru"
+            return f"{stem}_lru"
         if pregate and c.window is None and (c.eviction, c.budget) == ("score", 1):
-            return "exact_a_pf"
+            return f"{stem}_a_pf"
         if c.prefetch in PREFETCH_STEMS and c.eviction == "score" and c.window == MAX_EXPERTS and c.budget >= 1:
             return f"{PREFETCH_STEMS[c.prefetch]}m{c.budget}"
-    if plain and pregate and c.policy == "cache_prior":
-        return (f"cp_lam{c.lam:g}" + "_a" * (c.eviction == "score") + (f"_j{c.top_j}" if c.top_j else "")
+    if pregate and entry.biased and not entry.can_prefetch:
+        return (f"{stem}_lam{c.lam:g}" + "_a" * (c.eviction == "score") + (f"_j{c.top_j}" if c.top_j else "")
                 + "_run" * (c.delta_mode == "running"))
-    if plain and unbiased and c.policy == "psr" and c.prefetch in ("pregate", "predictor"):
-        return (f"psr_lam{c.lam:g}_n{c.budget}" + (f"_w{c.window}" if c.window is not None else "")
+    if unbiased and entry.biased and entry.can_prefetch and c.prefetch in ("pregate", "predictor"):
+        return (f"{stem}_lam{c.lam:g}_n{c.budget}" + (f"_w{c.window}" if c.window is not None else "")
                 + "_lru" * (c.eviction == "lru") + "_pred" * (c.prefetch == "predictor"))
-    if plain and unbiased and pregate and c.policy == "spec" and c.window is None:
-        return "spec"
-    raise ValueError(f"the routing grid has no name for {c}; build grid entries with psr_hf.eval.grid's constructors")
+    if unbiased and pregate and entry.executes_pregate and c.window is None:
+        return stem
+    return None
 
 
 def entry_name(fields: Mapping[str, Any]) -> str:
@@ -96,16 +110,17 @@ def entry_name(fields: Mapping[str, Any]) -> str:
     return routing_name(RoutingConfig(residency=0.5, **fields))
 
 
+_STEMS = {name: entry.paper.stem for name, entry in POLICY_TABLE.items() if entry.paper is not None}
 _NAMES = (
-    (re.compile(r"exact_lru"), lambda m: exact_lru()),
-    (re.compile(r"exact_a_pf"), lambda m: exact_a_pf()),
-    (re.compile(r"spec"), lambda m: spec()),
+    (re.compile(rf"{_STEMS['exact']}_lru"), lambda m: exact_lru()),
+    (re.compile(rf"{_STEMS['exact']}_a_pf"), lambda m: exact_a_pf()),
+    (re.compile(_STEMS["spec"]), lambda m: spec()),
     *((re.compile(rf"{stem}m(\d+)"), lambda m, source=source: prefetch_only(int(m[1]), source))
       for source, stem in PREFETCH_STEMS.items()),
-    (re.compile(r"cp_lam([0-9.e+-]+)(_a)?(?:_j(\d+))?(_run)?"),
+    (re.compile(rf"{_STEMS['cache_prior']}_lam([0-9.e+-]+)(_a)?(?:_j(\d+))?(_run)?"),
      lambda m: cache_prior(float(m[1]), eviction="score" if m[2] else "lru", top_j=int(m[3] or 0),
                            running=bool(m[4]))),
-    (re.compile(r"psr_lam([0-9.e+-]+)_n(\d+)(?:_w(\d+))?(_lru)?(_pred)?"),
+    (re.compile(rf"{_STEMS['psr']}_lam([0-9.e+-]+)_n(\d+)(?:_w(\d+))?(_lru)?(_pred)?"),
      lambda m: psr(float(m[1]), int(m[2]), eviction="lru" if m[4] else "score", predictor=bool(m[5]),
                    window=int(m[3]) if m[3] else None)),
 )

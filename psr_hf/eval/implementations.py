@@ -92,17 +92,19 @@ def _routing_fields() -> tuple[str, ...]:
 
 
 def _is_exact(run: Run) -> bool:
-    """Whether ``run`` routes exactly: lm-eval's own models (no routing of ours) or ``policy=exact``, given or in
-    the ``config=`` file."""
+    """Whether ``run`` routes exactly: lm-eval's own models (no routing of ours) or a policy that follows the
+    router's own top-K (``policy=exact``), given or in the ``config=`` file."""
+    from ..policy.config import RoutingConfig
+    from ..policy.policies import POLICY_TABLE
+
     if run.model not in (None, "psr_hf"):
         return True
     args = model_args_of(run)
     policy = args.get("policy")
     if policy is None and args.get("config") and Path(str(args["config"])).is_file():
-        from ..policy.config import RoutingConfig
-
         policy = RoutingConfig.load_yaml(str(args["config"])).policy
-    return (policy or "psr") == "exact"
+    entry = POLICY_TABLE.get(policy or RoutingConfig.policy)  # unset: the model's default policy
+    return entry is not None and entry.follows_router
 
 
 def configuration_name(run: Run) -> str:

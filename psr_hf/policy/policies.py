@@ -29,6 +29,15 @@ DEFAULTED_FIELDS = ("lam", "budget", "eviction")
 
 
 @dataclass(frozen=True)
+class PaperName:
+    """How the paper names a policy: ``label`` starts its curves' names in the figures and tables (``Cache-Prior``,
+    ``PSR n=1``) and ``stem`` its configurations' names in the routing grid (``cp_lam0.2``, ``psr_lam0.3_n1``)."""
+
+    label: str
+    stem: str
+
+
+@dataclass(frozen=True)
 class Policy:
     """One routing policy (a row of ALGORITHM.md's "Policies" table).
 
@@ -43,6 +52,8 @@ class Policy:
         biased: selection is the biased top-K of ``z + lam * d * m`` (ALGORITHM.md step 4).
         executes_pregate: selection at layers >= 1 is the pre-gate's top-K (speculative execution).
         options: which of :data:`OPTIONS` the policy reads.
+        paper: how the paper's figures, tables and routing grid name it; None for a policy the paper does not
+            have (the frontier labels it by its name, the grid has no name for it).
     """
 
     name: str
@@ -56,6 +67,7 @@ class Policy:
     executes_pregate: bool = False
     top_k_window: bool = False
     options: frozenset[str] = frozenset()
+    paper: PaperName | None = None
 
     def __post_init__(self) -> None:
         # the table is code: a contradictory entry fails at import, naming the entry and the rule it breaks
@@ -91,6 +103,12 @@ class Policy:
         return self.biased
 
     @property
+    def can_prefetch(self) -> bool:
+        """Whether part 1 can insert the pre-gate's candidates at all (with some budget): what separates PSR from
+        Cache-Prior among the biased policies."""
+        return self.part1 != PART1_NEVER
+
+    @property
     def reads_pregate(self) -> bool:
         """Whether the policy can read the pre-gate at all (part 1, or pre-gate selection)."""
         return self.part1 != PART1_NEVER or self.executes_pregate
@@ -106,21 +124,23 @@ _ENTRIES = (
     Policy(
         name="exact", code=0, description="the router's own top-K; budget > 0 adds logical prefetch",
         lam=0.0, budget=0, eviction="lru", part1=PART1_WITH_BUDGET, options=frozenset({"budget", "window"}),
+        paper=PaperName(label="exact", stem="exact"),
     ),
     Policy(
         name="cache_prior", code=1, description="biased top-K favouring resident experts; never inserts",
         lam=0.2, budget=0, eviction="lru", part1=PART1_NEVER, biased=True,
-        options=frozenset({"lam", "top_j", "delta_mode"}),
+        options=frozenset({"lam", "top_j", "delta_mode"}), paper=PaperName(label="Cache-Prior", stem="cp"),
     ),
     Policy(
         name="psr", code=2, description="biased top-K plus pre-gate prefetch insertion within the budget",
         lam=0.2, budget=1, eviction="score", part1=PART1_WITH_BUDGET, biased=True,
         options=frozenset({"lam", "budget", "window", "top_j", "delta_mode"}),
+        paper=PaperName(label="PSR", stem="psr"),
     ),
     Policy(
         name="spec", code=3, description="executes the pre-gate's top-K; budget = window = K",
         lam=0.0, budget=None, eviction="score", part1=PART1_ALWAYS, executes_pregate=True, top_k_window=True,
-        options=frozenset({"budget", "window"}),
+        options=frozenset({"budget", "window"}), paper=PaperName(label="spec", stem="spec"),
     ),
 )
 
@@ -128,9 +148,18 @@ _ENTRIES = (
 def _table(entries: Iterable[Policy]) -> dict[str, Policy]:
     table: dict[str, Policy] = {}
     codes: set[int] = set()
+    labels: set[str] = set()
+    stems: set[str] = set()
     for entry in entries:
         if entry.name in table or entry.code in codes:
             raise ValueError(f"policy table entry {entry.name!r}: name or code {entry.code} is taken")
+        if entry.paper is not None:
+            # a label or a stem names one policy: the grid reads its names back
+            if entry.paper.label in labels or entry.paper.stem in stems:
+                raise ValueError(f"policy table entry {entry.name!r}: paper label {entry.paper.label!r} or stem "
+                                 f"{entry.paper.stem!r} is taken")
+            labels.add(entry.paper.label)
+            stems.add(entry.paper.stem)
         table[entry.name] = entry
         codes.add(entry.code)
     return table
