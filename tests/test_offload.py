@@ -18,7 +18,8 @@ from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.testing import FAMILIES, tiny_model
 from psr_hf.offload.experts import _set_implementation
 from psr_hf.offload.placement import OffloadMemoryError, _check_fit
-from psr_hf.offload.scheduler import ISSUED, PREFETCH, SlotScheduler, ThreadLink
+from psr_hf.offload.links import ThreadLink
+from psr_hf.offload.scheduler import ISSUED, PREFETCH, SlotScheduler
 from psr_hf.policy import LogicalCache
 from psr_hf.policy.traces import synthetic_trace
 

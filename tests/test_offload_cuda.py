@@ -84,24 +84,24 @@ def test_raw_copy_calls_equal_torch_calls():
     """Copies issued by cuda-python (the default when it imports) and by torch's calls: the same tokens, logits,
     routing statistics and copy counts; with 3 events in the link's ring (reused every 3 copies, waited for when
     still in flight) and every slot checked against the host store."""
-    from psr_hf.offload import runtime_link
+    from psr_hf.offload import links
 
     model = tiny_model("olmoe", dtype=torch.bfloat16)
     prompts = [(_ids(1, 1, 1), None), (_ids(2, 1, 9), None)]
     runs = {}
     for api, ring in (("torch", None), ("cuda-python", None), ("cuda-python", 3)):
-        previous = runtime_link.RING
+        previous = links.RING
         if ring is not None:
-            runtime_link.RING = ring
+            links.RING = ring
         try:
             with psr_hf.patched(model, CONFIG, offload=OffloadConfig(device="cuda:0", copy_api=api,
                                                                        check_slots=ring is not None)):
                 link = psr_hf.controller(model).offload.link
-                assert isinstance(link, runtime_link.RuntimeLink) == (api == "cuda-python")
+                assert isinstance(link, links.RuntimeLink) == (api == "cuda-python")
                 outputs = [_generate(model, p, m) for p, m in prompts]
                 stats = psr_hf.controller(model).stats()
         finally:
-            runtime_link.RING = previous
+            links.RING = previous
         runs[(api, ring)] = (outputs, stats)
     (ref_out, ref_stats) = runs[("torch", None)]
     for key, (outputs, stats) in runs.items():

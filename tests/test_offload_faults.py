@@ -12,7 +12,8 @@ import torch
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.hf.inputs import cache_keyword, output_cache
-from psr_hf.offload.scheduler import SlotScheduler, ThreadLink
+from psr_hf.offload.links import ThreadLink
+from psr_hf.offload.scheduler import SlotScheduler
 from psr_hf.testing import tiny_model
 from test_offload import _ids
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psr_hf.offload import runtime_link
-from psr_hf.offload.runtime_link import RuntimeLink
+from psr_hf.offload import links
+from psr_hf.offload.links import RuntimeLink
 
 COMPUTE, COPY = 7, 9
 
@@ -96,7 +96,7 @@ def test_a_copy_is_done_when_its_stream_position_is_and_so_are_the_earlier_ones(
 
 
 def test_a_ring_event_is_waited_for_before_it_marks_a_later_copy(monkeypatch):
-    monkeypatch.setattr(runtime_link, "RING", 2)
+    monkeypatch.setattr(links, "RING", 2)
     link, streams = _link()
     first, second = _copy(link, slot=0), _copy(link, slot=1)
     assert not [c for c in streams.calls if c[0] == "sync"]

@@ -22,11 +22,14 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
+from ..offload.store import PatchedExpertStore, ResidentExperts
 from ..policy.cache import LogicalCache
 from ..policy.config import RoutingConfig
 from . import inputs
@@ -37,7 +40,22 @@ from .recording import Recorder
 from .routing import LayerRouting, Selection, in_backward
 from .statistics import RoutingCounters, RoutingStats
 
+if TYPE_CHECKING:
+    from ..gates.margin_head import MarginHead
+    from ..offload.config import OffloadConfig
+    from ..policy.calibration import Calibration
+    from ..offload.experts import OffloadedExperts
+    from ..offload.placement import OffloadMemory
+    from ..patches.base import ArchitecturePatch, MoELayer
+
 logger = logging.getLogger(__name__)
+
+
+class StateBorrower(Protocol):
+    """A device decoder that holds row 0's routing state (:meth:`Controller.lend_state`)."""
+
+    def return_state(self, controller: Controller) -> None:
+        """Copy the state, counters and statistics back into ``controller``."""
 
 
 class Controller:
@@ -53,8 +71,8 @@ class Controller:
 
     __deepcopy__ = __reduce_ex__ = refuse_copy  # reached through a submodule that holds it, too
 
-    def __init__(self, model: torch.nn.Module, family: Any, layers: list, config: RoutingConfig,
-                 calibration: Any, predictor: Any = None, gate: Any = None):
+    def __init__(self, model: torch.nn.Module, family: ArchitecturePatch, layers: list[MoELayer], config: RoutingConfig,
+                 calibration: Any, predictor: Any = None, gate: MarginHead | str | Path | None = None):
         self.model = model
         self.family = family
         self.layers = layers
@@ -65,15 +83,17 @@ class Controller:
         (self.num_experts, self.top_k), = shapes
         self.num_layers = len(layers)
         self.default_window = family.default_window
-        self.offload: Any = None  # the OffloadedExperts when the experts are offloaded (patch(..., offload=...))
         self.routing = LayerRouting(model, family, layers, self.num_experts, self.top_k)
+        # where the experts live: the model's own weights until install() offloads them (patch(..., offload=...))
+        self.expert_store: PatchedExpertStore = self._resident_store()
+        self.routing.store = self.expert_store
         self._fwd: ForwardPass | None = None
-        self._lent: Any = None  # a device decoder holding row 0's state (lend_state)
+        self._lent: StateBorrower | None = None  # a device decoder holding row 0's state (lend_state)
         self._lock = threading.RLock()  # one forward pass or generate() at a time (see the class docstring)
         self._interrupted: str | None = None  # why the last forward pass stopped part-way; None once a new one starts
         self._sequence_positions: int | None = None  # positions the current sequence's routing state has seen
-        self._sequence_cache: Any = None  # weak reference to the KV cache its forward passes filled
-        self._recover_offload = False  # the offload's slots still need recover() (an abort that was itself cut short)
+        self._sequence_cache: weakref.ref | None = None  # weak reference to the KV cache its forward passes filled
+        self._recover_slots = False  # the store's slots still need abort() (an abort that was itself cut short)
         self._bypass = threading.local()  # .depth: bypassed() blocks open in this thread (other threads route)
         self._recorder: Recorder | None = None
         self._stop_ids: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -85,7 +105,8 @@ class Controller:
         self._installer = Installer(self)  # what install() puts on the model; uninstall() removes it
         self._configure(config, calibration, predictor, gate)
 
-    def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None, gate: Any = None) -> None:
+    def _configure(self, config: RoutingConfig, calibration: Any, predictor: Any = None,
+                   gate: MarginHead | str | Path | None = None) -> None:
         """Everything that follows from the routing config: the logical cache, the prefetch source, the gate,
         fresh rows and zero statistics. All or nothing: everything is built and checked before anything is
         assigned, so a ``ValueError`` leaves the controller as it was."""
@@ -121,9 +142,16 @@ class Controller:
         return self.routing.source.predictor
 
     @property
-    def gate(self) -> Any:
+    def gate(self) -> MarginHead | None:
         """The margin head that sets each token's margin (``patch(..., gate=...)``), else None."""
         return self.routing.gate
+
+    @property
+    def offload(self) -> OffloadedExperts | None:
+        """The :class:`~psr_hf.offload.OffloadedExperts` of a model patched with ``offload=``, else None (the
+        library asks :attr:`expert_store`, which is never None)."""
+        store = self.expert_store
+        return store if store.offloaded else None
 
     @property
     def forward_pass(self) -> ForwardPass | None:
@@ -145,9 +173,7 @@ class Controller:
         storage) need this call."""
         with self._lock:
             self._reclaim()
-            if self.offload is None:
-                raise ValueError("this model is not offloaded: its experts compute from the model's own weights")
-            self.offload.refresh()
+            self.expert_store.refresh()
 
     def reset_stats(self) -> None:
         """Zero the totals of :meth:`stats` (the per-row counters of the current sequence are kept), and the
@@ -155,10 +181,10 @@ class Controller:
         with self._lock:
             self._reclaim()
             self._totals = RoutingCounters() - self._current_totals()
-            if self.offload is not None:
-                self.offload.reset_stats()
+            self.expert_store.reset_stats()
 
-    def reconfigure(self, config: Any, calibration: Any = None, predictor: Any = None, gate: Any = None) -> None:
+    def reconfigure(self, config: RoutingConfig | Mapping[str, object] | str | Path, calibration: Any = None,
+                    predictor: Any = None, gate: MarginHead | str | Path | bool | None = None) -> None:
         """Route with another :class:`RoutingConfig` (or a dict of its fields, or its YAML file) and calibration
         from the next forward pass on, without unpatching: an offloaded model keeps its host store and gets new
         slots if the capacity changed. Starts a new sequence and zeroes every statistic.
@@ -183,26 +209,22 @@ class Controller:
             self._configure(config, calibration, predictor, gate)
             self._interrupted = None  # the cache is new: no sequence to continue
             self._sequence_positions = None  # any KV cache may continue with the new state
-            if self.offload is not None:
-                if self.offload.capacity != self.capacity:
-                    self.offload.resize(self.capacity)
-                self.offload.reset_stats()
+            self.expert_store.resize(self.capacity)
+            self.expert_store.reset_stats()
         logger.info("psr_hf: reconfigured to %s, capacity %d of %d experts", config.policy, self.capacity,
                     self.num_experts)
 
-    def memory(self) -> Any:
+    def memory(self) -> OffloadMemory:
         """Where the experts are (:class:`~psr_hf.offload.OffloadMemory`); only for an offloaded model."""
-        if self.offload is None:
-            raise ValueError("this model is not offloaded: patch it with offload=psr_hf.OffloadConfig(...)")
-        return self.offload.memory()
+        return self.expert_store.memory()
 
     def stats(self) -> RoutingStats:
         """Copies per token, replaced router slots and displaced router mass, per row and in total."""
         with self._lock:
             self._reclaim()
             total = self._totals + self._current_totals()
-            offload = None if self.offload is None else self.offload.stats(int(total.tokens))
-            return RoutingStats.of(self.cache.stats(), self.routing.displaced, total, offload)
+            copies = self.expert_store.stats(int(total.tokens))
+            return RoutingStats.of(self.cache.stats(), self.routing.displaced, total, copies)
 
     def record(self) -> Recorder:
         """Start recording (see :class:`~psr_hf.hf.recording.Recorder`); a recording already running is stopped
@@ -223,7 +245,7 @@ class Controller:
             self._set_recorder(None)
 
     @contextlib.contextmanager
-    def right_padded(self, lengths: Any) -> Iterator[None]:
+    def right_padded(self, lengths: ArrayLike) -> Iterator[None]:
         """Forward passes inside this block that get no attention mask have right-padded rows: positions from
         ``lengths[row]`` on (counted from the start of the sequence) are padding. They run the router's own top-K
         and never touch the state or the statistics, as masked positions do. For callers that pad on the right
@@ -259,7 +281,7 @@ class Controller:
                 self._recorder.drop_sequence()
             self._sequence_positions, self._sequence_cache = 0, None
 
-    def reorder(self, index: Any) -> None:
+    def reorder(self, index: ArrayLike) -> None:
         """Reorder or expand the rows like the KV cache (beam search): new row ``i`` continues old row ``index[i]``."""
         self._reclaim()
         index = np.asarray(index, dtype=np.int64).reshape(-1)
@@ -273,7 +295,7 @@ class Controller:
     # The engine's token graph (psr_hf.engine.token_graph) decides decode steps on the GPU from a copy of row 0's
     # state. While it holds the state, every caller here that reads or changes the state takes it back first
     # (``_reclaim``): the borrower's ``return_state(controller)`` copies the state, counters and statistics back.
-    def lend_state(self, borrower: Any) -> None:
+    def lend_state(self, borrower: StateBorrower) -> None:
         """Hand row 0's routing state to ``borrower`` (an object with ``return_state(controller)``) until the next
         call that reads or changes it. ``RuntimeError`` inside an open forward pass or step."""
         with self._lock:
@@ -288,7 +310,7 @@ class Controller:
         return self._recorder is not None
 
     @property
-    def lent(self) -> Any:
+    def lent(self) -> StateBorrower | None:
         """The borrower holding the state (None: the controller holds it)."""
         return self._lent
 
@@ -374,7 +396,7 @@ class Controller:
             raise
         self.end_step()
 
-    def select(self, layer: int, scores: Any, pregate: Any = None) -> Selection:
+    def select(self, layer: int, scores: ArrayLike, pregate: ArrayLike | None = None) -> Selection:
         """MoE layer ``layer``'s selection in the open step: ``scores`` ``[E]`` (or ``[1, E]``) are the family's
         selection scores of this layer (``router_scores[:E]``), ``pregate`` those of the next MoE layer on this
         layer's input (``router_scores[E:]``; kept only when :attr:`needs_pregate` and a next layer exists).
@@ -421,7 +443,7 @@ class Controller:
         """Whether :meth:`install` put this controller on its model (and :meth:`uninstall` has not removed it)."""
         return self._installer.installed
 
-    def install(self, offload: Any = None) -> None:
+    def install(self, offload: OffloadConfig | None = None) -> None:
         """Put cache-aware routing on the model, in this order: each MoE router's forward replaced, the forward of
         the model and of its text decoder wrapped, ``generate()`` and ``_reorder_cache()`` wrapped, the experts
         offloaded when ``offload`` (an :class:`~psr_hf.offload.OffloadConfig`, or None) is given, and last the
@@ -437,16 +459,21 @@ class Controller:
             self._reclaim()
             self._installer.uninstall()
 
-    def attach_offload(self, experts: Any) -> None:
-        """Route through the :class:`~psr_hf.offload.OffloadedExperts` ``experts`` (their slots follow the cache)."""
-        self.offload = self.routing.offload = experts
+    def _resident_store(self) -> ResidentExperts:
+        return ResidentExperts([layer.block.experts for layer in self.layers], self.num_experts)
+
+    def attach_store(self, store: PatchedExpertStore) -> None:
+        """Route through ``store`` (an :class:`~psr_hf.offload.OffloadedExperts`: its slots follow the cache)."""
+        self.expert_store = self.routing.store = store
         self.routing.refresh_devices()  # the routers may have moved to the offload device
 
-    def detach_offload(self) -> None:
-        """Close the offload (the weights go back to their devices) and route without it."""
-        experts, self.offload, self.routing.offload = self.offload, None, None
+    def detach_store(self) -> None:
+        """Close the attached store (the weights go back to their devices) and route over the model's own
+        experts again."""
+        store = self.expert_store
+        self.expert_store = self.routing.store = self._resident_store()
         try:
-            experts.close()
+            store.close()
         finally:
             self.routing.refresh_devices()
 
@@ -506,7 +533,7 @@ class Controller:
             return
         self._finished |= done.detach().to("cpu").numpy().astype(bool)
 
-    def router_forward(self, layer: Any, original: Callable) -> Callable:
+    def router_forward(self, layer: MoELayer, original: Callable) -> Callable:
         """The forward that replaces ``layer``'s router forward ``original`` (bound): the same name, docstring and
         signature (``functools.wraps``; ``__wrapped__`` is ``original``), routed by :class:`LayerRouting`."""
         index = layer.index
@@ -548,11 +575,12 @@ class Controller:
         recorded inside the graph). Any other routing decides on the host between the layers: the graph breaks
         here, and the rest runs eagerly with the lock and the routing state (``fullgraph=True`` is refused with
         this reason)."""
-        if self._outputs_exact and self.offload is None:
+        offloaded = self.expert_store.offloaded
+        if self._outputs_exact and not offloaded:
             return True
         torch._dynamo.graph_break(
             msg=f"psr_hf: policy={self.config.policy!r}"
-                + (" with offloaded experts" if self.offload is not None else "")
+                + (" with offloaded experts" if offloaded else "")
                 + " decides the routing on the host between the layers, so a compiled graph breaks at each MoE layer; "
                   "compile without fullgraph=True, or route with policy='exact' on a model that is not offloaded"
         )
@@ -581,36 +609,35 @@ class Controller:
             self.cache.reset()
         self.routing.new_sequence(rows)
         self._finished = np.zeros(rows, dtype=bool)
-        if self.offload is not None:  # every row starts from the warm set: copy it into the slots
-            self.offload.new_sequence([self.cache.resident(layer, 0) for layer in range(self.num_layers)])
+        # every row starts from the warm set: the slots take it
+        self.expert_store.new_sequence([self.cache.resident(layer, 0) for layer in range(self.num_layers)])
 
     # ------------------------------------------------------------------ forward passes
     def _bypassed_forward(self, original: Callable, args: tuple, kwargs: dict) -> Any:
-        # the model's own routing (calibration): no state is read or changed, but an offloaded model's slots must
-        # hold the current weights, and be consistent after an error
-        if self.offload is not None:
-            self._check_offload_device()
-            self.offload.sync_weights(self.routing.resident)
+        # the model's own routing (calibration): no state is read or changed, but the store's slots must hold the
+        # current weights, and be consistent after an error
+        store = self.expert_store
+        store.check_device(self.layers[0].router.weight.device)
+        store.sync_weights(self.routing.resident)
         try:
             return original(*args, **kwargs)
         except BaseException:
-            if self.offload is not None:
-                self.offload.abort()
+            store.abort()
             raise
 
     def _abort(self, error: BaseException) -> None:
         """The open forward pass stopped part-way with ``error``: close it and the sequence it belongs to (its KV
-        cache and routing state hold a partial step), and make the offload's slots consistent."""
+        cache and routing state hold a partial step), and make the store's slots consistent."""
         # first the plain assignments, which nothing can cut short: the next call must not see this forward open
         self._fwd = None
         self._interrupted = type(error).__name__
-        self._recover_offload = self.offload is not None
+        self._recover_slots = True
         self.routing.abort_forward()
         if self._recorder is not None:
             self._recorder.drop_forward()  # the stopped forward's layers are not recorded
         self._recover()
 
-    def _remember_cache(self, cache: Any) -> None:
+    def _remember_cache(self, cache: object) -> None:
         """The KV cache object the current sequence's forward passes fill (a weak reference)."""
         if cache is None or not hasattr(cache, "get_seq_length"):
             return
@@ -627,24 +654,14 @@ class Controller:
             self._recorder.end_forward(fwd.tokens, fwd.valid)
 
     def _recover(self) -> None:
-        if not self._recover_offload:
+        if not self._recover_slots:
             return
-        if self.offload is not None:
-            try:
-                self.offload.abort()
-            except Exception:  # the error that stopped the forward is the one to report; this one is logged
-                logger.exception("psr_hf offload: making the slots consistent after a stopped forward pass failed")
-                return
-        self._recover_offload = False
-
-    def _check_offload_device(self) -> None:
-        device = self.layers[0].router.weight.device
-        if device != self.offload.device:
-            raise ValueError(
-                f"psr_hf offload: the model's weights are on {device}, but it was offloaded to compute on "
-                f"{self.offload.device} (the model was moved after patching); psr_hf.unpatch(model), move it, and "
-                f"patch it again with OffloadConfig(device=...)"
-            )
+        try:
+            self.expert_store.abort()
+        except Exception:  # the error that stopped the forward is the one to report; this one is logged
+            logger.exception("psr_hf offload: making the slots consistent after a stopped forward pass failed")
+            return
+        self._recover_slots = False
 
     def _open(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Read the forward's input ids, mask and cache length, start a new sequence or continue the current one,
@@ -662,7 +679,7 @@ class Controller:
         if cache is not None and (past == 0 or self._sequence_cache is None):
             self._remember_cache(cache)
 
-    def _check_continuation(self, past: int, B: int, cache: Any = None, restart: bool = False) -> bool:
+    def _check_continuation(self, past: int, B: int, cache: object = None, restart: bool = False) -> bool:
         """A forward of ``B`` rows after ``past`` cached positions (in the KV cache ``cache``, if given) may
         continue the current sequence: the one whose routing state this is, so the same cache object as the
         sequence's forward passes used (when both are known) and as many cached positions as the routing state
@@ -678,7 +695,7 @@ class Controller:
             return True
         return False
 
-    def _check_continuing(self, past: int, B: int, cache: Any) -> None:
+    def _check_continuing(self, past: int, B: int, cache: object) -> None:
         if past > 0 and self._interrupted is None:
             # a dead reference: the sequence's cache is gone, so this one (alive all along) is another
             other = cache is not None and self._sequence_cache is not None and cache is not self._sequence_cache()
@@ -712,16 +729,15 @@ class Controller:
                 "sequence (empty cache) or reorder the rows with the KV cache"
             )
 
-    def _start(self, module: Any, tokens: np.ndarray, valid: np.ndarray | None, past: int, B: int, S: int,
-               restart: bool = False) -> None:
+    def _start(self, module: torch.nn.Module | None, tokens: np.ndarray, valid: np.ndarray | None, past: int, B: int,
+               S: int, restart: bool = False) -> None:
         """Open the forward pass of ``tokens`` [B, S] (``valid``: its real positions, None: all) after ``past``
         cached positions: a new sequence when ``past`` is 0 (or ``restart``), else the current one continues."""
-        if self.offload is not None:
-            self._check_offload_device()
+        store = self.expert_store
+        store.check_device(self.layers[0].router.weight.device)
         try:  # from here on the state changes: a stop part-way closes the sequence
-            if self.offload is not None:
-                self._recover()
-                self.offload.sync_weights(self.routing.resident)
+            self._recover()
+            store.sync_weights(self.routing.resident)
             if past == 0 or restart:
                 self._new_sequence(B)
             if self._in_generate and past > 0 and (self._stop_ids.size or self._finished.any()):
@@ -753,8 +769,8 @@ class Controller:
         return None if keep.all() else keep.astype(np.uint8)
 
 
-def _gate_for(gate: Any, config: RoutingConfig, calibration: Any, shape: dict,
-              device: torch.device) -> tuple[Any, torch.Tensor | None]:
+def _gate_for(gate: MarginHead | str | Path | None, config: RoutingConfig, calibration: Calibration, shape: dict,
+              device: torch.device) -> tuple[MarginHead | None, torch.Tensor | None]:
     """The margin head the routers use and its unit ``lam * delta[l]`` beside it (``ValueError`` where the config
     or calibration cannot carry per-token margins), or (None, None).
 

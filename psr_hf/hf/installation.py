@@ -12,11 +12,15 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 
 from .checkpointing import checkpointing_modules, route_checkpoints, unroute_checkpoints
+
+if TYPE_CHECKING:
+    from ..offload.config import OffloadConfig
+    from .controller import Controller
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ _COPY_REFUSED = (
 )
 
 
-def refuse_copy(*_: Any) -> Any:
+def refuse_copy(*_: object) -> NoReturn:
     """``__deepcopy__`` / ``__reduce_ex__`` of a patched model and of its controller."""
     raise TypeError(_COPY_REFUSED)
 
@@ -49,7 +53,7 @@ class Installation:
         """Remember ``undo`` (no arguments), which removes one thing that was just installed."""
         self._undo.append(undo)
 
-    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+    def set_attr(self, obj: object, name: str, value: object) -> None:
         """Set ``obj.name`` to ``value`` as an instance attribute (bypassing ``nn.Module.__setattr__``), remembering
         how to restore what the instance had: its own previous attribute, or none (the class's shows again)."""
         had = name in vars(obj)
@@ -80,7 +84,7 @@ class Installation:
 class Installer:
     """Installs ``controller`` on its model (:meth:`install`) and removes it (:meth:`uninstall`)."""
 
-    def __init__(self, controller: Any):
+    def __init__(self, controller: Controller):
         self.controller = controller
         self.installation = Installation()
         self._checkpointing: list = []  # the modules transformers may checkpoint
@@ -89,7 +93,7 @@ class Installer:
     def installed(self) -> bool:
         return bool(self.installation)
 
-    def install(self, offload: Any = None) -> None:
+    def install(self, offload: OffloadConfig | None = None) -> None:
         """All or nothing: if a step fails, what the earlier ones installed is removed and the error is raised."""
         if self.installed:
             raise RuntimeError("psr_hf: this controller is already installed; uninstall() it first")
@@ -152,17 +156,18 @@ class Installer:
         (:func:`.checkpointing.route_checkpoints`)."""
         route_checkpoints(self._checkpointing, self.controller.routing)
 
-    def _install_offload(self, config: Any) -> None:
-        """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadedExperts`)."""
+    def _install_offload(self, config: OffloadConfig) -> None:
+        """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadedExperts`), the
+        controller's expert store until uninstalled."""
         from ..offload.experts import OffloadedExperts
 
         ctl = self.controller
         experts = OffloadedExperts(ctl.model, ctl.layers, ctl.num_experts, ctl.capacity, config)
-        self.installation.add(ctl.detach_offload)
-        ctl.attach_offload(experts)
+        self.installation.add(ctl.detach_store)
+        ctl.attach_store(experts)
 
 
-def _forward_wrapper(ctl: Any, module: torch.nn.Module, original: Callable) -> Callable:
+def _forward_wrapper(ctl: Controller, module: torch.nn.Module, original: Callable) -> Callable:
     """The forward that replaces ``module``'s (the model's or its decoder's; ``original`` bound)."""
 
     @functools.wraps(original)
@@ -172,7 +177,7 @@ def _forward_wrapper(ctl: Any, module: torch.nn.Module, original: Callable) -> C
     return forward
 
 
-def _generate_wrapper(ctl: Any, original: Callable) -> Callable:
+def _generate_wrapper(ctl: Controller, original: Callable) -> Callable:
     """The model's ``generate`` that also tells the controller the stop tokens and the prompt length."""
 
     @functools.wraps(original)
@@ -182,14 +187,14 @@ def _generate_wrapper(ctl: Any, original: Callable) -> Callable:
     return generate
 
 
-def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
+def _stopping_criteria_wrapper(ctl: Controller, original: Callable) -> Callable:
     """The model's ``_get_stopping_criteria`` whose list also tells the controller which rows each step stopped
     (stop strings, lm-eval's ``until``, any custom criterion), so the pad tokens generate() feeds a stopped row
     afterwards never touch its routing state or statistics."""
     from transformers import StoppingCriteriaList
 
     class RowStops(StoppingCriteriaList):
-        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
             done = super().__call__(input_ids, scores, **kwargs)
             ctl.rows_stopped(done)
             return done
@@ -205,7 +210,7 @@ def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
     return get_stopping_criteria
 
 
-def _reorder_cache_wrapper(ctl: Any, original: Callable | None) -> Callable:
+def _reorder_cache_wrapper(ctl: Controller, original: Callable | None) -> Callable:
     """The model's ``_reorder_cache`` (None: it has none, and the KV cache reorders itself) that also reorders
     the per-row state like the KV cache (beam search)."""
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
@@ -17,10 +18,15 @@ from ..policy.config import RoutingConfig
 from .controller import Controller
 from .installation import CONTROLLER_ATTRIBUTE
 
+if TYPE_CHECKING:
+    from ..gates.margin_head import MarginHead
+    from ..offload.config import OffloadConfig
+    from ..patches.base import ArchitecturePatch
+
 logger = logging.getLogger(__name__)
 
 
-def family_of(model: torch.nn.Module) -> Any:
+def family_of(model: torch.nn.Module) -> ArchitecturePatch:
     """The architecture patch (:class:`~psr_hf.patches.base.ArchitecturePatch`) that handles ``model``: its
     model type's, or its text config's for a composite model. ``ValueError`` for a model psr_hf cannot patch."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
@@ -49,8 +55,9 @@ def family_of(model: torch.nn.Module) -> Any:
     )
 
 
-def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
-          predictor: Any = None, gate: Any = None) -> torch.nn.Module:
+def patch(model: torch.nn.Module, config: RoutingConfig | Mapping[str, object] | str | Path, calibration: Any = None,
+          offload: OffloadConfig | Mapping[str, object] | str | None = None, predictor: Any = None,
+          gate: MarginHead | str | Path | None = None) -> torch.nn.Module:
     """Make ``model``'s MoE routing cache-aware, in place; returns the same object.
 
     Args:
@@ -117,7 +124,7 @@ def patch(model: torch.nn.Module, config: Any, calibration: Any = None, offload:
     return model
 
 
-def _calibration_beside(model: torch.nn.Module) -> Any:
+def _calibration_beside(model: torch.nn.Module) -> Path | None:
     """The ``calibration.safetensors`` in the folder ``model`` was loaded from, if it has one (else None)."""
     import os
 
@@ -139,8 +146,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, config: Any, calibration: Any = None, offload: Any = None,
-            predictor: Any = None, gate: Any = None) -> Iterator[torch.nn.Module]:
+def patched(model: torch.nn.Module, config: RoutingConfig | Mapping[str, object] | str | Path, calibration: Any = None,
+            offload: OffloadConfig | Mapping[str, object] | str | None = None, predictor: Any = None,
+            gate: MarginHead | str | Path | None = None) -> Iterator[torch.nn.Module]:
     """``with psr_hf.patched(model, config) as m: ...``: patched inside the block, unpatched after (even on error)."""
     patch(model, config, calibration=calibration, offload=offload, predictor=predictor, gate=gate)
     try:

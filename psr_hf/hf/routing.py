@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from ..policy.cache import StepPlan
+from .inputs import ForwardPass
 from .prefetch_sources import PregateRanking
 from .router_choice import follow_router_choice
+
+if TYPE_CHECKING:
+    from ..gates.margin_head import MarginHead
+    from ..gates.relaxation import GateRelaxation
+    from ..offload.store import PatchedExpertStore
+    from ..patches.base import ArchitecturePatch, MoELayer
+    from ..policy.cache import LogicalCache
+    from ..policy.config import RoutingConfig
+    from .recording import Recorder
 
 
 @dataclass(frozen=True)
@@ -42,18 +53,19 @@ class LayerRouting:
     """The routing state of one patched model's MoE layers, owned by its :class:`Controller`: the host pre-gate
     of each layer in the open forward pass, the stacked router weights, the selection staging buffers, the
     decisions a gradient-checkpointing backward pass replays and the displaced-mass sums. The controller sets
-    ``cache``, ``source``, ``offload`` and ``recorder`` and passes the open forward pass (``fwd``) to each call."""
+    ``cache``, ``source``, ``store`` and ``recorder`` and passes the open forward pass (``fwd``) to each call."""
 
-    def __init__(self, model: torch.nn.Module, family: Any, layers: list, num_experts: int, top_k: int):
+    def __init__(self, model: torch.nn.Module, family: ArchitecturePatch, layers: list[MoELayer], num_experts: int,
+                 top_k: int):
         self.model, self.family, self.layers = model, family, layers
         self.num_layers, self.num_experts, self.top_k = len(layers), num_experts, top_k
-        self.cache: Any = None  # the LogicalCache
+        self.cache: LogicalCache | None = None
         self.source: PregateRanking = PregateRanking()  # the prefetch source (RoutingConfig.prefetch)
-        self.offload: Any = None  # the OffloadedExperts when the experts are offloaded
-        self.recorder: Any = None  # the running Recorder, if any
-        self.gate: Any = None  # a MarginHead: each token's scores scaled by gate_unit[l] / its margin
+        self.store: PatchedExpertStore | None = None  # where the experts live (the controller's expert store)
+        self.recorder: Recorder | None = None  # the running recording, if any
+        self.gate: MarginHead | None = None  # a margin head: each token's scores scaled by gate_unit[l] / its margin
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
-        self.relaxation: Any = None  # a GateRelaxation while a gate trains (psr_hf.gates.train)
+        self.relaxation: GateRelaxation | None = None  # while a gate trains (psr_hf.gates.train)
         self.needs_pregate = self.executes_pregate = False
         self.follows_router = False  # exact routing: the router's own picks decide ties (router_choice)
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
@@ -73,7 +85,7 @@ class LayerRouting:
         self.displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
 
     # ------------------------------------------------------------------ state the controller changes
-    def configure(self, config: Any, cache: Any, source: PregateRanking) -> None:
+    def configure(self, config: RoutingConfig, cache: LogicalCache, source: PregateRanking) -> None:
         """Route with ``config`` through ``cache``, ranking prefetches with ``source``: one fresh row."""
         self._stacked.clear()
         self.source, self.cache = source, cache
@@ -115,7 +127,8 @@ class LayerRouting:
         return self.cache.resident_mask(layer) != 0
 
     # ------------------------------------------------------------------ the router forwards
-    def route_own(self, fwd: Any, layer: int, router: Any, own: tuple, hidden: torch.Tensor | None = None) -> tuple:
+    def route_own(self, fwd: ForwardPass, layer: int, router: torch.nn.Module, own: tuple,
+                  hidden: torch.Tensor | None = None) -> tuple:
         """Layers that need no pre-gate of the next layer: the router runs first, its logits give the scores
         (``hidden``: the router's input, read by a gate)."""
         with torch.no_grad():  # the host's copy only: nothing of it is saved for a backward pass
@@ -134,7 +147,7 @@ class LayerRouting:
         self.source.remember(layer, z_host, fwd.valid)
         return self._execute(fwd, layer, router, plan, z_host, own[0], own, None, hidden, mass_scores)
 
-    def route_joint(self, fwd: Any, layer: int, router: Any, hidden: torch.Tensor,
+    def route_joint(self, fwd: ForwardPass, layer: int, router: torch.nn.Module, hidden: torch.Tensor,
                     run_own: Callable[[], tuple]) -> tuple:
         """This layer's scores and the next layer's pre-gate from one matmul, moved to the host in one transfer;
         the model's own router runs afterwards, and only where the selection is the router's own top-K."""
@@ -180,7 +193,7 @@ class LayerRouting:
             extras.append(ungated.float())
         return torch.cat([scores.float()] + extras, dim=1) if extras else scores
 
-    def _split_host(self, host: np.ndarray, fwd: Any, extras_from: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def _split_host(self, host: np.ndarray, fwd: ForwardPass, extras_from: int) -> tuple[np.ndarray, np.ndarray | None]:
         """This layer's selection scores ``[B, S, E]`` (C-contiguous: the kernels are compiled for that layout
         only) from a transfer laid out by :meth:`_with_host_extras`, and the scores its displaced mass is computed
         from (None: the same)."""
@@ -196,7 +209,7 @@ class LayerRouting:
             mass_scores = np.ascontiguousarray(host[:, column:column + E]).reshape(shape)
         return np.ascontiguousarray(z).reshape(shape), mass_scores
 
-    def _snapshot(self, fwd: Any, layer: int) -> None:
+    def _snapshot(self, fwd: ForwardPass, layer: int) -> None:
         """While a gate trains: the layer's logical cache of every row before the kernels route the block."""
         if self.relaxation is not None:
             self.relaxation.snapshot(layer, [self.cache.resident_mask(layer, row) != 0 for row in range(fwd.rows)])
@@ -232,7 +245,7 @@ class LayerRouting:
         """Whether a recomputation of ``layer`` now has the decisions of its forward pass."""
         return layer in (self.decisions if self._replaying is None else self._replaying)
 
-    def recompute(self, layer: int, router: Any, own: tuple) -> tuple:
+    def recompute(self, layer: int, router: torch.nn.Module, own: tuple) -> tuple:
         """A layer recomputed in the backward pass (gradient checkpointing): the selection the forward pass made,
         with weights from the recomputed logits, so the gradients are those of the routed forward. The decisions
         are those of the checkpointed call being recomputed, else (a checkpoint psr_hf did not wrap) the last
@@ -241,7 +254,7 @@ class LayerRouting:
         if self.relaxation is not None:
             raise RuntimeError("psr_hf: a gate trains without gradient checkpointing (its relaxation reads the cache "
                                "of the forward pass); call model.gradient_checkpointing_disable()")
-        if self.offload is not None:
+        if self.store.offloaded:
             raise RuntimeError(
                 "psr_hf: gradient checkpointing recomputes layers in the backward pass, whose expert slots have "
                 "changed since the forward pass; train without offload (psr_hf.patch(..., offload=None))"
@@ -256,7 +269,7 @@ class LayerRouting:
         return self._assemble(router, own[0], own, count, N, chosen, flags)
 
     # ------------------------------------------------------------------ the batch-1 decode path
-    def select(self, fwd: Any, layer: int, scores: Any, pregate: Any) -> Selection:
+    def select(self, fwd: ForwardPass, layer: int, scores: ArrayLike, pregate: ArrayLike | None) -> Selection:
         """:meth:`Controller.select` in the open step ``fwd``."""
         if self.gate is not None:
             raise RuntimeError("psr_hf: a model routed with a gate (a margin head) decodes through its own forward "
@@ -275,7 +288,7 @@ class LayerRouting:
         self.source.remember(layer, z, fwd.valid)
         return Selection(experts=chosen[0], tensor=tensor, own=count == 0)
 
-    def prefetch(self, fwd: Any, layer: int) -> bool:
+    def prefetch(self, fwd: ForwardPass, layer: int) -> bool:
         """:meth:`Controller.prefetch` in the open step ``fwd``."""
         if not self.needs_pregate:
             return False
@@ -296,7 +309,7 @@ class LayerRouting:
         for t in range(scores.shape[0]):
             for layer in range(self.num_layers):
                 plan = StepPlan(plans[t, layer].reshape(1, 1, -1), layout)
-                self.cache.finish_layer(plan, scores[t, layer].reshape(1, 1, -1), None, self.offload is not None,
+                self.cache.finish_layer(plan, scores[t, layer].reshape(1, 1, -1), None, self.store.offloaded,
                                         self.family.router_mass, self._mass_bias[layer], self.displaced[layer],
                                         chosen, flags)
 
@@ -325,9 +338,9 @@ class LayerRouting:
         return cached[3]
 
     # ------------------------------------------------------------------ a layer's plan to the router's outputs
-    def _execute(self, fwd: Any, layer: int, router: Any, plan: StepPlan, z_host: np.ndarray, logits: Any,
-                 own: tuple | None, run_own: Callable[[], tuple] | None, hidden: torch.Tensor | None = None,
-                 mass_scores: np.ndarray | None = None) -> tuple:
+    def _execute(self, fwd: ForwardPass, layer: int, router: torch.nn.Module, plan: StepPlan, z_host: np.ndarray,
+                 logits: torch.Tensor | _Lazy, own: tuple | None, run_own: Callable[[], tuple] | None,
+                 hidden: torch.Tensor | None = None, mass_scores: np.ndarray | None = None) -> tuple:
         """The router's triple for the selection in ``plan``: the router's own outputs (``own``, or computed by
         ``run_own``) where the selection is its own top-K, the selected experts with weights from the unmodified
         scores elsewhere. Where the router's K-th and (K+1)-th scores tie, its own top-K is torch's arbitrary
@@ -359,8 +372,8 @@ class LayerRouting:
                 result = self.relaxation.outputs(self.family, layer, router, result, plan, self.gate, hidden)
         return result
 
-    def _assemble(self, router: Any, logits: Any, own: tuple | None, count: int, N: int, chosen: torch.Tensor,
-                  flags: np.ndarray) -> tuple:
+    def _assemble(self, router: torch.nn.Module, logits: torch.Tensor | _Lazy, own: tuple | None, count: int, N: int,
+                  chosen: torch.Tensor, flags: np.ndarray) -> tuple:
         """The router's triple when ``count`` of the ``N`` positions (``flags``) run ``chosen`` instead of the
         router's own top-K: their weights from the unmodified scores, the router's own outputs elsewhere."""
         if isinstance(logits, _Lazy):
@@ -382,20 +395,20 @@ class LayerRouting:
             io.pregate[:, 0] = self.pregate[layer][:, 0]
         return self.cache.step_io(layer, mode)
 
-    def _decode_prefetch(self, fwd: Any, layer: int, g: np.ndarray) -> None:
+    def _decode_prefetch(self, fwd: ForwardPass, layer: int, g: np.ndarray) -> None:
         """One position per row (decoding): part 1 of ``layer`` from its pre-gate ``g`` [B, E] (the previous
         layer's input through this layer's router), and the offload's prefetch copies of its insertions."""
         self.cache.io.pregate[:, 0] = g
         plan = self.cache.step_io(layer, "prefetch")
-        if self.offload is not None and _mirrors(fwd):
-            self.offload.prefetch(layer, plan, self.cache.resident_mask(layer))
+        if _mirrors(fwd):
+            self.store.prefetch(layer, plan, self.cache.resident_mask(layer))
 
-    def _decide(self, fwd: Any, layer: int, plan: StepPlan, z_host: np.ndarray,
+    def _decide(self, fwd: ForwardPass, layer: int, plan: StepPlan, z_host: np.ndarray,
                 mass_scores: np.ndarray | None = None) -> tuple[int, torch.Tensor, np.ndarray, np.ndarray]:
         """What every caller does with a layer's plan: record it, count its statistics
         (:meth:`LogicalCache.finish_layer`; the router's own top-K and the displaced mass from ``mass_scores``, the
         ungated scores of a gated layer, else ``z_host``), write the selected experts into the host staging buffer
-        and tell the offload. Returns the number of positions whose selection is not the router's own top-K, the
+        and tell the expert store. Returns the number of positions whose selection is not the router's own top-K, the
         staging tensor ``[N, K]`` (host; pinned for a CUDA device), the per-position flags (1: not the router's
         own) and the staging buffer as an array."""
         N = fwd.rows * fwd.positions
@@ -404,12 +417,13 @@ class LayerRouting:
         chosen, chosen_dev_view = self._staging(N, self.devices[layer])
         flags = self._flags if N == 1 else np.empty(N, dtype=np.uint8)
         own_scores = z_host if mass_scores is None else mass_scores
-        count = self.cache.finish_layer(plan, own_scores, fwd.valid, self.offload is not None, self.family.router_mass,
+        store = self.store
+        # an offloaded layer loads exactly the plan's experts, padded positions' included
+        count = self.cache.finish_layer(plan, own_scores, fwd.valid, store.offloaded, self.family.router_mass,
                                         self._mass_bias[layer], self.displaced[layer], chosen, flags)
-        if self.offload is not None:
-            mirror = _mirrors(fwd)
-            resident = None if fwd.rows != 1 else self.cache.resident_mask(layer) if mirror else self.resident(layer)
-            self.offload.route(layer, plan, chosen, mirror, resident)
+        mirror = _mirrors(fwd)
+        resident = None if fwd.rows != 1 else self.cache.resident_mask(layer) if mirror else self.resident(layer)
+        store.route(layer, plan, chosen, mirror, resident)
         return count, chosen_dev_view, flags, chosen
 
     def _staging(self, rows: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
@@ -433,8 +447,8 @@ class LayerRouting:
         return view
 
 
-def _mirrors(fwd: Any) -> bool:
-    """One row and one real position: the offload's slots follow this step's plan exactly."""
+def _mirrors(fwd: ForwardPass) -> bool:
+    """One row and one real position: an offloaded store's slots follow this step's plan exactly."""
     return fwd.rows == 1 and fwd.positions == 1 and (fwd.valid is None or bool(fwd.valid[0, 0]))
 
 

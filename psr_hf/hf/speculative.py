@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from ..patches import get_patch
 from ..policy._mass import MASS_SOFTMAX
 from ..policy.blocks import BlockConfig, BlockPool, BlockRecord
 from .installation import CONTROLLER_ATTRIBUTE
+
+if TYPE_CHECKING:
+    from ..patches.base import ArchitecturePatch, MoELayer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class SpeculativeResult:
         return sum(self.copies) / max(len(self.tokens), 1)
 
 
-def moe_routers(model: torch.nn.Module, block: BlockConfig | None = None) -> tuple[Any, list]:
+def moe_routers(model: torch.nn.Module, block: BlockConfig | None = None) -> tuple[ArchitecturePatch, list[MoELayer]]:
     """The family patch of ``model`` and its MoE layers; ``ValueError`` where block selection does not apply, or
     where ``block``'s ``top_k`` is not the routers'."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -79,7 +82,7 @@ def own_routing(*models: torch.nn.Module) -> Iterator[None]:
         ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
         if ctl is None:
             continue
-        if ctl.offload is not None:
+        if ctl.expert_store.offloaded:
             raise ValueError("speculative decoding in the harness routes logically; patch the target without "
                              "offload (the engine, psr_hf.engine.SpeculativeEngine, performs the copies)")
         controllers[id(ctl)] = ctl

@@ -7,9 +7,13 @@ the :class:`RoutingStats` that :meth:`psr_hf.hf.controller.Controller.stats` ret
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..offload.experts import OffloadStats
+    from ..policy.cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,11 @@ class RoutingStats:
     replaced_per_token: np.ndarray
     displaced_mass: np.ndarray
     total: dict[str, float] = field(default_factory=dict)
-    offload: Any = None  # OffloadStats (physical copies since reset_stats) when the experts are offloaded
+    offload: OffloadStats | None = None  # physical copies since reset_stats, when the experts are offloaded
 
     @classmethod
-    def of(cls, cache_stats: Any, displaced: np.ndarray, total: "RoutingCounters",
-           offload: Any = None) -> "RoutingStats":
+    def of(cls, cache_stats: CacheStats, displaced: np.ndarray, total: "RoutingCounters",
+           offload: OffloadStats | None = None) -> "RoutingStats":
         """The statistics of the current sequence from the logical cache's ``[L, R]`` counters
         (:class:`~psr_hf.policy.cache.CacheStats`) and ``[L, R]`` displaced-mass sums, with ``total`` over every
         sequence."""
@@ -87,7 +91,7 @@ class RoutingCounters:
     sequences: float = 0.0  # rows that saw tokens
 
     @classmethod
-    def of(cls, cache_stats: Any, displaced: np.ndarray) -> "RoutingCounters":
+    def of(cls, cache_stats: CacheStats, displaced: np.ndarray) -> "RoutingCounters":
         """The counts of the current sequence (every row) from the logical cache's counters and the ``[L, R]``
         displaced-mass sums."""
         s = cache_stats

@@ -13,9 +13,13 @@ and why not; every caller falls back to torch's calls without it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # cuda-python is optional: its types only name what these calls take and return
+    from cuda.bindings.runtime import cudaError_t, cudaEvent_t, cudaGraphExec_t
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +41,7 @@ def available() -> tuple[bool, str]:
     return True, f"cuda-bindings {version}"
 
 
-def _rt() -> Any:
+def _rt() -> ModuleType:
     from cuda.bindings import runtime
 
     return runtime
@@ -68,13 +72,13 @@ class Runtime:
         self._query = rt.cudaEventQuery
         self._event_sync = rt.cudaEventSynchronize
         self._launch = rt.cudaGraphLaunch
-        self._events: list[Any] = []
+        self._events: list[cudaEvent_t] = []
 
-    def _fail(self, call: str, err: Any) -> None:
+    def _fail(self, call: str, err: cudaError_t) -> None:
         name = getattr(err, "name", str(err))
         raise RuntimeError(f"psr_hf offload: {call} failed on {self.device} ({name})")
 
-    def event(self, timing: bool = False) -> Any:
+    def event(self, timing: bool = False) -> cudaEvent_t:
         """A new event (blocking-sync off; timing only when asked: a timing event costs more to record)."""
         rt = self.rt
         flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
@@ -90,18 +94,18 @@ class Runtime:
         if err != self._success:
             self._fail("cudaMemcpyAsync", err)
 
-    def record(self, event: Any, stream: int) -> None:
+    def record(self, event: cudaEvent_t, stream: int) -> None:
         err, = self._record(event, stream)
         if err != self._success:
             self._fail("cudaEventRecord", err)
 
-    def wait(self, stream: int, event: Any) -> None:
+    def wait(self, stream: int, event: cudaEvent_t) -> None:
         """``stream`` waits (on the device) for ``event``."""
         err, = self._wait(stream, event, 0)
         if err != self._success:
             self._fail("cudaStreamWaitEvent", err)
 
-    def query(self, event: Any) -> bool:
+    def query(self, event: cudaEvent_t) -> bool:
         """Whether the work before ``event``'s latest record is complete."""
         err, = self._query(event)
         if err == self._success:
@@ -111,17 +115,17 @@ class Runtime:
         self._fail("cudaEventQuery", err)
         return False
 
-    def synchronize(self, event: Any) -> None:
+    def synchronize(self, event: cudaEvent_t) -> None:
         """The host waits for ``event``."""
         err, = self._event_sync(event)
         if err != self._success:
             self._fail("cudaEventSynchronize", err)
 
-    def graph_exec(self, handle: int) -> Any:
+    def graph_exec(self, handle: int) -> cudaGraphExec_t:
         """A ``cudaGraphExec_t`` for the address torch's ``CUDAGraph.raw_cuda_graph_exec()`` returns."""
         return self.rt.cudaGraphExec_t(int(handle))
 
-    def launch(self, graph_exec: Any, stream: int) -> None:
+    def launch(self, graph_exec: cudaGraphExec_t, stream: int) -> None:
         """``cudaGraphLaunch``: torch's ``CUDAGraph.replay()`` without its per-replay work in Python and C++ (the
         memory pool's liveness check, the RNG generators' offsets, which graphs without random numbers never
         read)."""
@@ -129,7 +133,7 @@ class Runtime:
         if err != self._success:
             self._fail("cudaGraphLaunch", err)
 
-    def new_stream(self) -> Any:
+    def new_stream(self) -> torch.cuda.Stream:
         """A new torch CUDA stream on the device (its raw handle: ``int(stream.cuda_stream)``)."""
         return torch.cuda.Stream(self.device)
 
@@ -143,7 +147,7 @@ class Runtime:
         if err != self._success:
             self._fail("cudaStreamSynchronize", err)
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
+    def elapsed_ms(self, start: cudaEvent_t, end: cudaEvent_t) -> float:
         err, ms = self.rt.cudaEventElapsedTime(start, end)
         if err != self._success:
             self._fail("cudaEventElapsedTime", err)
@@ -167,7 +171,7 @@ class HostEvent:
         if runtime is None and cuda and available()[0]:
             runtime = Runtime(self.device)
         self._runtime = runtime if cuda else None
-        self._event: Any = (self._runtime.event() if self._runtime is not None
+        self._event: cudaEvent_t | torch.cuda.Event | None = (self._runtime.event() if self._runtime is not None
                             else torch.cuda.Event() if cuda else None)
 
     def record(self, stream: int | None = None) -> None:

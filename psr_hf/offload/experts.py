@@ -1,4 +1,5 @@
-"""The offloaded experts of one patched model: placement, slot buffers, scheduler and the registered experts function.
+"""The offloaded experts of one patched model: placement, slot buffers, scheduler and the registered experts function;
+the :class:`~psr_hf.offload.store.PatchedExpertStore` of a model patched with ``offload=``.
 
 The controller tells :class:`OffloadedExperts` what the logical cache decided (:meth:`OffloadedExperts.route` after
 a layer's selection, :meth:`OffloadedExperts.prefetch` after the next layer's part 1); the model's experts modules,
@@ -11,29 +12,34 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 from .config import OffloadConfig
+from .links import new_link
 from .placement import OffloadMemory, place
-from . import cuda_runtime
-from .runtime_link import RuntimeLink
-from .scheduler import CudaLink, SlotScheduler, ThreadLink
+from .scheduler import SlotScheduler
+from .store import SlotExperts
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from ..patches.base import MoELayer
+    from ..policy.cache import StepPlan
 
 logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "psr_offload"
 _ATTR = "_psr_offload"
-_LOGGED: set[str] = set()
 
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
+#: an experts implementation of transformers: (module, hidden [T, H], top_k_index [T, K], top_k_weights [T, K])
+ExpertsFunction = Callable[..., torch.Tensor]
+#: what a layer's next run() does: True (a decode selection whose copies were issued), a block's (chosen [N, K],
+#: the row's logical cache or None), or None (ask the device which experts run)
+Pending = Union[bool, tuple[np.ndarray, Union[np.ndarray, None]], None]
 
 
 @dataclass(frozen=True)
@@ -69,26 +75,14 @@ class OffloadStats:
                 f"{self.prefetch_late}, unused {self.prefetch_unused}), dropped={self.dropped}, warm={self.warm}, "
                 f"MiB={self.bytes / 2**20:.1f}, wait_ms={self.wait_ms:.1f})")
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = asdict(self)
+    def to_dict(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = asdict(self)
         for name in ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped",
                      "bytes", "wait_ms"):
             out[f"{name}_per_token"] = self.per_token(name)
         out["copies_per_token"] = (self.demand + self.prefetch - self.dropped) / max(self.tokens, 1)
         out["warm_copies"] = self.warm
         return out
-
-
-class _SlotExperts:
-    """An experts module as the stock implementation sees it: the slot buffers as its weights, ``C`` experts."""
-
-    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], capacity: int):
-        self.__dict__.update(weights)
-        self.num_experts = capacity
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
 
 
 def _offload_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -111,7 +105,7 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _offload_forward)
 
 
-def _inner_function(module: nn.Module) -> Any:
+def _inner_function(module: nn.Module) -> ExpertsFunction:
     """The experts implementation ``module`` runs now (the stock function that will run on the slot buffers)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -124,7 +118,7 @@ def _inner_function(module: nn.Module) -> Any:
     return getattr(forward, "__wrapped__", forward)  # the class's own (eager) forward under transformers' wrapper
 
 
-def _slot_by_slot(inner: Any, proxy: nn.Module, hidden: torch.Tensor, slots: torch.Tensor,
+def _slot_by_slot(inner: ExpertsFunction, proxy: SlotExperts, hidden: torch.Tensor, slots: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
     """The experts of several positions on the CPU with more than one thread, where torch's grouped kernels
     give results that depend on where each group starts (so on which slot holds which expert): each slot's
@@ -141,7 +135,7 @@ def _slot_by_slot(inner: Any, proxy: nn.Module, hidden: torch.Tensor, slots: tor
     return pairs.sum(dim=1)
 
 
-def _set_implementation(config: Any, value: str | None) -> None:
+def _set_implementation(config: PretrainedConfig, value: str | None) -> None:
     # transformers 5.23+ keeps it behind a property whose setter recurses into sub-configs; set this config only
     if isinstance(getattr(type(config), "_experts_implementation", None), property):
         config._experts_implementation_internal = value
@@ -162,9 +156,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 class OffloadedExperts:
-    """Everything physical of one offloaded model; created by :func:`psr_hf.patch`, removed by :meth:`close`."""
+    """Everything physical of one offloaded model; created by :func:`psr_hf.patch`, removed by :meth:`close`. The
+    :class:`~psr_hf.offload.store.PatchedExpertStore` whose slots follow the logical cache."""
 
-    def __init__(self, model: nn.Module, layers: list, num_experts: int, capacity: int, config: OffloadConfig):
+    offloaded = True
+
+    def __init__(self, model: nn.Module, layers: list[MoELayer], num_experts: int, capacity: int,
+                 config: OffloadConfig):
         self.config = config
         self.device = resolve_device(config.device)
         self.num_layers, self.num_experts = len(layers), num_experts
@@ -178,7 +176,7 @@ class OffloadedExperts:
         self._inner = [_inner_function(m) for m in self.modules]
         self.placement = place(model, self.modules, num_experts, capacity, self.device, config.pin_memory)
         self._remember_weights()
-        self._configs: list[tuple[Any, Any]] = []
+        self._configs: list[tuple[PretrainedConfig, str | None]] = []
         try:
             self._allocate(capacity)
             _register()
@@ -200,37 +198,23 @@ class OffloadedExperts:
                        for name, t in layer.items()} for layer in store]
         dst = [[[t[s] for t in layer.values()] for s in range(C)] for layer in self.slots]
         src = [[[t[e] for t in layer.values()] for e in range(self.num_experts)] for layer in store]
-        self.link = self._new_link()
-        if hasattr(self.link, "prepare"):  # the raw link copies between addresses, fixed for these buffers
-            dst, src = self.link.prepare(dst, src)
+        self.link = new_link(self.device, self.config.copy_delay_ms, self.config.copy_api)
+        dst, src = self.link.prepare(dst, src)  # the raw link copies between addresses, fixed for these buffers
         self.scheduler = SlotScheduler(self.num_layers, self.num_experts, C, self.link, self.config.max_in_flight,
                                        self.placement.bytes_per_expert, src, dst)
-        self._proxies = [_SlotExperts(m, w, C) for m, w in zip(self.modules, self.slots)]
+        self._proxies = [SlotExperts(m, w, C) for m, w in zip(self.modules, self.slots)]
         E, L = self.num_experts, self.num_layers
         if self.device.type == "cuda":
             self._map_device = [torch.zeros(E, dtype=torch.int64, device=self.device) for _ in range(L)]
             self._map_host = [[torch.zeros(E, dtype=torch.int64, pin_memory=True) for _ in range(2)] for _ in range(L)]
             self._map_turn = [0] * L
-        self._pending: list[Any] = [None] * L
-
-    def _new_link(self) -> Any:
-        """The copy link: a copy thread on the CPU; on CUDA raw runtime calls (``copy_api``) or torch's."""
-        delay = self.config.copy_delay_ms
-        if self.device.type != "cuda":
-            return ThreadLink(delay)
-        api = self.config.copy_api
-        if api != "torch":
-            ok, why = cuda_runtime.available()
-            if ok:
-                return RuntimeLink(self.device, delay)
-            if api == "cuda-python":
-                raise ValueError(f"OffloadConfig(copy_api='cuda-python'): {why}")
-            _log_once(f"psr_hf offload: copies are issued by torch's calls ({why}); about 20-30 us of host time "
-                      "per copy instead of about 3")
-        return CudaLink(self.device, delay)
+        self._pending: list[Pending] = [None] * L
 
     def resize(self, capacity: int) -> None:
-        """New slot buffers for ``capacity`` slots per layer (empty; the next sequence copies its warm set)."""
+        """New slot buffers for ``capacity`` slots per layer (empty; the next sequence copies its warm set), where
+        the layers have another number of slots."""
+        if int(capacity) == self.capacity:
+            return
         self.link.close()
         self._allocate(capacity)
 
@@ -259,6 +243,40 @@ class OffloadedExperts:
         self.slots = []
         self._proxies = []
 
+    # ------------------------------------------------------------------ what a layer's computation reads
+    def expert_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Every expert of ``layer`` in the host store: ``[E, ...]`` per weight name."""
+        return self.placement.store[layer]
+
+    def slot_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """``layer``'s slot buffers on the device: ``[C, ...]`` per weight name (reallocated by :meth:`resize` and
+        by a dtype change)."""
+        return self.slots[layer]
+
+    def experts_module(self, layer: int) -> SlotExperts:
+        return self._proxies[layer]
+
+    def check_device(self, device: torch.device) -> None:
+        """``ValueError`` where the model's routers (on ``device``) moved away from the offload device."""
+        if device != self.device:
+            raise ValueError(
+                f"psr_hf offload: the model's weights are on {device}, but it was offloaded to compute on "
+                f"{self.device} (the model was moved after patching); psr_hf.unpatch(model), move it, and "
+                f"patch it again with OffloadConfig(device=...)"
+            )
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight and every computation enqueued."""
+        self.link.synchronize()
+
+    def unsupported_on_device(self) -> str | None:
+        """Why the engine's token graph cannot make these copies on the GPU (None: it can)."""
+        if self.config.copy_delay_ms > 0:
+            return "copy_delay_ms delays the copies the host issues"
+        if self.config.check_slots:
+            return "check_slots checks the slots on the host"
+        return None
+
     # ------------------------------------------------------------------ weights changed after offloading
     def _remember_weights(self) -> None:
         # per expert weight: (layer, the module's parameter dict, name, parameter, data address, version counter)
@@ -266,7 +284,7 @@ class OffloadedExperts:
                       for layer, (module, params) in enumerate(zip(self.modules, self.placement.expert_params))
                       for name, param, _ in params]
 
-    def sync_weights(self, resident: Any) -> bool:
+    def sync_weights(self, resident: Callable[[int], np.ndarray]) -> bool:
         """Called at the start of every forward pass: make the slots hold the model's current expert weights.
 
         An in-place change of an expert weight (``param.copy_``, ``load_state_dict``, in-place arithmetic under
@@ -328,7 +346,7 @@ class OffloadedExperts:
         self._pending = [None] * self.num_layers
         self.scheduler.new_sequence(warm)
 
-    def route(self, layer: int, plan: Any, chosen: np.ndarray, mirror: bool, resident: np.ndarray | None) -> None:
+    def route(self, layer: int, plan: StepPlan, chosen: np.ndarray, mirror: bool, resident: np.ndarray | None) -> None:
         """A layer's selection is known: ``chosen`` [N, K] host experts per flattened position (what the layer
         executes). ``mirror``: one row, one real position (the slots follow ``plan`` exactly); else a block, run
         in groups of at most C experts, after which the slots move toward ``resident`` ([E] bool, the row's logical cache; None with
@@ -339,7 +357,7 @@ class OffloadedExperts:
         else:
             self._pending[layer] = (chosen.copy(), resident)
 
-    def prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
+    def prefetch(self, layer: int, plan: StepPlan, resident: np.ndarray) -> None:
         """Part 1 of ``layer`` ran (one row, one position): queue its prefetch copies."""
         self.scheduler.decode_prefetch(layer, plan, resident)
 

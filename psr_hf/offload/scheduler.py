@@ -3,9 +3,8 @@
 
 Each MoE layer has ``C`` device slots. :class:`SlotScheduler` keeps a map expert -> slot per layer in step with
 the logical cache and turns its insertions into copies: demand copies at once, prefetch copies queued and issued
-at layer boundaries, all through one ordered copy stream (a link: :class:`CudaLink`, :class:`ThreadLink` on the
-CPU path, or :class:`~psr_hf.offload.runtime_link.RuntimeLink`). Nothing here is read by the policy: which slot
-an expert occupies and when its copy completes change latency only.
+at layer boundaries, all through one ordered copy stream (a :class:`~psr_hf.offload.links.CopyLink`). Nothing here
+is read by the policy: which slot an expert occupies and when its copy completes change latency only.
 
 Decoding (one row, one position) keeps the slots equal to the row's logical cache. A block (a prompt, or several
 rows, each with its own logical cache but sharing the layer's slots) loads the experts it executes in groups of
@@ -16,16 +15,16 @@ the slots back in line with its logical cache.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from . import slot_book as B
+from .links import CopyLink
+
+if TYPE_CHECKING:
+    from ..policy.cache import StepPlan
 from .slot_book import DEMAND, DROPPED, ISSUED, PREFETCH, QUEUED, WARM  # noqa: F401  (the kinds and states)
 
 logger = logging.getLogger(__name__)
@@ -45,209 +44,6 @@ class CopyCounters:
     warm: int = 0  # warm-set copies at sequence starts
     bytes: int = 0  # bytes copied
     wait_s: float = 0.0  # time the computation waited for copies (the link's, filled in by stats())
-
-
-# ---------------------------------------------------------------------------------------------------- links
-class CudaLink:
-    """Copies on one dedicated CUDA stream (ordered), one torch event per copy; the compute stream waits on events.
-    Copies are named by their issue numbers (increasing)."""
-
-    def __init__(self, device: torch.device, delay_ms: float):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._events: dict[int, torch.cuda.Event] = {}  # issue number -> event, of copies not known complete
-        self._complete = -1  # every copy numbered <= this is complete
-        self._last = -1
-        self._read: dict[int, torch.cuda.Event] = {}  # layer -> event after its latest computation on the slots
-        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.wait_s = 0.0
-        self._sleep_cycles = _sleep_cycles(device, delay_ms) if delay_ms > 0 else 0
-
-    def copy(self, seq: int, layer: int, slot: int, expert: int, dst: Sequence[torch.Tensor],
-             src: Sequence[torch.Tensor]) -> None:
-        with torch.cuda.stream(self.stream):
-            read = self._read.pop(layer, None)
-            if read is not None:  # the slot's previous contents may still be read by a queued computation
-                self.stream.wait_event(read)
-            if self._sleep_cycles:
-                torch.cuda._sleep(self._sleep_cycles)
-            for d, s in zip(dst, src):
-                d.copy_(s, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._events[seq] = event
-        self._last = seq
-
-    def done(self, seq: int) -> bool:
-        if seq <= self._complete:
-            return True
-        event = self._events.get(seq)
-        if event is None or event.query():  # one ordered stream: every earlier copy is complete too
-            self._forget(seq)
-            return True
-        return False
-
-    def _forget(self, seq: int) -> None:
-        self._complete = max(self._complete, seq)
-        events = self._events
-        while events:
-            first = next(iter(events))
-            if first > seq:
-                break
-            del events[first]
-
-    def complete(self) -> int:
-        """The highest issue number known complete (asking the device about the oldest copies in flight)."""
-        for seq in list(self._events):
-            if not self.done(seq):
-                break
-        return self._complete
-
-    def wait(self, seq: int) -> None:
-        """Make the computation wait for copy ``seq`` (and, the stream being ordered, every copy issued before it)."""
-        event = self._events.get(seq)
-        if event is None:
-            return  # known complete
-        compute = torch.cuda.current_stream(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(compute)
-        compute.wait_event(event)
-        end.record(compute)
-        self._waits.append((start, end))
-        if len(self._waits) > 4096:
-            self._collect(block=False)
-
-    def read_done(self, layer: int) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._read[layer] = event
-
-    def _collect(self, block: bool) -> None:
-        keep = []
-        for start, end in self._waits:
-            if block or end.query():
-                end.synchronize()
-                self.wait_s += start.elapsed_time(end) / 1e3
-            else:
-                keep.append((start, end))
-        self._waits = keep
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
-        self._forget(self._last)
-        self._collect(block=True)
-
-    def close(self) -> None:
-        self.synchronize()
-
-    def check(self) -> None:
-        """Raise if a copy failed (a CUDA copy fails when it is issued, in :meth:`copy`: nothing to report here)."""
-
-    def take_failures(self) -> list:
-        """The copies that failed since the last call (none on CUDA, see :meth:`check`)."""
-        return []
-
-
-def _sleep_cycles(device: torch.device, delay_ms: float) -> int:
-    """GPU clock cycles that ``torch.cuda._sleep`` needs for about ``delay_ms`` (measured once)."""
-    with torch.cuda.device(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles = 1_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        per_ms = cycles / max(start.elapsed_time(end), 1e-3)
-    return max(int(per_ms * delay_ms), 1)
-
-
-class ThreadLink:
-    """The CPU path: one copy thread working through a FIFO (an ordered copy stream) that publishes the issue
-    number of its latest finished copy; the computation (the calling thread) blocks until a copy is finished."""
-
-    def __init__(self, delay_ms: float):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._delay = delay_ms / 1e3
-        self.wait_s = 0.0
-        self._finished = -1  # issue number of the latest copy the thread finished (copies finish in order)
-        self._last = -1  # the latest issued
-        self._changed = threading.Condition()
-        # ((layer, slot, expert, seq), error) appended by the copy thread, read by the caller
-        self._failures: list[tuple[tuple[int, int, int, int], BaseException]] = []
-        self._thread = threading.Thread(target=self._run, name="psr_hf-copy", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            name, dst, src = item
-            if dst is not None:
-                try:
-                    if self._delay:
-                        time.sleep(self._delay)
-                    for d, s in zip(dst, src):
-                        d.copy_(s)
-                except BaseException as error:  # surfaced by the next wait (check), the slot emptied by recover()
-                    self._failures.append((name, error))
-            with self._changed:
-                self._finished = max(self._finished, name[3])
-                self._changed.notify_all()
-
-    def copy(self, seq: int, layer: int, slot: int, expert: int, dst: Sequence[torch.Tensor],
-             src: Sequence[torch.Tensor]) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("psr_hf offload: the copy thread has stopped (the model was unpatched)")
-        self._last = seq
-        self._queue.put(((layer, slot, expert, seq), dst, src))
-
-    def done(self, seq: int) -> bool:
-        return seq <= self._finished
-
-    def complete(self) -> int:
-        """The issue number of the latest copy finished (every earlier one is finished too)."""
-        return self._finished
-
-    def wait(self, seq: int) -> None:
-        start = time.perf_counter()
-        with self._changed:
-            self._changed.wait_for(lambda: self._finished >= seq)
-        self.wait_s += time.perf_counter() - start
-        self.check()
-
-    def check(self) -> None:
-        """Raise ``RuntimeError`` naming the copy if one failed in the copy thread (kept until :meth:`take_failures`:
-        every wait raises until the scheduler recovers)."""
-        if self._failures:
-            (layer, slot, expert, _), error = self._failures[0]
-            raise RuntimeError(
-                f"psr_hf offload: the copy of expert {expert} into slot {slot} of MoE layer {layer} "
-                f"failed ({type(error).__name__}: {error}); the forward pass stopped, its sequence is closed and the "
-                "slot is emptied: start a new sequence (generate() again), which copies the expert again"
-            ) from error
-
-    def take_failures(self) -> list:
-        """The issue numbers of the copies that failed since the last call; forgets them."""
-        failures, self._failures = self._failures, []
-        return [name[3] for name, _ in failures]
-
-    def read_done(self, layer: int) -> None:
-        pass  # the computation ran synchronously in this thread
-
-    def synchronize(self) -> None:
-        if not self._thread.is_alive():
-            return  # closed: nothing is in flight
-        last = self._last
-        self._queue.put(((-1, -1, -1, last), None, None))  # a marker: finished once every earlier copy is
-        with self._changed:
-            self._changed.wait_for(lambda: self._finished >= last)
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
 
 
 # ---------------------------------------------------------------------------------------------------- scheduler
@@ -287,7 +83,7 @@ class SlotScheduler:
     is :mod:`psr_hf.offload.slot_book`'s kernels over this object's arrays; this class refreshes what the link
     knows of completed copies before a kernel asks, and issues the copies a kernel decided, in its order."""
 
-    def __init__(self, num_layers: int, num_experts: int, capacity: int, link: Any, max_in_flight: int,
+    def __init__(self, num_layers: int, num_experts: int, capacity: int, link: CopyLink, max_in_flight: int,
                  bytes_per_expert: int, src: list, dst: list):
         self.num_layers, self.num_experts, self.capacity = num_layers, num_experts, capacity
         self.link = link
@@ -406,7 +202,7 @@ class SlotScheduler:
             return resident
         return np.ascontiguousarray(resident, dtype=np.float64)
 
-    def _columns(self, plan: Any) -> None:
+    def _columns(self, plan: StepPlan) -> None:
         """The plan layout's columns, where the decode kernels read them (once per layout)."""
         layout = plan.layout
         c, m = layout.columns, self._misc
@@ -472,7 +268,7 @@ class SlotScheduler:
             if result:
                 self._after(result)
 
-    def decode_select(self, layer: int, plan: Any, chosen: np.ndarray, resident: np.ndarray) -> None:
+    def decode_select(self, layer: int, plan: StepPlan, chosen: np.ndarray, resident: np.ndarray) -> None:
         """One row, one position: follow the plan's demand insertions, then make ``chosen`` ([K] experts) present.
         ``resident``: [E] the row's logical cache after the step (nonzero: cached)."""
         if plan.layout is not self._layout:
@@ -484,7 +280,7 @@ class SlotScheduler:
         if result:
             self._after(result)
 
-    def decode_prefetch(self, layer: int, plan: Any, resident: np.ndarray) -> None:
+    def decode_prefetch(self, layer: int, plan: StepPlan, resident: np.ndarray) -> None:
         """One row, one position: queue the copies of the plan's prefetch insertions into ``layer``."""
         if plan.layout is not self._layout:
             self._columns(plan)

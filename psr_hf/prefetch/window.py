@@ -21,10 +21,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ..engine.graphs import GraphDecoder
+    from ..hf.controller import Controller
 
 
 @dataclass
@@ -79,16 +83,16 @@ class WindowProfile:
         }
 
 
-def _expert_tensors(ctl: Any) -> list[torch.Tensor]:
+def _expert_tensors(ctl: Controller) -> list[torch.Tensor]:
     """One expert's weight tensors as the offload engine copies them (the first MoE layer's expert 0)."""
-    experts = ctl.layers[0].block.experts
-    tensors = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
-    if any(not isinstance(t, torch.Tensor) for t in tensors):
-        raise ValueError(f"{type(experts).__name__} has no fused gate_up_proj / down_proj to time a copy of")
-    return [t[0] for t in tensors]
+    weights = ctl.expert_store.expert_weights(0)
+    if any(name not in weights for name in ("gate_up_proj", "down_proj")):
+        raise ValueError(f"{type(ctl.layers[0].block.experts).__name__} has no fused gate_up_proj / down_proj to time "
+                         "a copy of")
+    return [weights[name][0] for name in ("gate_up_proj", "down_proj")]
 
 
-def time_expert_copy(ctl: Any, device: torch.device, repeats: int = 20) -> tuple[np.ndarray, int]:
+def time_expert_copy(ctl: Controller, device: torch.device, repeats: int = 20) -> tuple[np.ndarray, int]:
     """``(ms of each of repeats copies, bytes)`` of one expert from host memory (pinned on CUDA) to ``device``."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
@@ -144,7 +148,7 @@ def windows_from_marks(marks: Sequence[tuple], num_layers: int, cuda: bool) -> n
 
 @torch.no_grad()
 def profile_window(model: torch.nn.Module, tokens: Sequence[int], *, warmup: int = 8, copies: int = 20,
-                   quantile: float = 0.5, decoder: Any = None) -> WindowProfile:
+                   quantile: float = 0.5, decoder: GraphDecoder | None = None) -> WindowProfile:
     """Measure the overlap windows and one expert's copy time on ``model`` (patched by :func:`psr_hf.patch`,
     with at least two MoE layers), decoding ``tokens`` teacher-forced with the engine (``decoder``: a
     :class:`~psr_hf.engine.graphs.GraphDecoder` of the model, built if None: CUDA graphs on CUDA). ``warmup``
@@ -182,7 +186,7 @@ def profile_window(model: torch.nn.Module, tokens: Sequence[int], *, warmup: int
     copy_ms, nbytes = time_expert_copy(ctl, decoder.device, copies)
     return WindowProfile(windows_ms=windows, copy_ms=copy_ms, bytes_per_expert=nbytes, device=str(decoder.device),
                          top_k=ctl.top_k, quantile=quantile,
-                         notes={"routing": ctl.config.to_dict(), "offloaded": ctl.offload is not None,
+                         notes={"routing": ctl.config.to_dict(), "offloaded": ctl.expert_store.offloaded,
                                 "graphs": bool(getattr(decoder, "graphs", False))})
 
 
