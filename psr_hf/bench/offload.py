@@ -10,10 +10,12 @@ decoding, interleaved rounds) and adds the comparisons and goals of :mod:`psr_hf
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,11 +23,16 @@ from ..eval.grid import prefetch_source_named
 from .common import CALIBRATION_TOKENS, describe_model, machine, quiet_uncalibrated, versions
 from .goals import comparisons, evaluate_goals
 from .report import format_table, report_lines
-from .rows import DEFAULT_CAPACITIES, ROUTED_KINDS, latency_rows, prefetch_configs
+from .rows import DEFAULT_CAPACITIES, ROUTED_KINDS, Row, latency_rows, prefetch_configs
+from .settings import frozen, settings_of
 from .timing import MIN_ROUNDS, WARMUP_TOKENS, bench_latency, check_rounds
-from .workloads import GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources, text_windows
+from .workloads import (GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources,
+                        text_windows)
 
-__all__ = ["format_table", "load_bench_predictor", "report_lines", "run_bench"]
+if TYPE_CHECKING:
+    from ..prefetch.predictor import Predictor
+
+__all__ = ["BenchSettings", "format_table", "load_bench_predictor", "report_lines", "run_bench"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +53,8 @@ def _copy_calls(device: torch.device) -> str:
     return "raw CUDA runtime calls (cuda-python)" if ok else f"torch's calls ({why})"
 
 
-def load_bench_predictor(predictor: Any, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+def load_bench_predictor(predictor: Predictor | str | Path,
+                         model: torch.nn.Module) -> tuple[Predictor, dict[str, Any]]:
     """The SpecPrefetch predictor of the bench (a Predictor or its file) for ``model``, on the model's device, and
     its description for the record. A predictor trained on a small shipped model serves that model grown by
     :func:`psr_hf.assets.grow.grow` (same layers and experts, a larger hidden size whose first dimensions are the
@@ -101,99 +109,131 @@ def _without_prefetch_rows(names: Sequence[str] | None) -> list[str] | None:
     return None if names is None else [name for name in names if prefetch_source_named(name) is None]
 
 
-def run_bench(
-    *, model: str = GROWN_OLMOE, device: str = "cuda:0", rounds: int = MIN_ROUNDS, windows: int = 2,
-    tokens: int = 128, capacities: Sequence[float] = DEFAULT_CAPACITIES, configs: Sequence[str] | None = None,
-    max_in_flight: int = 2, copy_delay_ms: float = 0.0, accelerate_tokens: int = 8, accelerate: bool = True,
-    calibration: str | None = None, texts: Sequence[str] = (), seed: int = 0, warmup: int = 1,
-    calibration_tokens: int = CALIBRATION_TOKENS, offload: bool = True, engine: bool = False,
-    hf_configs: Sequence[str] | None = None, prefetch_budgets: Sequence[int] | str = (), predictor: Any = None,
-    progress: Callable[[str], None] | None = None, device_routing: bool | None = None,
-) -> dict[str, Any]:
-    """Load or build the model, cut the windows, calibrate, run :func:`~psr_hf.bench.timing.bench_latency`; returns
-    the JSON-ready record: settings (the arguments), model, windows, calibration, machine, versions, results (one
-    dict per row), comparisons, goals.
+@dataclass(frozen=True)
+class BenchSettings:
+    """What :func:`run_bench` measures; validated here, once, before anything loads. The record's ``settings``
+    repeat them.
 
-    ``configs`` / ``hf_configs``: the row names ``only`` / ``hf_only`` of
-    :func:`~psr_hf.bench.rows.latency_rows` keep. ``texts``: text files to cut the windows from (default:
-    :data:`WINDOW_MODULES`' sources). ``calibration``: a saved :class:`psr_hf.Calibration`; otherwise
-    :func:`psr_hf.calibrate` on ``calibration_tokens`` tokens of :data:`CALIBRATION_MODULES`' sources. ``offload``
-    False runs the routed rows without offload (logical cache only). ``engine`` adds the engine rows: psr_hf's
-    batch-1 decoder, CUDA graphs on CUDA; ``device_routing``: its decode steps routed on the device (one graph
-    per token; None: where the row allows it, True: required, False: never). ``prefetch_budgets="window"``: the one budget ``M_max`` (at least 1, at
-    most a layer's experts) that :func:`psr_hf.prefetch.window.profile_unpatched` measures on the loaded model first
-    (SpecPrefetch's window-aware budget; the profile goes into the record's settings)."""
-    check_rounds(rounds)  # before building anything
-    from_window = isinstance(prefetch_budgets, str)
-    if from_window and prefetch_budgets != "window":
-        raise ValueError(f"prefetch_budgets={prefetch_budgets!r}: give budgets (ints >= 1) or 'window'")
-    # names checked before loading anything (the prefetch rows of the profiled budget only after profiling)
-    rows_wanted = latency_rows(
-        capacities, accelerate=accelerate, engine=engine, predictor=predictor is not None,
-        only=_without_prefetch_rows(configs) if from_window else configs,
-        hf_only=_without_prefetch_rows(hf_configs) if from_window else hf_configs,
-        prefetch_budgets=() if from_window else prefetch_budgets)
-    sources = _window_texts(model, texts, windows)
-    if progress is not None:
-        progress(f"loading {model} on {device}")
-    net, tokenizer, description = load_model(model, device, seed=seed)
-    beside = description.pop("calibration_file", None)  # the record names it by description["calibration"]
-    ids = text_windows([text for _, text in sources], tokenizer, windows=windows, tokens=tokens)
-    window_profile = None
-    if from_window:
-        budget, window_profile = _window_budget(net, ids, progress)
-        prefetch_budgets = [budget]
-        wanted = list(prefetch_configs(prefetch_budgets, predictor is not None))
-        # the rows at the profiled budget are always kept; names of other budgets are dropped
+    Attributes:
+        model, device, seed: the model name (:func:`~psr_hf.bench.workloads.load_model`), where it runs, the seed of
+            random weights.
+        rounds, warmup, accelerate_tokens, max_in_flight, copy_delay_ms, device_routing: as
+            :class:`~psr_hf.bench.timing.LatencySettings`.
+        windows, tokens, texts: ``windows`` windows of ``tokens`` decoded tokens, cut from the text files ``texts``
+            (default: the model's held-out text, else :data:`WINDOW_MODULES`' sources).
+        capacities: the residencies of the routed rows.
+        configs, hf_configs: the row names ``only`` / ``hf_only`` of :func:`~psr_hf.bench.rows.latency_rows` keep.
+        accelerate: whether the accelerate row runs.
+        calibration, calibration_tokens: a saved :class:`psr_hf.Calibration`; otherwise :func:`psr_hf.calibrate` on
+            ``calibration_tokens`` tokens of :data:`CALIBRATION_MODULES`' sources.
+        offload: False runs the routed rows without offload (logical cache only).
+        engine: adds the engine rows: psr_hf's batch-1 decoder, CUDA graphs on CUDA.
+        prefetch_budgets: SpecPrefetch's budgets (ints >= 1), or ``"window"``: the one budget ``M_max`` (at least 1,
+            at most a layer's experts) that :func:`psr_hf.prefetch.window.profile_unpatched` measures on the loaded
+            model first (SpecPrefetch's window-aware budget; the profile goes into the record's settings).
+        predictor: the SpecPrefetch predictor (a :class:`psr_hf.prefetch.Predictor` or its file).
+    """
+
+    model: str = GROWN_OLMOE
+    device: str = "cuda:0"
+    rounds: int = MIN_ROUNDS
+    windows: int = 2
+    tokens: int = 128
+    capacities: Sequence[float] = DEFAULT_CAPACITIES
+    configs: Sequence[str] | None = None
+    max_in_flight: int = 2
+    copy_delay_ms: float = 0.0
+    accelerate_tokens: int = 8
+    accelerate: bool = True
+    calibration: str | None = None
+    texts: Sequence[str] = ()
+    seed: int = 0
+    warmup: int = 1
+    calibration_tokens: int = CALIBRATION_TOKENS
+    offload: bool = True
+    engine: bool = False
+    hf_configs: Sequence[str] | None = None
+    prefetch_budgets: Sequence[int] | str = ()
+    predictor: Predictor | str | Path | None = None
+    device_routing: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_rounds(self.rounds)
+        if isinstance(self.prefetch_budgets, str) and self.prefetch_budgets != "window":
+            raise ValueError(f"prefetch_budgets={self.prefetch_budgets!r}: give budgets (ints >= 1) or 'window'")
+        for name in ("capacities", "configs", "hf_configs", "texts", "prefetch_budgets"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                frozen(self, name, tuple(value))
+
+    @property
+    def budget_from_window(self) -> bool:
+        """Whether the prefetch budget is the one the overlap window allows (``prefetch_budgets="window"``)."""
+        return isinstance(self.prefetch_budgets, str)
+
+    def rows(self) -> list[Row]:
+        """The rows to time; with the budget from the window (not measured yet), those without prefetch rows."""
+        window = self.budget_from_window
+        return latency_rows(
+            self.capacities, accelerate=self.accelerate, engine=self.engine, predictor=self.predictor is not None,
+            only=_without_prefetch_rows(self.configs) if window else self.configs,
+            hf_only=_without_prefetch_rows(self.hf_configs) if window else self.hf_configs,
+            prefetch_budgets=() if window else self.prefetch_budgets)
+
+    def at_budget(self, budget: int) -> BenchSettings:
+        """These settings with the prefetch budget ``budget`` the overlap window allows: the prefetch rows at that
+        budget are always kept, names of other budgets are dropped."""
+        wanted = list(prefetch_configs([budget], self.predictor is not None))
+        configs, hf_configs = self.configs, self.hf_configs
         if configs is not None:
             configs = _without_prefetch_rows(configs) + wanted
         if hf_configs is not None:
             asked = any(prefetch_source_named(name) is not None for name in hf_configs)
             hf_configs = _without_prefetch_rows(hf_configs) + (wanted if asked else [])
-        rows_wanted = latency_rows(capacities, accelerate=accelerate, only=configs, engine=engine,
-                                   hf_only=hf_configs, prefetch_budgets=prefetch_budgets,
-                                   predictor=predictor is not None)
+        return dataclasses.replace(self, prefetch_budgets=(budget,), configs=configs, hf_configs=hf_configs)
+
+
+def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[str], None] | None = None,
+              **fields: Any) -> dict[str, Any]:
+    """Load or build the model, cut the windows, calibrate, run :func:`~psr_hf.bench.timing.bench_latency`; returns
+    the JSON-ready record: settings (the arguments), model, windows, calibration, machine, versions, results (one
+    dict per row), comparisons, goals.
+
+    ``settings``: a :class:`BenchSettings`, or its fields as keywords (``run_bench(model="tiny", rounds=3)``).
+    ``progress``: called with a line of text at each stage."""
+    s = settings_of(BenchSettings, settings, fields, "run_bench")
+    rows = s.rows()  # names checked before loading anything (the prefetch rows of a profiled budget after it)
+    sources = _window_texts(s.model, s.texts, s.windows)
+    if progress is not None:
+        progress(f"loading {s.model} on {s.device}")
+    net, tokenizer, description = load_model(s.model, s.device, seed=s.seed)
+    beside = description.pop("calibration_file", None)  # the record names it by description["calibration"]
+    ids = text_windows([text for _, text in sources], tokenizer, windows=s.windows, tokens=s.tokens)
+    window_profile = None
+    if s.budget_from_window:
+        budget, window_profile = _window_budget(net, ids, progress)
+        s = s.at_budget(budget)
+        rows = s.rows()
     vocab = int(net.config.get_text_config().vocab_size)
     if max(int(w.max()) for w in ids) >= vocab:
         raise ValueError(f"token ids exceed the model's vocabulary ({vocab}): is the tokenizer the model's?")
-    calib = None
-    calibration_info: dict[str, Any]
-    if any(row.kind in ROUTED_KINDS for row in rows_wanted):
-        calib, calibration_info = model_calibration(net, tokenizer, tokens=calibration_tokens,
-                                                    calibration=calibration, beside=beside,
+    calib, calibration_info = None, {"none": "no routed rows"}
+    if any(row.kind in ROUTED_KINDS for row in rows):
+        calib, calibration_info = model_calibration(net, tokenizer, tokens=s.calibration_tokens,
+                                                    calibration=s.calibration, beside=beside,
                                                     beside_name=description.get("calibration"), progress=progress)
-    else:
-        calibration_info = {"none": "no routed rows"}
     device_used = next(net.parameters()).device
     loaded_predictor, predictor_info = None, None
-    if predictor is not None:
-        loaded_predictor, predictor_info = load_bench_predictor(predictor, net)
+    if s.predictor is not None:
+        loaded_predictor, predictor_info = load_bench_predictor(s.predictor, net)
     results = bench_latency(
-        net, ids, configs=rows_wanted, calibration=calib, rounds=rounds, warmup=warmup,
-        accelerate_tokens=accelerate_tokens, offload=offload, max_in_flight=max_in_flight,
-        copy_delay_ms=copy_delay_ms, progress=progress, predictor=loaded_predictor, device_routing=device_routing)
+        net, ids, configs=rows, calibration=calib, rounds=s.rounds, warmup=s.warmup,
+        accelerate_tokens=s.accelerate_tokens, offload=s.offload, max_in_flight=s.max_in_flight,
+        copy_delay_ms=s.copy_delay_ms, progress=progress, predictor=loaded_predictor,
+        device_routing=s.device_routing)
     return {
         "benchmark": "latency",
-        "settings": {
-            "model": model, "device": str(device_used), "rounds": rounds, "windows": windows, "tokens": tokens,
-            "capacities": [float(c) for c in capacities], "configs": None if configs is None else list(configs),
-            "hf_configs": None if hf_configs is None else list(hf_configs),
-            "prefetch_budgets": [int(m) for m in prefetch_budgets], "predictor": predictor_info,
-            "prefetch_budget_from_window": window_profile,
-            "max_in_flight": max_in_flight, "copy_delay_ms": copy_delay_ms, "copy_calls": _copy_calls(device_used),
-            "accelerate_tokens": accelerate_tokens, "accelerate": accelerate, "calibration": calibration,
-            "texts": list(texts), "seed": seed,
-            "warmup": warmup, "warmup_tokens": WARMUP_TOKENS, "offload": offload, "batch": 1, "engine": engine,
-            "device_routing": device_routing,
-            "engine_graphs": engine and device_used.type == "cuda",
-            "engine_decoding": ENGINE_DECODING if engine else None,
-            "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "
-                        "device synchronised after each; position 0 starts the sequence and is not timed",
-            "order": "every configuration once per round over the same windows, order rotated by one per round",
-            "statistics": "copy statistics over the decode positions (reset after position 0), token-weighted "
-                          "over the windows of a round, mean over rounds; ratios: paired t on per-round log "
-                          "ms/token (95% interval, two-sided p), on the tokens both rows decoded",
-        },
+        "settings": _record_settings(s, device_used, predictor_info, window_profile),
         "model": {**description, **describe_model(net)},
         "windows": {"sources": [path for path, _ in sources], "ids": [w[0].tolist() for w in ids],
                     "rule": "window i: text i % n at token offset (i // n) * (tokens + 1), tokens + 1 ids"},
@@ -203,4 +243,29 @@ def run_bench(
         "results": results,
         "comparisons": comparisons(results),
         "goals": evaluate_goals(results, cuda=device_used.type == "cuda"),
+    }
+
+
+def _record_settings(s: BenchSettings, device_used: torch.device, predictor_info: dict[str, Any] | None,
+                     window_profile: dict[str, Any] | None) -> dict[str, Any]:
+    """The record's ``settings``: what was asked, and how the rows were decoded and summarised."""
+    return {
+        "model": s.model, "device": str(device_used), "rounds": s.rounds, "windows": s.windows, "tokens": s.tokens,
+        "capacities": [float(c) for c in s.capacities], "configs": None if s.configs is None else list(s.configs),
+        "hf_configs": None if s.hf_configs is None else list(s.hf_configs),
+        "prefetch_budgets": [int(m) for m in s.prefetch_budgets], "predictor": predictor_info,
+        "prefetch_budget_from_window": window_profile,
+        "max_in_flight": s.max_in_flight, "copy_delay_ms": s.copy_delay_ms, "copy_calls": _copy_calls(device_used),
+        "accelerate_tokens": s.accelerate_tokens, "accelerate": s.accelerate, "calibration": s.calibration,
+        "texts": list(s.texts), "seed": s.seed,
+        "warmup": s.warmup, "warmup_tokens": WARMUP_TOKENS, "offload": s.offload, "batch": 1, "engine": s.engine,
+        "device_routing": s.device_routing,
+        "engine_graphs": s.engine and device_used.type == "cuda",
+        "engine_decoding": ENGINE_DECODING if s.engine else None,
+        "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "
+                    "device synchronised after each; position 0 starts the sequence and is not timed",
+        "order": "every configuration once per round over the same windows, order rotated by one per round",
+        "statistics": "copy statistics over the decode positions (reset after position 0), token-weighted "
+                      "over the windows of a round, mean over rounds; ratios: paired t on per-round log "
+                      "ms/token (95% interval, two-sided p), on the tokens both rows decoded",
     }

@@ -18,6 +18,12 @@ from .options import (add_calibration, add_device, add_json, add_latency_rounds,
 
 
 def register(subparsers: Any) -> None:
+    for register_command in (_register_bench_policy, _register_bench_patch, _register_bench,
+                             _register_bench_generate, _register_bench_plot):
+        register_command(subparsers)
+
+
+def _register_bench_policy(subparsers: Any) -> None:
     p = subparsers.add_parser("bench-policy", help="per-call cost of the policy kernel and replay throughput")
     add_rounds(p, 5)
     p.add_argument("--calls", type=int, default=3000, help="batch-1 calls per round and case (default 3000)")
@@ -28,6 +34,8 @@ def register(subparsers: Any) -> None:
                         "CPU count)")
     p.set_defaults(func=bench_policy)
 
+
+def _register_bench_patch(subparsers: Any) -> None:
     p = subparsers.add_parser("bench-patch", help="decode ms/token of generate(), unpatched vs patched exact and psr")
     add_device(p, "cuda", note="; cpu with --tiny")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
@@ -46,6 +54,8 @@ def register(subparsers: Any) -> None:
     add_threads(p)
     p.set_defaults(func=bench_patch)
 
+
+def _register_bench(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="offload latency: teacher-forced decode ms/token and copies per token of "
                                             "resident, accelerate and routed rows (the paper's Section 6.1)")
     add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU: trained routing, real-size experts; the shipped "
@@ -93,6 +103,8 @@ def register(subparsers: Any) -> None:
     add_threads(p)
     p.set_defaults(func=bench)
 
+
+def _register_bench_generate(subparsers: Any) -> None:
     p = subparsers.add_parser("bench-generate", help="what generate() users wait for: time to first token and "
                                                      "decode ms/token, transformers and the engine, resident and "
                                                      "offloaded, beside the engine's own step")
@@ -115,6 +127,8 @@ def register(subparsers: Any) -> None:
     add_threads(p)
     p.set_defaults(func=bench_generate)
 
+
+def _register_bench_plot(subparsers: Any) -> None:
     p = subparsers.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
     p.add_argument("record", help="JSON record written by psr-hf bench --json")
     add_out(p, "PNG file to write")
