@@ -403,12 +403,12 @@ def test_pretrained_tiny_moe_runs_the_shipped_model_with_its_calibration(lm_eval
 
 def test_the_long_sequence_warning_is_silenced_only_where_the_text_is_windowed(transformers_log):
     from psr_hf.assets import TINY_MOE
-    from psr_hf.eval.lm_model import _long_sequences_windowed
+    from psr_hf.eval.lm_inputs import long_sequences_windowed
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MOE)
     long_text = "It was the best of times, it was the worst of times. " * 400
-    with _long_sequences_windowed(tokenizer):
+    with long_sequences_windowed(tokenizer):
         assert len(tokenizer(long_text)["input_ids"]) > tokenizer.model_max_length
     assert "sequence length is longer" not in transformers_log.text
     tokenizer(long_text)  # elsewhere it warns as before
@@ -498,7 +498,7 @@ def test_model_args_become_a_routing_config(lm_eval_api, tiny):
 
     from lm_eval.utils import simple_parse_args_string
 
-    from psr_hf.eval.lm_model import ROUTING_ARGS, model_and_calibration, routing_config
+    from psr_hf.eval.lm_args import ROUTING_ARGS, model_and_calibration, routing_config
 
     assert set(ROUTING_ARGS) == {f.name for f in dataclasses.fields(RoutingConfig)}  # every field, no other
 
@@ -520,10 +520,10 @@ def test_model_args_become_a_routing_config(lm_eval_api, tiny):
 @pytest.mark.parametrize("name, hint", [("calibration", "make one with psr-hf calibrate"),
                                         ("predictor", "train one with psr-hf train-predictor")])
 def test_a_missing_lm_eval_file_says_how_to_make_one(name, hint):
-    from psr_hf.eval.lm_model import _existing_file
+    from psr_hf.eval.lm_args import existing_file
 
     with pytest.raises(ValueError, match=rf"{name}='nowhere.safetensors': no such file; {hint}"):
-        _existing_file(name, "nowhere.safetensors")
+        existing_file(name, "nowhere.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- the controller API
