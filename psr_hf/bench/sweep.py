@@ -14,23 +14,33 @@ come from :mod:`psr_hf.bench.frontier`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._progress import tqdm
-
 from ..eval.grid import cache_prior, entry_name, exact_a_pf, exact_lru, psr, routing_grid, spec
+from ..policy.config import RoutingConfig
 from ..policy.policies import POLICY_TABLE
 from .common import CALIBRATION_TOKENS, describe_model
 from .decode import WindowRun
 from .rows import ENGINE, ENGINE_RESIDENT, OFFLOAD, RESIDENT, Row, capacity_suffix, routed
+from .settings import frozen, settings_of
+from .sweep_record import (RECORD_DIGITS, RECORD_VERSION, join_stages, load_record, point_name, rounded, runs_data,
+                           save_record, window_runs)
 from .timing import MIN_ROUNDS, bench_latency
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..policy.calibration import Calibration
+
+__all__ = ["RECORD_DIGITS", "SweepSettings", "SweepStopped", "finish", "join_stages", "make_points", "point_name",
+           "quality_model_name", "run_sweep", "select", "sweep_grid"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +48,8 @@ SWEEP_LAMS = (0.1, 0.15, 0.2, 0.25, 0.3)
 SWEEP_BUDGETS = (1, 2, 8)
 SWEEP_RESIDENCIES = (0.5, 0.25)
 EVICTIONS = ("score", "lru")
-RECORD_VERSION = 1
 QUALITY_CHUNK = 8  # configurations per divergence call (one exact pass over the windows per call)
-RECORD_DIGITS = 6  # significant digits of the floats a record keeps
+STAGES = ("quality", "latency", "all")
 
 
 class SweepStopped(Exception):
@@ -104,131 +113,11 @@ def quality_model_name(model: str) -> str:
     return GROWN[model][0] if model in GROWN else model
 
 
-# ---------------------------------------------------------------------------------------------------- record
-def _window_runs(data: Mapping[str, Any]) -> dict[str, list[list[WindowRun]]]:
-    return {name: [[WindowRun(**w) for w in run] for run in runs] for name, runs in data.items()}
-
-
-def _runs_data(results: Mapping[str, list[list[WindowRun]]]) -> dict[str, Any]:
-    return {name: [[dataclasses.asdict(dataclasses.replace(w, logits=None)) for w in run] for run in runs]
-            for name, runs in results.items()}
-
-
-def _rounded(value: Any) -> Any:
-    """``value`` with every float rounded to :data:`RECORD_DIGITS` significant digits (far below any measured
-    interval; keeps a sweep record small enough to travel to a lent GPU with the tree)."""
-    if isinstance(value, float):
-        return float(f"{value:.{RECORD_DIGITS}g}") if math.isfinite(value) else value
-    if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
-
-
-def _save(record: Mapping[str, Any], path: Path | None) -> None:
-    """Writes the record (floats to :data:`RECORD_DIGITS` significant digits, compact JSON)."""
-    if path is None:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_rounded(record), separators=(",", ":")))
-    tmp.replace(path)  # a kill while writing leaves the previous record whole
-
-
-def _load_record(path: Path | None, settings: Mapping[str, Any], option: str = "--json") -> dict[str, Any] | None:
-    """The record at ``path`` to continue, or None where there is none; ``ValueError`` naming the file and what
-    was expected where it is not a sweep record of this shape (``option``: the option that named it, for the
-    message), or where it was made with other settings (continuing would mix two sweeps)."""
-    if path is None or not path.is_file():
-        return None
-    fix = f"give another {option} path"
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a sweep record (invalid JSON: {e}); {fix}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} is not a sweep record (a record is a JSON object; this file holds another "
-                         f"value); {fix}")
-    if record.get("benchmark") != "sweep" or record.get("version") != RECORD_VERSION:
-        raise ValueError(f"{path} is not a psr-hf sweep record (version {RECORD_VERSION}); {fix}")
-    _check_shape(path, record, fix)
-    theirs = record["settings"]
-    differing = sorted(k for k in settings if k != "max_minutes" and theirs.get(k) != settings[k])
-    if differing:
-        raise ValueError(f"{path} holds a sweep with other settings ({', '.join(differing)}); to continue it, run "
-                         f"the same command; to start another, give another --json path")
-    return record
-
-
-def _check_shape(path: Path, record: Mapping[str, Any], fix: str) -> None:
-    """``ValueError`` naming ``path`` and the field where a record's fields that the sweep reads before measuring
-    have another shape than the sweep writes."""
-    def wrong(field: str, expected: str) -> ValueError:
-        return ValueError(f"{path} is not a sweep record of this version: {field} is not {expected}; {fix}")
-
-    for field in ("settings", "grid", "quality", "latency"):
-        if not isinstance(record.get(field), dict):
-            raise wrong(field, "a JSON object")
-    if not isinstance(record["settings"].get("residencies"), list):
-        raise wrong("settings.residencies", "a list of residencies")
-
-
-_QUALITY_KEYS = ("quality", "heldout", "selfgen", "quality_model", "quality_machine")
-_LATENCY_KEYS = ("latency", "latency_windows", "model", "machine", "versions")
-
-
-def join_stages(path: str | Path, other: str | Path) -> None:
-    """Complete the record at ``path`` with the stage it lacks from the record at ``other``: the divergence stage
-    (``--stage quality``, e.g. on a CPU) and the timing (``--stage latency``, on the GPU) of one sweep, run at the
-    same time on two machines. Both must hold the same settings and grid, and each stage must be complete in
-    exactly one of them; ``ValueError`` otherwise. The record at ``path`` is rewritten with both stages (then
-    ``--stage all`` derives the points)."""
-    path, other = Path(path), Path(other)
-    if path.resolve() == other.resolve():
-        raise ValueError(f"--join {other} is the same record as --json; give the record of the other stage")
-    for p in (path, other):
-        if not p.is_file():
-            raise ValueError(f"{p}: no such sweep record; give the records of the two stages")
-    mine = _load_record(path, {})  # the format checked; the settings are compared below
-    theirs = _load_record(other, {}, "--join")
-    differing = sorted(k for k in set(mine["settings"]) | set(theirs["settings"])
-                       if k != "max_minutes" and mine["settings"].get(k) != theirs["settings"].get(k))
-    if differing or mine["grid"] != theirs["grid"]:
-        raise ValueError(f"{path} and {other} are different sweeps (settings differ: "
-                         f"{', '.join(differing) or 'grid'}); join the two stages of one command only")
-    residencies = mine["settings"]["residencies"]
-    names = [point_name(fields, r) for r in residencies for fields in mine["grid"].values()]
-
-    def has_quality(record: Mapping[str, Any]) -> bool:
-        return "selfgen" in record and all(n in record["quality"] for n in names)
-
-    def has_latency(record: Mapping[str, Any]) -> bool:
-        return all("rows" in record["latency"].get(capacity_suffix(r), {}) for r in residencies)
-
-    for stage, has, keys in (("divergence", has_quality, _QUALITY_KEYS), ("latency", has_latency, _LATENCY_KEYS)):
-        if has(mine) and has(theirs):
-            raise ValueError(f"both {path} and {other} hold the {stage} stage; join a record of each stage")
-        if not has(mine) and not has(theirs):
-            raise ValueError(f"neither {path} nor {other} holds the whole {stage} stage; finish it first (the same "
-                             f"command with --stage {'quality' if stage == 'divergence' else 'latency'})")
-        if has(theirs):
-            for key in keys:
-                if key in theirs:
-                    mine[key] = theirs[key]
-    _save(mine, path)
-
-
 # ---------------------------------------------------------------------------------------------------- points
 def _interval_pct(ci: Sequence[float]) -> list[float]:
     from ..eval.divergence import excess_ppl_percent
 
     return [excess_ppl_percent(float(v)) for v in ci]
-
-
-def point_name(fields: Mapping[str, Any], residency: float) -> str:
-    """The name of a grid entry's point at ``residency`` (its transformers row's: ``psr_lam0.3_n1_res50``), the key
-    of its divergence in the record."""
-    return routed(OFFLOAD, dict(fields), residency).name
 
 
 def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -273,175 +162,294 @@ def make_points(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------- running
-def run_sweep(*, model: str, device: str = "cuda:0", residencies: Sequence[float] = SWEEP_RESIDENCIES,
-              grid: Mapping[str, dict[str, Any]] | None = None, rounds: int = MIN_ROUNDS, windows: int = 2,
-              tokens: int = 64, selfgen_windows: int = 8, selfgen_tokens: int = 256, heldout_windows: int = 8,
-              heldout_tokens: int = 256, seed: int = 0, engine: bool | None = None, calibration: str | None = None,
-              calibration_tokens: int = CALIBRATION_TOKENS, json_path: str | Path | None = None,
-              max_minutes: float | None = None, quality_device: str | None = None, stage: str = "all",
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SweepSettings:
+    """What :func:`run_sweep` measures; validated here, once, before anything loads. The record's ``settings``
+    repeat them (:meth:`record_settings`), and a record continues only under the same settings.
+
+    Attributes:
+        model, device, seed: the model name (a grown model's divergence is its small model's), where the latency is
+            timed, the seed of random weights and of the selfgen sampling.
+        residencies: the residencies, each in (0, 1).
+        grid: name -> routing fields (:func:`sweep_grid` by default; names as :func:`~psr_hf.eval.grid.entry_name`
+            gives them).
+        rounds, windows, tokens: the latency's interleaved rounds (>= 3) over ``windows`` windows of ``tokens``.
+        selfgen_windows, selfgen_tokens, heldout_windows, heldout_tokens: the divergence's text windows (>= 2 each).
+        engine: time the engine rows (default: on a GPU) rather than the transformers offload path.
+        calibration, calibration_tokens: a saved calibration, else one computed on ``calibration_tokens`` tokens.
+        json_path: the record, written after every measured unit and continued from.
+        max_minutes: stop (:class:`SweepStopped`, after saving) when this much time has passed.
+        quality_device: where the divergence stage runs (default ``device``).
+        stage: ``quality`` (divergence only), ``latency`` (timing only) or ``all``.
+    """
+
+    model: str
+    device: str = "cuda:0"
+    residencies: Sequence[float] = SWEEP_RESIDENCIES
+    grid: Mapping[str, dict[str, Any]] | None = None
+    rounds: int = MIN_ROUNDS
+    windows: int = 2
+    tokens: int = 64
+    selfgen_windows: int = 8
+    selfgen_tokens: int = 256
+    heldout_windows: int = 8
+    heldout_tokens: int = 256
+    seed: int = 0
+    engine: bool | None = None
+    calibration: str | None = None
+    calibration_tokens: int = CALIBRATION_TOKENS
+    json_path: str | Path | None = None
+    max_minutes: float | None = None
+    quality_device: str | None = None
+    stage: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"stage={self.stage!r}: use 'quality' (divergence only), 'latency' (timing only) or "
+                             f"'all'")
+        if self.rounds < MIN_ROUNDS:
+            raise ValueError(f"rounds={self.rounds}: at least {MIN_ROUNDS} (latency intervals are over rounds)")
+        for name in ("windows", "tokens", "selfgen_windows", "selfgen_tokens", "heldout_windows", "heldout_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (2 if name.endswith("windows") and name != "windows" else 1):
+                raise ValueError(f"{name}={value!r} is too small (windows: intervals over windows need at least 2)")
+        residencies = tuple(float(r) for r in self.residencies)
+        if not residencies or any(not 0.0 < r < 1.0 for r in residencies):
+            raise ValueError(f"residencies {list(residencies)}: give one or more in (0, 1) (0.5 = half of each "
+                             f"layer's experts)")
+        grid = dict(sweep_grid() if self.grid is None else self.grid)
+        misnamed = {name: entry_name(fields) for name, fields in grid.items() if entry_name(fields) != name}
+        if misnamed:
+            raise ValueError("grid names must be the names of their entries (psr_hf.eval.grid.routing_grid): "
+                             + ", ".join(f"{name!r} is {right!r}" for name, right in misnamed.items()))
+        frozen(self, "residencies", residencies)
+        frozen(self, "grid", grid)
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.json_path is None else Path(self.json_path)
+
+    @property
+    def routings(self) -> Mapping[str, dict[str, Any]]:
+        """The grid (name -> routing fields), :func:`sweep_grid` where none was given."""
+        return self.grid or {}
+
+    def record_settings(self) -> dict[str, Any]:
+        """The settings as the record keeps them (a record continues only under equal ones, ``max_minutes`` aside)."""
+        import torch
+
+        return {"model": self.model, "device": str(self.device), "residencies": list(self.residencies),
+                "rounds": self.rounds, "windows": self.windows, "tokens": self.tokens,
+                "selfgen_windows": self.selfgen_windows, "selfgen_tokens": self.selfgen_tokens,
+                "heldout_windows": self.heldout_windows, "heldout_tokens": self.heldout_tokens, "seed": self.seed,
+                "calibration": self.calibration, "calibration_tokens": self.calibration_tokens,
+                "configs": list(self.routings),
+                "engine": torch.device(self.device).type == "cuda" if self.engine is None else bool(self.engine),
+                "quality_device": str(self.quality_device or self.device), "max_minutes": self.max_minutes}
+
+
+def run_sweep(settings: SweepSettings | None = None, /, *, progress: Callable[[str], None] | None = None,
+              **fields: Any) -> dict[str, Any]:
     """Run (or continue, from the record at ``json_path``) the sweep; returns the record, with ``points``,
     ``frontier`` and ``orderings`` once every unit is measured (as the record file holds it: floats to
     :data:`RECORD_DIGITS` significant digits). Raises :class:`SweepStopped` (after saving) when
     ``max_minutes`` ran out first: the same call continues it.
 
+    ``settings``: a :class:`SweepSettings`, or its fields as keywords (``run_sweep(model="tiny", rounds=3)``).
     ``quality_device`` (default ``device``) runs the divergence stage elsewhere, e.g. on the CPU for a grown
     model's small float32 twin while the GPU is busy or lent for minutes only; ``stage="quality"`` stops after that
     stage and ``stage="latency"`` runs only the timing (each raising :class:`SweepStopped` while the other stage
     is missing); ``stage="all"`` with the same record completes whichever is missing. A grown model's divergence
     belongs to the exact small model it was grown from: time and score the same model files."""
-    import torch
-
-    from ..eval.divergence import divergence
-    from ..eval.selfgen import describe, sample_windows, start_tokens
-    from .common import machine, quiet_uncalibrated, versions
-    from .workloads import WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources, text_windows
-
-    if stage not in ("quality", "latency", "all"):
-        raise ValueError(f"stage={stage!r}: use 'quality' (divergence only), 'latency' (timing only) or 'all'")
-    quality_device = str(quality_device or device)
+    s = settings_of(SweepSettings, settings, fields, "run_sweep")
     started = time.monotonic()
-    deadline = None if max_minutes is None else started + 60.0 * float(max_minutes)
-    if rounds < MIN_ROUNDS:
-        raise ValueError(f"rounds={rounds}: at least {MIN_ROUNDS} (latency intervals are over rounds)")
-    for name, value in (("windows", windows), ("tokens", tokens), ("selfgen_windows", selfgen_windows),
-                        ("selfgen_tokens", selfgen_tokens), ("heldout_windows", heldout_windows),
-                        ("heldout_tokens", heldout_tokens)):
-        if not isinstance(value, int) or value < (2 if name.endswith("windows") and name != "windows" else 1):
-            raise ValueError(f"{name}={value!r} is too small (windows: intervals over windows need at least 2)")
-    residencies = [float(r) for r in residencies]
-    if not residencies or any(not 0.0 < r < 1.0 for r in residencies):
-        raise ValueError(f"residencies {residencies}: give one or more in (0, 1) (0.5 = half of each layer's experts)")
-    grid = dict(sweep_grid() if grid is None else grid)
-    misnamed = {name: entry_name(fields) for name, fields in grid.items() if entry_name(fields) != name}
-    if misnamed:
-        raise ValueError("grid names must be the names of their entries (psr_hf.eval.grid.routing_grid): "
-                         + ", ".join(f"{name!r} is {right!r}" for name, right in misnamed.items()))
-    path = None if json_path is None else Path(json_path)
-    settings = {"model": model, "device": str(device), "residencies": residencies, "rounds": rounds,
-                "windows": windows, "tokens": tokens, "selfgen_windows": selfgen_windows,
-                "selfgen_tokens": selfgen_tokens, "heldout_windows": heldout_windows,
-                "heldout_tokens": heldout_tokens, "seed": seed, "calibration": calibration,
-                "calibration_tokens": calibration_tokens, "configs": list(grid),
-                "engine": bool(torch.device(device).type == "cuda") if engine is None else bool(engine),
-                "quality_device": quality_device, "max_minutes": max_minutes}
-    record = _load_record(path, settings)
+    record = load_record(s.path, s.record_settings())
     if record is None:
-        record = {"benchmark": "sweep", "version": RECORD_VERSION, "settings": settings,
-                  "grid": {name: dict(fields) for name, fields in grid.items()},
-                  "quality": {}, "latency": {}}
+        record = {"benchmark": "sweep", "version": RECORD_VERSION, "settings": s.record_settings(),
+                  "grid": {name: dict(fields) for name, fields in s.routings.items()}, "quality": {}, "latency": {}}
     else:
-        record["settings"]["max_minutes"] = max_minutes
+        record["settings"]["max_minutes"] = s.max_minutes
         if "points" in record:  # finished: nothing left to measure; the points, front and verdicts are derived
-            return _completed(record, path)  # again, so that this version of psr_hf judges the measurements
-    say = progress or (lambda text: None)
+            return _completed(record, s.path)  # again, so that this version of psr_hf judges the measurements
+    sweep = _Sweep(s, record, started, progress)
+    calibration = sweep.measure_divergence() if s.stage != "latency" else None
+    if s.stage == "quality":
+        sweep.save()
+        raise SweepStopped("the divergence stage is done (stage 'quality'); time the rows with the same command "
+                           "and --stage all (or latency), on the latency device")
+    sweep.measure_latency(calibration)
+    if s.stage == "latency" and any(point_name(fields, r) not in record["quality"] for r in s.residencies
+                                    for fields in s.routings.values()):
+        sweep.save()
+        raise SweepStopped("the rows are timed (stage 'latency'); the divergence stage is still to run: the same "
+                           "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")
+    return _completed(record, s.path)
 
-    def out_of_time() -> bool:
-        return deadline is not None and time.monotonic() > deadline
 
-    def stop_here() -> None:
-        _save(record, path)
-        raise SweepStopped(f"stopped after {(time.monotonic() - started) / 60:.1f} minutes (--max-minutes "
-                           f"{max_minutes}); the record holds what was measured: run the same command to continue")
+class _Sweep:
+    """The measuring of one :func:`run_sweep` call: its settings, the record it fills (saved after every measured
+    unit) and the deadline of ``max_minutes``."""
 
-    held_texts = default_texts(model) or module_sources(WINDOW_MODULES)
-    calib = None
-    pending = [(row.name, row.routing) for r in residencies for row in (routed(OFFLOAD, f, r) for f in grid.values())
-               if row.name not in record["quality"]]
-    if stage != "latency" and (pending or "selfgen" not in record):
-        # ---- divergence, on the quality model
-        quality_name = quality_model_name(model)
-        say(f"loading {quality_name} on {quality_device} (divergence)")
-        qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=seed)
-        calib, _ = model_calibration(qmodel, qtokenizer, tokens=calibration_tokens, calibration=calibration,
-                                     beside=qinfo.get("calibration_file"), progress=say)
+    def __init__(self, s: SweepSettings, record: dict[str, Any], started: float,
+                 progress: Callable[[str], None] | None):
+        from .workloads import WINDOW_MODULES, default_texts, module_sources
+
+        self.s, self.record, self.started, self.progress = s, record, started, progress
+        self.deadline = None if s.max_minutes is None else started + 60.0 * float(s.max_minutes)
+        self.held_texts = default_texts(s.model) or module_sources(WINDOW_MODULES)
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    def save(self) -> None:
+        save_record(self.record, self.s.path)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def stop_here(self) -> NoReturn:
+        self.save()
+        raise SweepStopped(f"stopped after {(time.monotonic() - self.started) / 60:.1f} minutes (--max-minutes "
+                           f"{self.s.max_minutes}); the record holds what was measured: run the same command to "
+                           f"continue")
+
+    # ---- divergence, on the quality model
+    def measure_divergence(self) -> Calibration | None:
+        """Score every configuration not yet in the record on the quality model (sampling the selfgen windows
+        first where the record has none); returns the calibration it used, None where nothing was left."""
+        from .workloads import load_model, model_calibration
+
+        s, record = self.s, self.record
+        pending = [(row.name, row.routing) for r in s.residencies
+                   for row in (routed(OFFLOAD, f, r) for f in s.routings.values()) if row.name not in record["quality"]]
+        if not pending and "selfgen" in record:
+            return None
+        quality_name = quality_model_name(s.model)
+        quality_device = str(s.quality_device or s.device)
+        self.say(f"loading {quality_name} on {quality_device} (divergence)")
+        qmodel, qtokenizer, qinfo = load_model(quality_name, quality_device, seed=s.seed)
+        calibration, _ = model_calibration(qmodel, qtokenizer, tokens=s.calibration_tokens, calibration=s.calibration,
+                                           beside=qinfo.get("calibration_file"), progress=self.say)
+        held, selfgen = self._divergence_windows(qmodel, qtokenizer, qinfo)
+        self._score(qmodel, calibration, pending, selfgen, held)
+        return calibration
+
+    def _divergence_windows(self, qmodel: torch.nn.Module, qtokenizer: Any,
+                            qinfo: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The held-out and selfgen windows of the divergence, cut and sampled once and kept in the record."""
+        import torch
+
+        from ..eval.selfgen import describe, sample_windows, start_tokens
+        from .common import machine
+        from .workloads import text_windows
+
+        s, record = self.s, self.record
         if "heldout" not in record:
-            held = text_windows([t for _, t in held_texts], qtokenizer, windows=heldout_windows,
-                                tokens=heldout_tokens)
-            record["heldout"] = {"sources": [n for n, _ in held_texts], "ids": [w[0].tolist() for w in held]}
+            held = text_windows([t for _, t in self.held_texts], qtokenizer, windows=s.heldout_windows,
+                                tokens=s.heldout_tokens)
+            record["heldout"] = {"sources": [n for n, _ in self.held_texts], "ids": [w[0].tolist() for w in held]}
         held = [torch.tensor([ids]) for ids in record["heldout"]["ids"]]
         if "selfgen" not in record:
-            say(f"sampling {selfgen_windows} selfgen windows of {selfgen_tokens} tokens from the exact model")
-            prompts = start_tokens(qmodel, held[:selfgen_windows] + held[:1] * max(0, selfgen_windows - len(held)))
-            sampled = sample_windows(qmodel, prompts, tokens=selfgen_tokens, seed=seed, progress=progress is not None)
-            record["selfgen"] = describe(sampled, prompts=prompts, seed=seed, temperature=1.0, tokens=selfgen_tokens)
+            self.say(f"sampling {s.selfgen_windows} selfgen windows of {s.selfgen_tokens} tokens from the exact model")
+            prompts = start_tokens(qmodel, held[:s.selfgen_windows] + held[:1] * max(0, s.selfgen_windows - len(held)))
+            sampled = sample_windows(qmodel, prompts, tokens=s.selfgen_tokens, seed=s.seed,
+                                     progress=self.progress is not None)
+            record["selfgen"] = describe(sampled, prompts=prompts, seed=s.seed, temperature=1.0,
+                                         tokens=s.selfgen_tokens)
             record["quality_model"] = {**{k: v for k, v in qinfo.items() if k != "calibration_file"},
                                        **describe_model(qmodel)}
-            record["quality_machine"] = machine(torch.device(quality_device))
-            _save(record, path)
-        selfgen = [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
-        bar = tqdm(total=len(pending), unit="config", desc="divergence", disable=progress is None)
+            record["quality_machine"] = machine(torch.device(str(s.quality_device or s.device)))
+            self.save()
+        return held, [torch.tensor([ids]) for ids in record["selfgen"]["ids"]]
+
+    def _score(self, qmodel: torch.nn.Module, calibration: Calibration | None,
+               pending: Sequence[tuple[str, RoutingConfig]], selfgen: Sequence[torch.Tensor],
+               held: Sequence[torch.Tensor]) -> None:
+        """The excess NLL of the ``pending`` configurations on both texts, in chunks (the exact NLLs once per
+        chunk), saved per chunk."""
+        from ..eval.divergence import divergence
+        from .common import quiet_uncalibrated
+
+        bar = tqdm(total=len(pending), unit="config", desc="divergence", disable=self.progress is None)
         with quiet_uncalibrated(), bar:
-            for begin in range(0, len(pending), QUALITY_CHUNK):  # the exact NLLs once per chunk, saved per chunk
-                if out_of_time():
-                    stop_here()
+            for begin in range(0, len(pending), QUALITY_CHUNK):
+                if self.out_of_time():
+                    self.stop_here()
                 chunk = dict(pending[begin:begin + QUALITY_CHUNK])
-                sg_rows = divergence(qmodel, selfgen, chunk, calibration=calib)
-                ho_rows = divergence(qmodel, held, chunk, calibration=calib)
+                sg_rows = divergence(qmodel, selfgen, chunk, calibration=calibration)
+                ho_rows = divergence(qmodel, held, chunk, calibration=calibration)
                 for key, sg, ho in zip(chunk, sg_rows, ho_rows):
-                    record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
+                    self.record["quality"][key] = {"selfgen": sg.to_dict(), "heldout": ho.to_dict()}
                     logger.info("divergence %s: sg %.2f%%, held-out excess %.4f nats/token, %.1f copies/token", key,
                                 sg.excess_ppl_pct, ho.excess_nll, sg.copies_per_token)
                 bar.update(len(chunk))
-                _save(record, path)
-        del qmodel
-    if stage == "quality":
-        _save(record, path)
-        raise SweepStopped("the divergence stage is done (stage 'quality'); time the rows with the same command "
-                           "and --stage all (or latency), on the latency device")
+                self.save()
+
     # ---- latency, on the latency model (a grown model routes with the small model's calibration: same routing)
-    untimed = [r for r in residencies if "rows" not in record["latency"].get(capacity_suffix(r), {})]
-    if untimed:
-        say(f"loading {model} on {device} (latency)")
-        lmodel, ltokenizer, linfo = load_model(model, device, seed=seed)
-        if calib is None:  # the latency stage alone: the same calibration the divergence stage uses
-            calib, _ = model_calibration(lmodel, ltokenizer, tokens=calibration_tokens, calibration=calibration,
-                                         beside=linfo.get("calibration_file"), progress=say)
-        lat_ids = text_windows([t for _, t in held_texts], ltokenizer, windows=windows, tokens=tokens)
+    def measure_latency(self, calibration: Calibration | None) -> None:
+        """Time every residency not yet in the record on the latency model; ``calibration``: the divergence
+        stage's (None: the same one computed here)."""
+        import torch
+
+        from .common import machine, versions
+        from .workloads import load_model, model_calibration, text_windows
+
+        s, record = self.s, self.record
+        if all("rows" in record["latency"].get(capacity_suffix(r), {}) for r in s.residencies):
+            return
+        self.say(f"loading {s.model} on {s.device} (latency)")
+        lmodel, ltokenizer, linfo = load_model(s.model, s.device, seed=s.seed)
+        if calibration is None:  # the latency stage alone: the same calibration the divergence stage uses
+            calibration, _ = model_calibration(lmodel, ltokenizer, tokens=s.calibration_tokens,
+                                               calibration=s.calibration, beside=linfo.get("calibration_file"),
+                                               progress=self.say)
+        windows = text_windows([t for _, t in self.held_texts], ltokenizer, windows=s.windows, tokens=s.tokens)
         record["model"] = {**{k: v for k, v in linfo.items() if k != "calibration_file"}, **describe_model(lmodel)}
-        record["latency_windows"] = {"sources": [n for n, _ in held_texts],
-                                     "ids": [w[0].tolist() for w in lat_ids]}
-        engine_rows = record["settings"]["engine"]
-        for residency in residencies:
-            suffix = capacity_suffix(residency)
-            entry = record["latency"].setdefault(suffix, {"runs": {}})
-            if "rows" in entry:
-                continue
-            configs = [Row(RESIDENT), Row(ENGINE_RESIDENT)] if engine_rows else [Row(RESIDENT)]
-            configs += [routed(ENGINE if engine_rows else OFFLOAD, fields, residency) for fields in grid.values()]
-
-            def saved(r: int, results: Mapping[str, list[list[WindowRun]]], entry: dict = entry) -> None:
-                entry["runs"] = _runs_data(results)
-                _save(record, path)
-
-            say(f"timing {len(configs)} rows at {100 * residency:g}% residency, {rounds} rounds "
-                f"(done: {len(next(iter(entry['runs'].values()), []))})")
-            with quiet_uncalibrated():
-                rows = bench_latency(lmodel, lat_ids, configs=configs, calibration=calib, rounds=rounds,
-                                     resume=_window_runs(entry["runs"]) or None, on_round=saved, stop=out_of_time,
-                                     progress=progress)
-            if not rows or len(rows[0]["rounds"]) < rounds:
-                stop_here()
-            entry.pop("runs", None)
-            entry["rows"] = rows
-            _save(record, path)
+        record["latency_windows"] = {"sources": [n for n, _ in self.held_texts],
+                                     "ids": [w[0].tolist() for w in windows]}
+        for residency in s.residencies:
+            self._time_residency(lmodel, windows, calibration, residency)
         del lmodel
-        record["machine"], record["versions"] = machine(torch.device(device)), versions()
-        if device.startswith("cuda"):
+        record["machine"], record["versions"] = machine(torch.device(s.device)), versions()
+        if s.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    if stage == "latency" and any(point_name(fields, r) not in record["quality"] for r in residencies
-                                  for fields in grid.values()):
-        _save(record, path)
-        raise SweepStopped("the rows are timed (stage 'latency'); the divergence stage is still to run: the same "
-                           "command with --stage quality (on the CPU: --quality-device cpu), then --stage all")
-    return _completed(record, path)
+
+    def _time_residency(self, lmodel: torch.nn.Module, windows: Sequence[torch.Tensor],
+                        calibration: Calibration | None, residency: float) -> None:
+        """Time the rows of one residency (continuing its saved rounds), saving after every round."""
+        from .common import quiet_uncalibrated
+
+        entry = self.record["latency"].setdefault(capacity_suffix(residency), {"runs": {}})
+        if "rows" in entry:
+            return
+        engine_rows = self.record["settings"]["engine"]
+        configs = [Row(RESIDENT), Row(ENGINE_RESIDENT)] if engine_rows else [Row(RESIDENT)]
+        kind = ENGINE if engine_rows else OFFLOAD
+        configs += [routed(kind, fields, residency) for fields in self.s.routings.values()]
+
+        def saved(r: int, results: Mapping[str, list[list[WindowRun]]]) -> None:
+            entry["runs"] = runs_data(results)
+            self.save()
+
+        self.say(f"timing {len(configs)} rows at {100 * residency:g}% residency, {self.s.rounds} rounds "
+                 f"(done: {len(next(iter(entry['runs'].values()), []))})")
+        with quiet_uncalibrated():
+            rows = bench_latency(lmodel, windows, configs=configs, calibration=calibration, rounds=self.s.rounds,
+                                 resume=window_runs(entry["runs"]) or None, on_round=saved, stop=self.out_of_time,
+                                 progress=self.progress)
+        if not rows or len(rows[0]["rounds"]) < self.s.rounds:
+            self.stop_here()
+        entry.pop("runs", None)
+        entry["rows"] = rows
+        self.save()
 
 
 def _completed(record: dict[str, Any], path: Path | None) -> dict[str, Any]:
     """:func:`finish` a complete record, save it, and return what the record file holds (rounded)."""
     finish(record)
-    _save(record, path)
-    return json.loads(json.dumps(_rounded(record)))
+    save_record(record, path)
+    return json.loads(json.dumps(rounded(record)))
 
 
 def finish(record: dict[str, Any]) -> dict[str, Any]:
