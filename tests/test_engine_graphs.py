@@ -119,6 +119,18 @@ def test_errors(case):
             decoder.prefill([])
 
 
+def test_slots_reallocated_by_the_store_are_refused(case):
+    """The graphs read the slot buffers of construction: once the expert store reallocates them (a reconfigure to
+    another capacity), the decoder refuses to step instead of reading the old ones."""
+    model, ids, _, _ = case("olmoe")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cpu")):
+        decoder = GraphDecoder(model, MAX_LEN, graphs=False)
+        decoder.prefill(ids)
+        psr_hf.controller(model).reconfigure(RoutingConfig(**{**POLICIES["psr"], "residency": 0.25}))
+        with pytest.raises(RuntimeError, match="reallocated"):
+            decoder.prefill(ids)
+
+
 # ------------------------------------------------------------------------------------- CUDA (written, not yet run)
 def _cuda_model(name: str, dtype: torch.dtype = torch.float32):
     return tiny_model(name, dtype=dtype).to("cuda")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,10 +24,17 @@ from .layers import DecodeLayers, build_layers
 from .prefill import prefill_block
 from .moe import check_experts_module, check_shapes, moe_slots
 
+if TYPE_CHECKING:
+    from psr_hf.hf.controller import Controller
+    from psr_hf.offload.store import PatchedExpertStore
+
 logger = logging.getLogger(__name__)
 
+#: token ids of one row: a list, a ``[S]`` or ``[1, S]`` tensor or array
+TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
-def _token_list(input_ids: Any) -> list[int]:
+
+def _token_list(input_ids: TokenIds) -> list[int]:
     """``input_ids`` as a list of ints: a list, a ``[S]`` or ``[1, S]`` tensor or array."""
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.detach().to("cpu")
@@ -45,7 +52,17 @@ def _token_list(input_ids: Any) -> list[int]:
 
 
 
-def moe_layers_of(L: DecodeLayers, ctl: Any) -> list[int]:
+def slot_tensors(store: PatchedExpertStore, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_up_proj, down_proj)``: the slots MoE layer ``layer``'s computation reads (the model's own fused
+    weights where the store is resident), checked to be on the engine's ``device``."""
+    weights = store.slot_weights(layer)
+    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
+    if gate_up.device != device:
+        raise ValueError(f"MoE layer {layer}: the experts are on {gate_up.device}, the model on {device}")
+    return gate_up, down
+
+
+def moe_layers_of(L: DecodeLayers, ctl: Controller) -> list[int]:
     """The decoder indices of ``L``'s MoE layers, checked against the controller that routes them (the same layers
     in the same order, the same experts and top-k); ``ValueError`` otherwise."""
     moe_layers = [d for d in range(L.num_layers) if L.is_moe(d)]
@@ -62,8 +79,9 @@ class DecoderBase(abc.ABC):
     """What both decoders (:class:`Decoder`, :class:`~psr_hf.engine.graphs.GraphDecoder`) do with their
     ``step(token)`` and ``reset()``: a prompt, and greedy decoding of a new sequence."""
 
-    model: Any
-    layers: Any
+    model: torch.nn.Module
+    layers: DecodeLayers
+    controller: Controller
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -85,7 +103,8 @@ class DecoderBase(abc.ABC):
         self.layers.begin_sequence()
 
     @torch.no_grad()
-    def step_chosen(self, read_token: Any, overlap: Any = None) -> tuple[torch.Tensor | None, int | None]:
+    def step_chosen(self, read_token: Callable[[], int | None],
+                    overlap: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, int | None]:
         """Decode the token the device just chose into the token buffer (:mod:`psr_hf.engine.token_selection`),
         continuing a sequence: ``read_token()`` gives it, or None to stop there (nothing is stepped). ``overlap``:
         host work for while the step computes (run here before the step). Returns ``(logits buffer or None,
@@ -100,7 +119,7 @@ class DecoderBase(abc.ABC):
         return self.step(int(token)), int(token)
 
     @torch.no_grad()
-    def prefill(self, input_ids: Any, *, batched: bool | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: TokenIds, *, batched: bool | None = None) -> torch.Tensor:
         """Start a new sequence with the prompt ``input_ids`` (a list, ``[S]`` or ``[1, S]``) and return the last
         position's ``[1, V]`` logits buffer. ``batched`` (default: for more than one token, where the family writes
         the KV rows of a block: ``layers.batched_prefill``) runs the prompt as one
@@ -128,8 +147,9 @@ class DecoderBase(abc.ABC):
         return self.layers.buffers.logits
 
     @torch.no_grad()
-    def generate_greedy(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | Sequence[int] | None = None,
-                        return_logits: bool = False, batched: bool | None = None) -> Any:
+    def generate_greedy(self, input_ids: TokenIds, max_new_tokens: int, *,
+                        eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False,
+                        batched: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Greedy decoding of a new sequence, as ``model.generate(input_ids, do_sample=False,
         max_new_tokens=...)`` for one row without logits processors: returns the ``[1, S + n]`` int64 sequence
         (prompt and the ``n <= max_new_tokens`` new tokens; it stops after an end-of-sequence token, which is not
@@ -181,15 +201,10 @@ class Decoder(DecoderBase):
         L = self.layers
         ctl = self.controller
         self.moe_layers = moe_layers_of(L, ctl)  # decoder indices of the MoE layers
-        # the model's own expert weights: the slot buffers of a resident model (slot = expert id); checked once
-        self._experts = [check_experts_module(ctl.layers[m].block.experts) for m in range(ctl.num_layers)]
         b = L.buffers
         for m, d in enumerate(self.moe_layers):
-            gate_up, down = self._experts[m]
-            if ctl.offload is None and gate_up.device != L.device:
-                raise ValueError(f"MoE layer {m}: the experts are on {gate_up.device}, the model on {L.device}")
-            if ctl.offload is not None:
-                gate_up, down = ctl.offload.slots[m]["gate_up_proj"], ctl.offload.slots[m]["down_proj"]
+            check_experts_module(ctl.layers[m].block.experts)  # the layout the slot MoE reads
+            gate_up, down = slot_tensors(ctl.expert_store, m, L.device)
             check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
                          residual=b.hidden[0], hidden_act=self.layers.config)
         self.position = 0  # the next position to decode
@@ -248,11 +263,15 @@ class Decoder(DecoderBase):
         L.execution_weights(d, logits, b.expert_ids, b.expert_weights)  # from the unmodified logits
         shared = L.has_shared_experts(d)
         out, residual = (b.mlp_out, None) if shared else (b.hidden, b.hidden)
-        if ctl.offload is None:  # resident: the model's own fused weights are the slots, slot = expert id
-            gate_up, down = self._experts[m]
-            self._moe(b.expert_ids[0], gate_up, down, out, residual)  # GRAPH: graph B
-        else:
-            self._moe_offloaded(m, selection.experts, out, residual)
+        # the copies of the layer's selection (issued by select) are waited for and its experts mapped to their
+        # slots (resident: slot = expert id). GRAPH: offloaded, the layer's persistent device slot map, uploaded
+        # from a pinned buffer when it changed (OffloadedExperts._compute), gathered by the selected expert ids
+        # inside graph B; resident, graph B reads the expert ids themselves
+        store = ctl.expert_store
+        slots = torch.from_numpy(store.decode_slots(m, selection.experts)).to(L.device)
+        weights = store.slot_weights(m)
+        self._moe(slots, weights["gate_up_proj"], weights["down_proj"], out, residual)  # GRAPH: graph B
+        store.decode_done(m)  # the slots may be overwritten after this; GRAPH: after graph B's replay is enqueued
         if shared:  # transformers: routed + shared, then the residual
             L.shared_expert(d, b.normed, b.shared_out)
             b.mlp_out.add_(b.shared_out)
@@ -264,15 +283,3 @@ class Decoder(DecoderBase):
         moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
                   None if residual is None else residual[0], backend=self.backend)
 
-    def _moe_offloaded(self, m: int, experts: np.ndarray, out: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """The decode branch of :meth:`OffloadedExperts.run` on the engine's buffers: the copies of the layer's
-        selection (issued by ``select``) are waited for, the experts mapped to their slots, the MoE computed on
-        the layer's slot buffers, the slots released for reuse and the queued prefetches issued."""
-        offload = self.controller.offload
-        slots = offload.decode_slots(m, experts)
-        # GRAPH: the layer's persistent device slot map, uploaded from a pinned buffer when it changed
-        # (OffloadedExperts._compute), gathered by the selected expert ids inside graph B
-        slot_ids = torch.from_numpy(slots).to(self.layers.device)
-        buffers = offload.slots[m]
-        self._moe(slot_ids, buffers["gate_up_proj"], buffers["down_proj"], out, residual)
-        offload.decode_done(m)  # GRAPH: after graph B's replay is enqueued (an event on the compute stream)

@@ -5,7 +5,7 @@
 Per MoE layer ``m``: graph A_m (the dense layers before it, its attention block, router logits and scores, and
 their copy into a pinned host buffer), then on the host ``controller.select``, the launch of graph B_m (the
 execution weights, the slot MoE, the shared experts and the residual) and only then ``controller.prefetch(m + 1)``
-and ``offload.decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are captured as one
+and the expert store's ``decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are captured as one
 graph (``merge=True``), launched through raw runtime calls where cuda-python imports, on the caller's current
 stream in capture order. ``graphs=False`` runs the same bodies eagerly (the CPU tests compare it with
 ``Decoder``). The schedule, what capture touches, and why nothing the warm-up writes is read: docs/engine.md,
@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import DecoderBase, moe_layers_of
+from .decoder import DecoderBase, moe_layers_of, slot_tensors
 from .layers import DecodeLayers, build_layers
 from psr_hf.offload import cuda_runtime
 from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
 
 logger = logging.getLogger(__name__)
+
+#: one token id: an int, or a one-element tensor, array, list or tuple
+OneToken = Union[int, torch.Tensor, np.ndarray, Sequence[int]]
 
 
 class GraphDecoder(DecoderBase):
@@ -64,15 +67,13 @@ class GraphDecoder(DecoderBase):
         self.compiled = bool(compile)
         b = L.buffers
         K = L.top_k
-        self.offloaded = ctl.offload is not None
+        # offloaded: graph B maps the expert ids to slots (else slot = expert id, and it reads the ids themselves)
+        self.offloaded = ctl.expert_store.offloaded
         # the slot buffers each graph B reads (bound at capture), per MoE layer
         self._slot_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for m, d in enumerate(self.moe_layers):
-            gate_up, down = check_experts_module(ctl.layers[m].block.experts)
-            if not self.offloaded and gate_up.device != self.device:
-                raise ValueError(f"MoE layer {m}: the experts are on {gate_up.device}, the model on {self.device}")
-            if self.offloaded:
-                gate_up, down = ctl.offload.slots[m]["gate_up_proj"], ctl.offload.slots[m]["down_proj"]
+            check_experts_module(ctl.layers[m].block.experts)  # the layout the slot MoE reads
+            gate_up, down = slot_tensors(ctl.expert_store, m, self.device)
             check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
                          residual=b.hidden[0], hidden_act=L.config)
             self._slot_buffers.append((gate_up, down))
@@ -118,7 +119,7 @@ class GraphDecoder(DecoderBase):
         self._merge = self.merged = bool(merge)
         self._d2h_outside: set[int] = set()  # MoE layers whose scores are copied to the host after the replay
         self._units: list[Callable[[int], None]] = self._eager_units()
-        self._graphs: dict[str, Any] = {}
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.pool = None
         if self.graphs:
             self._capture(max(int(warmup), 1))
@@ -195,7 +196,11 @@ class GraphDecoder(DecoderBase):
 
     # ------------------------------------------------------------------ capture
     def _addresses(self) -> list[tuple[int, int]]:
-        return [(g.data_ptr(), d.data_ptr()) for g, d in self._slot_buffers]
+        """The addresses of the slot buffers the controller's expert store holds now (the graphs read those of
+        construction)."""
+        store = self.controller.expert_store
+        return [(w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr())
+                for w in (store.slot_weights(m) for m in range(len(self.moe_layers)))]
 
     def _dummy_inputs(self) -> None:
         """Valid dummy inputs for warm-up and capture: token 0, position 0, expert ids 0..K-1, slots 0..K-1 mod C."""
@@ -227,7 +232,7 @@ class GraphDecoder(DecoderBase):
 
         return [unit(self._unit_bodies(u)) for u in range(len(self.moe_layers) + 1)]
 
-    def _capture_graph(self, body: Callable[[], None], stream: Any) -> Any:
+    def _capture_graph(self, body: Callable[[], None], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             body()
@@ -236,10 +241,7 @@ class GraphDecoder(DecoderBase):
     @torch.no_grad()
     def _capture(self, warmup: int) -> None:
         device = self.device
-        offload = self.controller.offload
-        link = getattr(offload, "link", None) if offload is not None else None
-        if link is not None and hasattr(link, "synchronize"):
-            link.synchronize()  # no copy into the slots runs while the warm-up reads them
+        self.controller.expert_store.synchronize()  # no copy into the slots runs while the warm-up reads them
         torch.cuda.synchronize(device)
         self._dummy_inputs()
         stream = torch.cuda.Stream(device)
@@ -258,7 +260,7 @@ class GraphDecoder(DecoderBase):
         torch.cuda.synchronize(device)
         logger.debug("GraphDecoder: captured %d graphs (%d MoE layers)", len(self._graphs), len(self.moe_layers))
 
-    def _capture_merged(self, stream: Any) -> None:
+    def _capture_merged(self, stream: torch.cuda.Stream) -> None:
         """One graph per replay unit (B_m with A_{m+1}); one per body if that fails."""
         try:
             graphs = [self._capture_graph(unit, stream) for unit in self._units]
@@ -271,7 +273,7 @@ class GraphDecoder(DecoderBase):
             self.pool = torch.cuda.graph_pool_handle()
             self._capture_split(stream)
 
-    def _launcher(self, graph: Any) -> Callable[[int], None]:
+    def _launcher(self, graph: torch.cuda.CUDAGraph) -> Callable[[int], None]:
         """A replay of ``graph`` on the given raw stream: ``cudaGraphLaunch`` through cuda-python where it imports
         (the graphs hold no random numbers, so torch's per-replay RNG bookkeeping is not needed), else
         ``graph.replay()`` on the current stream."""
@@ -283,11 +285,11 @@ class GraphDecoder(DecoderBase):
         launch = runtime.launch
         return lambda stream: launch(graph_exec, stream)
 
-    def _capture_split(self, stream: Any) -> None:
+    def _capture_split(self, stream: torch.cuda.Stream) -> None:
         """One graph per body; graph A without its D2H copy where that cannot be captured (the host enqueues the
         copy after the replay)."""
         self.merged = False
-        graphs: dict[str, Any] = {}
+        graphs: dict[str, torch.cuda.CUDAGraph] = {}
         for name, body in self._bodies.items():
             try:
                 graphs[name] = self._capture_graph(body, stream)
@@ -336,7 +338,7 @@ class GraphDecoder(DecoderBase):
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def step(self, token: Any) -> torch.Tensor:
+    def step(self, token: OneToken) -> torch.Tensor:
         """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer (rewritten by the
         next step)."""
         token = self._one_token(token)
@@ -415,7 +417,7 @@ class GraphDecoder(DecoderBase):
             self._runtime.copy_h2d(b.token.data_ptr(), self._host_inputs.data_ptr(), 16, stream)
 
     @staticmethod
-    def _one_token(token: Any) -> int:
+    def _one_token(token: OneToken) -> int:
         if isinstance(token, (torch.Tensor, np.ndarray)):
             n = token.size if isinstance(token, np.ndarray) else token.numel()
             if n != 1:
@@ -454,10 +456,10 @@ class GraphDecoder(DecoderBase):
         selection = ctl.select(m, host[:E], pregate)
         # graph B_m of the previous step (the last reader of this buffer) is complete: graph A_m came after it
         self._host_ids_np[m][:] = selection.experts
-        offload = ctl.offload
-        if offload is not None:
+        store = ctl.expert_store
+        if self.offloaded:  # resident, graph B reads the expert ids as slots
             # on CUDA the current stream waits for the copies
-            self._host_slots_np[m][:] = offload.decode_slots(m, selection.experts)
+            self._host_slots_np[m][:] = store.decode_slots(m, selection.experts)
         if marks is not None:  # layer m's experts start here (on CUDA: when the stream reaches graph B_m)
             marks.append(("exec", m, self._mark()))
         self._units[m + 1](stream)  # B_m, then A_{m+1} (or C)
@@ -467,8 +469,7 @@ class GraphDecoder(DecoderBase):
             # part 1 of the next MoE layer: the logical decisions in the same order as before the replay (select
             # m, prefetch m + 1, select m + 1), its copies queued and issued below while the GPU computes
             ctl.prefetch(m + 1)
-        if offload is not None:
-            offload.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
+        store.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
 
     # ------------------------------------------------------------------ measuring
     #: None, or a list that every step appends ``(kind, moe_layer, mark)`` to: ``("pred", m, ...)`` when layer m's
@@ -477,7 +478,7 @@ class GraphDecoder(DecoderBase):
     #: current stream (CUDA), or ``time.perf_counter()`` seconds (CPU). :func:`psr_hf.prefetch.window` reads them.
     marks: list | None = None
 
-    def _mark(self) -> Any:
+    def _mark(self) -> torch.cuda.Event | float:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()

@@ -13,19 +13,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..offload import cuda_runtime
-from ..offload.experts import _SlotExperts
+from ..offload.store import SlotExperts
 from ..hf.speculative import accepted_count, commit
 from ..policy.blocks import BlockConfig, BlockPool
 from .attention import apply_rope, cos_sin, rms_norm
 from .layers import build_layers
 from .moe import check_experts_module
+
+if TYPE_CHECKING:
+    from ..policy.calibration import Calibration
+    from .graphs import GraphDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +60,16 @@ def block_attention(s: Any, a: dict, x: torch.Tensor, positions: torch.Tensor, k
 
 
 class ExpertSlots:
-    """Per MoE layer: the experts in pinned host memory (the store), ``slots`` device slots, which expert each
-    holds logically (``slot_of``) and physically (``content``), and the copies into free slots on one copy stream
-    (``copy=False``: the same bookkeeping, no copy)."""
+    """The speculative engine's :class:`~psr_hf.offload.store.ExpertStore`. Per MoE layer: the experts in pinned
+    host memory (the store), ``slots`` device slots, which expert each holds logically (``slot_of``) and
+    physically (``content``), and the copies into free slots on one copy stream (``copy=False``: the same
+    bookkeeping, no copy). The block selection decides what is loaded (:meth:`load`, :meth:`keep`)."""
 
-    def __init__(self, experts_modules: list, slots: int, device: torch.device, copy: bool = True):
+    offloaded = True
+
+    def __init__(self, experts_modules: list[torch.nn.Module], slots: int, device: torch.device, copy: bool = True):
         self.device, self.copy = torch.device(device), bool(copy)
+        self.capacity = int(slots)
         device = self.device
         self.cuda = device.type == "cuda"
         self.store: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -75,6 +83,8 @@ class ExpertSlots:
                                                              device=device),
                                  "down_proj": torch.zeros((slots,) + down.shape[1:], dtype=down.dtype, device=device)})
         self.num_experts = self.store[0][0].shape[0]
+        self._modules = [SlotExperts(module, buffers, self.capacity)
+                         for module, buffers in zip(experts_modules, self.buffers)]
         self.slot_of = np.full((len(self.store), self.num_experts), -1, dtype=np.int64)
         self.content = np.full((len(self.store), int(slots)), -1, dtype=np.int64)  # -1: no expert's weights
         self.runtime = cuda_runtime.Runtime(device) if self.cuda and cuda_runtime.available()[0] else None
@@ -83,6 +93,25 @@ class ExpertSlots:
         self.copies = 0  # logical loads
         self.transfers = 0  # copies performed
 
+    # ------------------------------------------------------------------ what a layer's computation reads
+    def expert_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        gate_up, down = self.store[layer]
+        return {"gate_up_proj": gate_up, "down_proj": down}
+
+    def slot_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.buffers[layer]
+
+    def experts_module(self, layer: int) -> SlotExperts:
+        return self._modules[layer]
+
+    def decode_slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The slot of each of ``experts`` (loaded by :meth:`load`, which made the computation wait for them)."""
+        return self.slot_of[layer][experts]
+
+    def decode_done(self, layer: int) -> None:
+        pass  # a load's copies wait for everything the compute stream was given before them
+
+    # ------------------------------------------------------------------ what the block selection loads
     def reset(self) -> None:
         self.slot_of[:] = -1
 
@@ -159,9 +188,10 @@ class SpeculativeEngine:
     time; the outputs are not meaningful); ``graphs``: the verification in CUDA graphs (CUDA only). ``ValueError``
     where ``config.top_k`` is not the target's top-K."""
 
-    def __init__(self, target: torch.nn.Module, drafter: Any, config: BlockConfig, *,
-                 draft_tokens: int = 16, max_len: int = 2048, calibration: Any = None, slots: int | None = None,
-                 copies: bool = True, graphs: bool = True, experts: ExpertSlots | None = None):
+    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module | GraphDecoder, config: BlockConfig, *,
+                 draft_tokens: int = 16, max_len: int = 2048, calibration: Calibration | None = None,
+                 slots: int | None = None, copies: bool = True, graphs: bool = True,
+                 experts: ExpertSlots | None = None):
         from .. import RoutingConfig, patch
         from ..hf.installation import CONTROLLER_ATTRIBUTE
         from ..hf.speculative import moe_routers
@@ -187,15 +217,13 @@ class SpeculativeEngine:
         self.experts = experts if experts is not None else ExpertSlots(
             [m.block.experts for m in moe], E if slots is None else int(slots), self.device)
         self.copies = bool(copies)
-        if self.experts.buffers[0]["gate_up_proj"].shape[0] < min(E, config.pool + self.S * L.top_k):
+        if self.experts.capacity < min(E, config.pool + self.S * L.top_k):
             logger.warning("SpeculativeEngine: %d slots per layer may be fewer than a block's union needs",
-                           self.experts.buffers[0]["gate_up_proj"].shape[0])
+                           self.experts.capacity)
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         # transformers' grouped experts function: sorted by slot, one grouped matmul, capturable (histc offsets)
         self._grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
-        self._proxies = [_SlotExperts(m.block.experts, buffers, buffers["gate_up_proj"].shape[0])
-                         for m, buffers in zip(moe, self.experts.buffers)]
         if isinstance(drafter, GraphDecoder):  # shared by several engines
             self.drafter = drafter
         else:
@@ -248,7 +276,7 @@ class SpeculativeEngine:
         self.ids.copy_(self.host_ids[m], non_blocking=True)
         self.slot_ids.copy_(self.host_slots[m], non_blocking=True)
         weights = self.family.execution_weights(self.routers[m], self.logits[m], self.ids)
-        self.hidden.add_(self._grouped(self._proxies[m], self.normed, self.slot_ids, weights))
+        self.hidden.add_(self._grouped(self.experts.experts_module(m), self.normed, self.slot_ids, weights))
 
     def _body_c(self) -> None:
         L = self.layers
@@ -308,8 +336,9 @@ class SpeculativeEngine:
             self.experts.load(m, choice.copies, reuse=reuse)
             copies += int(choice.copies.size)
             self.host_ids[m].numpy()[:S] = choice.selected
-            self.host_slots[m].numpy()[:S] = self.experts.slot_of[m][choice.selected]
+            self.host_slots[m].numpy()[:S] = self.experts.decode_slots(m, choice.selected)
             units[n + m]()
+            self.experts.decode_done(m)
             self.experts.keep(m, pool._members[m])
         units[2 * n]()
         self._sync()

@@ -16,7 +16,7 @@ slot maps over. Page: docs/engine.md, "Routing on the device".
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -29,10 +29,13 @@ from .device_state import DeviceState
 from .graphs import GraphDecoder
 from .moe import triton_available
 
+if TYPE_CHECKING:
+    from psr_hf.hf.controller import Controller
+
 logger = logging.getLogger(__name__)
 
 
-def device_routing_unsupported(controller: Any) -> str | None:
+def device_routing_unsupported(controller: Controller) -> str | None:
     """Why the routing of ``controller`` cannot be decided on the device (None: it can)."""
     routing = controller.routing
     if routing.gate is not None:
@@ -41,12 +44,7 @@ def device_routing_unsupported(controller: Any) -> str | None:
         return f"the prefetch source {type(routing.source).__name__} ranks on the host"
     if controller.cache.rows != 1:
         return "the engine decodes one row"
-    offload = controller.offload
-    if offload is not None and offload.config.copy_delay_ms > 0:
-        return "copy_delay_ms delays the copies the host issues"
-    if offload is not None and offload.config.check_slots:
-        return "check_slots checks the slots on the host"
-    return None
+    return controller.expert_store.unsupported_on_device()
 
 
 def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, device_routing: bool | None = None,
@@ -102,11 +100,10 @@ class TokenGraphDecoder(GraphDecoder):
         self.dstate.ids = b.expert_ids[0]
         self.dstate.slot_ids = self._slot_ids if self.offloaded else b.expert_ids[0]
         self._copies: list[LayerCopies] = []
-        if self.offloaded:
-            offload = ctl.offload
+        if self.offloaded:  # the device copies experts into the slots itself
+            store = ctl.expert_store
             for m in range(len(self.moe_layers)):
-                host = offload.placement.store[m]
-                slots = offload.slots[m]
+                host, slots = store.expert_weights(m), store.slot_weights(m)
                 self._copies.append(LayerCopies([host["gate_up_proj"], host["down_proj"]],
                                                 [slots["gate_up_proj"], slots["down_proj"]]))
         self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
@@ -150,8 +147,7 @@ class TokenGraphDecoder(GraphDecoder):
         device = self.device
         ctl = self.controller
         ctl._reclaim()
-        slots = ctl.offload.lend_slots() if self.offloaded else None
-        self._upload(slots)
+        self._upload(ctl.expert_store.lend_slots())
         torch.cuda.synchronize(device)
         stream = torch.cuda.Stream(device)
         side = torch.cuda.Stream(device)
@@ -164,8 +160,8 @@ class TokenGraphDecoder(GraphDecoder):
             self._token_body(side)
         torch.cuda.synchronize(device)
         self._token_graph = graph
-        if self.offloaded:
-            ctl.offload.return_slots(self.dstate.slot_of.cpu().numpy().astype(np.int64), 0, 0)
+        if self.offloaded:  # the warm-up's copies moved experts the device maps name
+            ctl.expert_store.return_slots(self.dstate.slot_of.cpu().numpy().astype(np.int64), 0, 0)
 
     # ------------------------------------------------------------------ lending
     def _upload(self, slots: np.ndarray | None) -> None:
@@ -178,7 +174,7 @@ class TokenGraphDecoder(GraphDecoder):
     def _reconcile(self, slots: np.ndarray) -> np.ndarray:
         """The slot map made to hold exactly each layer's logical cache: a resident expert without a slot is
         copied into a slot whose expert is not resident (on the current stream, before the next graph)."""
-        cache, offload = self.controller.cache, self.controller.offload
+        cache, store = self.controller.cache, self.controller.expert_store
         slots = slots.copy()
         for m in range(len(self.moe_layers)):
             resident = cache.resident(m, 0)
@@ -189,13 +185,14 @@ class TokenGraphDecoder(GraphDecoder):
             keep[resident] = True
             spare = [int(slots[m, e]) for e in np.flatnonzero((slots[m] >= 0) & ~keep)]
             used = set(slots[m][slots[m] >= 0].tolist())
-            spare += [s for s in range(offload.capacity) if s not in used]
+            spare += [s for s in range(store.capacity) if s not in used]
             for e in missing:
                 slot = spare.pop(0)
                 holder = np.flatnonzero(slots[m] == slot)
                 slots[m, holder] = -1
-                for name, host in offload.placement.store[m].items():
-                    offload.slots[m][name][slot].copy_(host[e], non_blocking=True)
+                slot_weights = store.slot_weights(m)
+                for name, host in store.expert_weights(m).items():
+                    slot_weights[name][slot].copy_(host[e], non_blocking=True)
                 slots[m, e] = slot
             for e in np.flatnonzero((slots[m] >= 0) & ~keep):  # anything else is not mapped
                 slots[m, e] = -1
@@ -203,13 +200,12 @@ class TokenGraphDecoder(GraphDecoder):
 
     def _lend(self) -> None:
         ctl = self.controller
-        slots = ctl.offload.lend_slots() if self.offloaded else None
-        self._upload(slots)
+        self._upload(ctl.expert_store.lend_slots())
         self._lent_from = self._decided_to = self.position
         self._counters_at_lend = ctl.cache.counters[:, 0].copy()
         ctl.lend_state(self)
 
-    def return_state(self, controller: Any) -> None:
+    def return_state(self, controller: Controller) -> None:
         """The controller takes its state back: state, counters, displaced mass, slot maps and copy counts."""
         torch.cuda.synchronize(self.device)
         state = self.dstate
@@ -223,9 +219,9 @@ class TokenGraphDecoder(GraphDecoder):
                 controller.routing.absorb_record(state.record[first:last].cpu().numpy(),
                                                  state.record_plans[first:last].cpu().numpy())
             controller.continue_sequence(last)
-            if self.offloaded:
+            if self.offloaded:  # the device's copies: its slot maps and copy counts
                 delta = cache.counters[:, 0] - self._counters_at_lend
-                controller.offload.return_slots(state.slot_of.cpu().numpy().astype(np.int64),
+                controller.expert_store.return_slots(state.slot_of.cpu().numpy().astype(np.int64),
                                                 int(delta[:, D.R_DEMAND].sum()), int(delta[:, D.R_PREFETCH].sum()))
 
     # ------------------------------------------------------------------ steps

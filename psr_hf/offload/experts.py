@@ -376,14 +376,14 @@ class OffloadedExperts:
     def decode_slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """For a decoder that computes the MoE itself (``psr_hf.engine``): the decode selection of ``layer`` made by
         the controller is consumed (as :meth:`run` does), its copies waited for, and the slot of each of
-        ``experts`` returned ([K] int64). Call :meth:`decode_done` once the computation reading the slots has been
-        issued."""
+        ``experts`` returned (int64, the shape of ``experts``: ``[K]`` for one position). Call :meth:`decode_done`
+        once the computation reading the slots has been issued."""
         self._pending[layer] = None  # consumed: a later run() of the layer asks the device instead
         sched = self.scheduler
         sched.wait(layer)
         slot_map = sched.layers[layer].expert_slot
-        slots = slot_map[experts]  # a new [K] int64 array
-        if min(slots.tolist()) < 0:
+        slots = slot_map[experts]  # a new int64 array
+        if min(slots.ravel().tolist()) < 0:
             raise RuntimeError(f"psr_hf offload: layer {layer} executes experts {experts.tolist()} but the slots hold "
                                f"{slot_map.tolist()} (-1: none)")
         if self.config.check_slots:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -33,6 +33,7 @@ WAIT_PAIRS_COLLECTED = 4096  # timing events of waits kept before the completed 
 _LOGGED: set[str] = set()
 
 
+@runtime_checkable
 class CopyLink(Protocol):
     """One ordered copy stream into the expert slots, as the scheduler uses it.
 

@@ -14,7 +14,7 @@ device slots that follow the logical cache) and the speculative engine's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ class SlotExperts:
         return getattr(self._module, name)
 
 
+@runtime_checkable
 class ExpertStore(Protocol):
     """The experts of every MoE layer as its computation reads them: ``capacity`` slots of expert weights per
     layer, and the slot each executed expert is in.
@@ -80,6 +81,7 @@ class ExpertStore(Protocol):
         """The computation reading ``layer``'s slots is issued: a later copy into them waits for it."""
 
 
+@runtime_checkable
 class PatchedExpertStore(ExpertStore, Protocol):
     """The expert store of a model patched by :func:`psr_hf.patch`, which its controller holds (never None) and
     tells what happens: the slots follow the logical cache (:meth:`route`, :meth:`prefetch`, :meth:`new_sequence`),
