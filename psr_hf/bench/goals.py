@@ -120,82 +120,103 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
     engine rows. They are evaluated only when ``cuda`` is True (the device of the run); otherwise their status is
     ``needs a GPU``. Every goal was set for the H200: with ``cuda`` False (a CPU run) none is judged, each is ``needs
     a GPU``; ``cuda`` None (unknown) judges the transformers-path goals only."""
-    goals = []
-
-    def goal(text: str, numerator: str, denominator: str, bound: float, op: str) -> None:
-        c = compare_rows(rows, numerator, denominator)
-        entry: dict[str, Any] = {"goal": text, "numerator": numerator, "denominator": denominator, "bound": bound,
-                                 "op": op, "status": "not measured", "ratio": None, "ci95": None, "p": None,
-                                 "significant": None, "point": None}
-        if c is not None:
-            entry.update(ratio=c["ratio"], ci95=c["ci95"], p=c["p"])
-            _judge(entry, *c["ci95"], c["ratio"], bound, op)
-        goals.append(entry)
-
-    def name(kind: str, fields: dict[str, Any], residency: float, copies_skipped: bool = False) -> str:
-        return routed(kind, fields, residency, copies_skipped).name
-
-    for residency, bound in RESIDENT_GOALS.items():
-        psr_row = name(OFFLOAD, PSR_GOAL_ROUTING, residency)
-        goal(f"{psr_row} <= {bound:g}x resident", psr_row, RESIDENT, bound, "<=")
-    for residency in RESIDENT_GOALS:
-        psr_row = name(OFFLOAD, PSR_GOAL_ROUTING, residency)
-        goal(f"accelerate >= {ACCELERATE_GOAL:g}x {psr_row}", ACCELERATE, psr_row, ACCELERATE_GOAL, ">=")
-    for residency in _residencies(rows) or list(RESIDENT_GOALS):
-        lru = name(OFFLOAD, exact_lru(), residency)
-        for fields in PSR_ROUTINGS:
-            psr_row = name(OFFLOAD, fields, residency)
-            goal(f"{psr_row} faster than {lru} (exact_lru / psr > 1)", lru, psr_row, 1.0, ">")
-
+    goals = _transformers_goals(rows)
     if cuda is False:
         for entry in goals:
             entry.update(status=NEEDS_GPU, ratio=None, ci95=None, p=None, significant=None, point=None)
     parsed = _rows_by_name(rows)
     if not any(row is not None and row.on_engine for row in parsed.values()):
         return goals
-    by_name = {row["configuration"]: row for row in rows}
-    first_engine = len(goals)
+    engine_goals = _engine_goals(rows, parsed)
+    if not cuda:  # the engine's goals are about GPU latency: on the CPU they are not evaluated
+        for entry in engine_goals:
+            entry.update(status=NEEDS_GPU, ratio=None, ms=None, ci95=None, p=None, significant=None, point=None)
+    return goals + engine_goals
 
-    def bound_goal(text: str, row_name: str, bound: float, summary: Mapping[str, Any] | None, unit: str) -> None:
-        """A bound on a row's per-round mean (``summary``: its mean and 95% t-interval; ``unit``: the entry's key
-        for the mean, ``ms`` or ``us``), by the same met / not met / not shown rule."""
-        entry: dict[str, Any] = {"goal": text, "row": row_name, "bound": bound, "op": "<=", "status": "not measured",
-                                 "ratio": None, unit: None, "ci95": None, "p": None, "significant": None,
-                                 "point": None}
-        if summary is not None:
-            lo, hi = summary["ci95"]
-            entry.update({unit: summary["mean"], "ci95": [lo, hi]})
-            _judge(entry, lo, hi, summary["mean"], bound, "<=")
-        goals.append(entry)
 
-    def ms_goal(row_name: str, bound: float) -> None:
-        row = by_name.get(row_name)
-        bound_goal(f"{row_name} <= {bound:g} ms/token", row_name, bound,
-                   None if row is None else row["ms_per_token"], "ms")
+def _name(kind: str, fields: dict[str, Any], residency: float, copies_skipped: bool = False) -> str:
+    return routed(kind, fields, residency, copies_skipped).name
 
-    ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)
-    for residency, bound in ENGINE_PSR_MS_GOALS.items():
-        ms_goal(name(ENGINE, PSR_GOAL_ROUTING, residency), bound)
-    for residency, bound in ENGINE_LRU_GOALS.items():
-        lru, psr_row = name(ENGINE, exact_lru(), residency), name(ENGINE, PSR_GOAL_ROUTING, residency)
-        goal(f"{lru} >= {bound:g}x {psr_row}", lru, psr_row, bound, ">=")
+
+def _ratio_goal(rows: Sequence[Mapping[str, Any]], text: str, numerator: str, denominator: str, bound: float,
+                op: str) -> dict[str, Any]:
+    """A bound on the paired ratio of two rows' per-round ms/token (``op``: ``<=``, ``>=`` or ``>``)."""
+    c = compare_rows(rows, numerator, denominator)
+    entry: dict[str, Any] = {"goal": text, "numerator": numerator, "denominator": denominator, "bound": bound,
+                             "op": op, "status": "not measured", "ratio": None, "ci95": None, "p": None,
+                             "significant": None, "point": None}
+    if c is not None:
+        entry.update(ratio=c["ratio"], ci95=c["ci95"], p=c["p"])
+        _judge(entry, *c["ci95"], c["ratio"], bound, op)
+    return entry
+
+
+def _bound_goal(text: str, row_name: str, bound: float, summary: Mapping[str, Any] | None,
+                unit: str) -> dict[str, Any]:
+    """A bound on a row's per-round mean (``summary``: its mean and 95% t-interval; ``unit``: the entry's key for
+    the mean, ``ms`` or ``us``), by the same met / not met / not shown rule."""
+    entry: dict[str, Any] = {"goal": text, "row": row_name, "bound": bound, "op": "<=", "status": "not measured",
+                             "ratio": None, unit: None, "ci95": None, "p": None, "significant": None, "point": None}
+    if summary is not None:
+        lo, hi = summary["ci95"]
+        entry.update({unit: summary["mean"], "ci95": [lo, hi]})
+        _judge(entry, lo, hi, summary["mean"], bound, "<=")
+    return entry
+
+
+def _transformers_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """PSR near resident, accelerate far behind PSR, and every PSR row faster than exact_lru, on the transformers
+    path."""
+    goals = []
+    for residency, bound in RESIDENT_GOALS.items():
+        psr_row = _name(OFFLOAD, PSR_GOAL_ROUTING, residency)
+        goals.append(_ratio_goal(rows, f"{psr_row} <= {bound:g}x resident", psr_row, RESIDENT, bound, "<="))
     for residency in RESIDENT_GOALS:
-        cp, psr_row = name(ENGINE, ENGINE_CP_ROUTING, residency), name(ENGINE, PSR_GOAL_ROUTING, residency)
-        goal(f"{cp} >= {ENGINE_CP_GOAL:g}x {psr_row}", cp, psr_row, ENGINE_CP_GOAL, ">=")
+        psr_row = _name(OFFLOAD, PSR_GOAL_ROUTING, residency)
+        goals.append(_ratio_goal(rows, f"accelerate >= {ACCELERATE_GOAL:g}x {psr_row}", ACCELERATE, psr_row,
+                                 ACCELERATE_GOAL, ">="))
+    for residency in _residencies(rows) or list(RESIDENT_GOALS):
+        lru = _name(OFFLOAD, exact_lru(), residency)
+        for fields in PSR_ROUTINGS:
+            psr_row = _name(OFFLOAD, fields, residency)
+            goals.append(_ratio_goal(rows, f"{psr_row} faster than {lru} (exact_lru / psr > 1)", lru, psr_row, 1.0,
+                                     ">"))
+    return goals
+
+
+def _engine_goals(rows: Sequence[Mapping[str, Any]], parsed: Mapping[str, Row | None]) -> list[dict[str, Any]]:
+    """The engine's ms/token bounds, its ratios within the engine rows (exact_lru and Cache-Prior over PSR, PRED0
+    over OFF) and its host time per MoE layer and per issued copy."""
+    by_name = {row["configuration"]: row for row in rows}
+
+    def ms_goal(row_name: str, bound: float) -> dict[str, Any]:
+        row = by_name.get(row_name)
+        return _bound_goal(f"{row_name} <= {bound:g} ms/token", row_name, bound,
+                           None if row is None else row["ms_per_token"], "ms")
+
+    goals = [ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)]
+    goals += [ms_goal(_name(ENGINE, PSR_GOAL_ROUTING, residency), bound)
+              for residency, bound in ENGINE_PSR_MS_GOALS.items()]
+    for residency, bound in ENGINE_LRU_GOALS.items():
+        lru, psr_row = _name(ENGINE, exact_lru(), residency), _name(ENGINE, PSR_GOAL_ROUTING, residency)
+        goals.append(_ratio_goal(rows, f"{lru} >= {bound:g}x {psr_row}", lru, psr_row, bound, ">="))
+    for residency in RESIDENT_GOALS:
+        cp, psr_row = _name(ENGINE, ENGINE_CP_ROUTING, residency), _name(ENGINE, PSR_GOAL_ROUTING, residency)
+        goals.append(_ratio_goal(rows, f"{cp} >= {ENGINE_CP_GOAL:g}x {psr_row}", cp, psr_row, ENGINE_CP_GOAL, ">="))
     skipped = {row_name: row for row_name, row in parsed.items()
                if row is not None and row.kind == ENGINE and row.copies_skipped}
     for row_name, row in skipped.items():
-        off = name(ENGINE, exact_lru(), row.residency, copies_skipped=True)
+        off = _name(ENGINE, exact_lru(), row.residency, copies_skipped=True)
         if row.routing.prefetch == "predictor" and off in by_name:  # PRED0: prediction and control, no transfer
-            goal(f"PRED0 {row_name} <= {ENGINE_PRED0_GOAL:g}x {off}", row_name, off, ENGINE_PRED0_GOAL, "<=")
+            goals.append(_ratio_goal(rows, f"PRED0 {row_name} <= {ENGINE_PRED0_GOAL:g}x {off}", row_name, off,
+                                     ENGINE_PRED0_GOAL, "<="))
     for row_name, row in skipped.items():
-        bound_goal(f"{row_name} host time <= {ENGINE_HOST_US_GOAL:g} us per MoE layer", row_name, ENGINE_HOST_US_GOAL,
-                   (by_name.get(row_name) or {}).get("host_us_per_moe_layer"), "us")
+        goals.append(_bound_goal(f"{row_name} host time <= {ENGINE_HOST_US_GOAL:g} us per MoE layer", row_name,
+                                 ENGINE_HOST_US_GOAL, (by_name.get(row_name) or {}).get("host_us_per_moe_layer"),
+                                 "us"))
         twin = row.replace(copies_skipped=False).name
         if twin in by_name:
-            bound_goal(f"{twin} host time <= {ENGINE_HOST_US_PER_COPY_GOAL:g} us per issued copy", twin,
-                       ENGINE_HOST_US_PER_COPY_GOAL, (by_name.get(twin) or {}).get("host_us_per_copy"), "us")
-    if not cuda:  # the engine's goals are about GPU latency: on the CPU they are not evaluated
-        for entry in goals[first_engine:]:
-            entry.update(status=NEEDS_GPU, ratio=None, ms=None, ci95=None, p=None, significant=None, point=None)
+            goals.append(_bound_goal(f"{twin} host time <= {ENGINE_HOST_US_PER_COPY_GOAL:g} us per issued copy",
+                                     twin, ENGINE_HOST_US_PER_COPY_GOAL,
+                                     (by_name.get(twin) or {}).get("host_us_per_copy"), "us"))
     return goals
