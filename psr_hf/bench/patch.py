@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .common import device_sync, machine, paired_ratio, quiet_uncalibrated, rotated, summarize
 from .workloads import TINY_SHAPE, build_random_model, olmoe_1b_7b_config, prompt_ids, router_weight_std
+
+if TYPE_CHECKING:
+    from ..policy.calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ DEFAULT_CONFIGS: dict[str, RoutingConfig | None] = {
 GOAL_RATIO = 1.10  # the issue's goal: patching costs at most 10%
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the model config fields a record names
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "num_experts", "num_experts_per_tok", "norm_topk_prob", "max_position_embeddings",
+              "rope_parameters", "rms_norm_eps")
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -90,7 +97,7 @@ def _experts_implementation(model: torch.nn.Module) -> str | None:
 
 
 def decode_run(model: torch.nn.Module, config: RoutingConfig | None, input_ids: torch.Tensor,
-               new_tokens: int, calibration: Any = None) -> DecodeRun:
+               new_tokens: int, calibration: Calibration | None = None) -> DecodeRun:
     """Patch ``model`` with ``config`` and ``calibration`` (config None: leave it unpatched), greedy-decode
     ``new_tokens`` tokens after ``input_ids`` ``[1, P]``, unpatch; returns the timings, tokens and routing
     statistics (see module docstring)."""
@@ -150,7 +157,7 @@ def decode_run(model: torch.nn.Module, config: RoutingConfig | None, input_ids: 
 def bench_patch(
     model: torch.nn.Module, *, configs: Mapping[str, RoutingConfig | None] | None = None, prompt_tokens: int = 32,
     new_tokens: int = 256, rounds: int = 5, warmup: int = 1, seed: int = 0, baseline: str | None = None,
-    calibration: Any = None, progress: Callable[[str], None] | None = None,
+    calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Time greedy decoding of ``model`` under each configuration, interleaved over ``rounds``.
 
@@ -173,6 +180,21 @@ def bench_patch(
     of the last round.
     """
     configs = dict(DEFAULT_CONFIGS if configs is None else configs)
+    baseline = _baseline_of(configs, rounds, warmup, baseline)
+    device = next(model.parameters()).device
+    ids = prompt_ids(int(model.config.get_text_config().vocab_size), prompt_tokens, seed).to(device)
+    if calibration is None and any(config is not None for config in configs.values()):
+        logger.info("bench_patch: patched runs are uncalibrated (warm set = the first C experts, no token prior, "
+                    "running bonus scale)")
+    runs, baseline_tokens = _timed_runs(model, configs, ids, new_tokens, rounds, warmup, baseline, calibration,
+                                        progress)
+    repeatable = all(tokens == baseline_tokens[0] for tokens in baseline_tokens)
+    return [_result(name, configs[name], runs[name], runs[baseline], name == baseline, repeatable) for name in runs]
+
+
+def _baseline_of(configs: Mapping[str, RoutingConfig | None], rounds: int, warmup: int, baseline: str | None) -> str:
+    """The baseline configuration (given, else the first unpatched one, else the first); ``ValueError`` for no
+    configurations, a bad count of rounds, or a baseline that is not one of them."""
     if not configs:
         raise ValueError("configs is empty; give at least one name -> RoutingConfig or None")
     if rounds < 1 or warmup < 0:
@@ -181,14 +203,17 @@ def bench_patch(
         baseline = next((name for name, config in configs.items() if config is None), next(iter(configs)))
     if baseline not in configs:
         raise ValueError(f"baseline={baseline!r} is not one of the configurations: {', '.join(configs)}")
-    device = next(model.parameters()).device
-    ids = prompt_ids(int(model.config.get_text_config().vocab_size), prompt_tokens, seed).to(device)
+    return baseline
+
+
+def _timed_runs(model: torch.nn.Module, configs: Mapping[str, RoutingConfig | None], ids: torch.Tensor,
+                new_tokens: int, rounds: int, warmup: int, baseline: str, calibration: Calibration | None,
+                progress: Callable[[str], None] | None) -> tuple[dict[str, list[DecodeRun]], list[list[int]]]:
+    """The warm-up runs and the timed rounds; returns each configuration's timed runs and the tokens of every
+    baseline run, warm-up included (is the baseline repeatable?)."""
     names = list(configs)
     runs: dict[str, list[DecodeRun]] = {name: [] for name in names}
-    baseline_tokens: list[list[int]] = []  # every baseline run, warm-up included: is the baseline repeatable?
-    if calibration is None and any(config is not None for config in configs.values()):
-        logger.info("bench_patch: patched runs are uncalibrated (warm set = the first C experts, no token prior, "
-                    "running bonus scale)")
+    baseline_tokens: list[list[int]] = []
     # a tqdm bar (stderr) over every run of every warm-up and timed round when the caller asks for progress
     bar = tqdm(total=(warmup + rounds) * len(names), unit="run", desc="bench-patch", disable=progress is None)
     with quiet_uncalibrated(), bar:
@@ -210,39 +235,39 @@ def bench_patch(
             if progress is not None:
                 line = ", ".join(f"{name} {runs[name][-1].ms_per_token:.2f}" for name in names)
                 progress(f"round {r + 1}/{rounds}: ms/token {line}")
-    repeatable = all(tokens == baseline_tokens[0] for tokens in baseline_tokens)
-    base_ms = [run.ms_per_token for run in runs[baseline]]
-    rows = []
-    for name in names:
-        config, done = configs[name], runs[name]
-        ms = [run.ms_per_token for run in done]
-        same = [run.tokens == ref.tokens for run, ref in zip(done, runs[baseline])]
-        divergence = [next((i for i, (a, b) in enumerate(zip(run.tokens, ref.tokens)) if a != b), None)
-                      for run, ref in zip(done, runs[baseline])]
-        stats = None
-        if done[0].decode_stats is not None:
-            keys = ("tokens", "copies_per_token", "prefetch_per_token", "demand_per_token", "replaced_per_token",
-                    "displaced_mass")
-            stats = {key: float(np.mean([run.decode_stats[key] for run in done])) for key in keys}
-            stats["sequence"] = {key: float(np.mean([run.sequence_stats[key] for run in done])) for key in keys}
-        rows.append({
-            "configuration": name,
-            "routing": None if config is None else config.to_dict(),
-            "routing_effective": done[0].effective,
-            "baseline": name == baseline,
-            "ms_per_token": summarize(ms),
-            "prefill_ms": summarize([run.prefill_ms for run in done]),
-            "total_ms": summarize([run.total_ms for run in done]),
-            "ratio": paired_ratio(ms, base_ms),
-            "routing_stats": stats,
-            "tokens_identical_to_baseline": all(same),
-            "rounds_identical_to_baseline": int(sum(same)),
-            "first_divergence": divergence,
-            "baseline_repeatable": repeatable,
-            "experts_implementation_during_decode": done[0].experts_during_decode,
-            "tokens": done[-1].tokens,
-        })
-    return rows
+    return runs, baseline_tokens
+
+
+def _result(name: str, config: RoutingConfig | None, done: Sequence[DecodeRun], reference: Sequence[DecodeRun],
+            is_baseline: bool, repeatable: bool) -> dict[str, Any]:
+    """One configuration's result from its timed runs and the baseline's (``reference``, paired by round)."""
+    ms = [run.ms_per_token for run in done]
+    same = [run.tokens == ref.tokens for run, ref in zip(done, reference)]
+    divergence = [next((i for i, (a, b) in enumerate(zip(run.tokens, ref.tokens)) if a != b), None)
+                  for run, ref in zip(done, reference)]
+    stats = None
+    if done[0].decode_stats is not None:
+        keys = ("tokens", "copies_per_token", "prefetch_per_token", "demand_per_token", "replaced_per_token",
+                "displaced_mass")
+        stats = {key: float(np.mean([run.decode_stats[key] for run in done])) for key in keys}
+        stats["sequence"] = {key: float(np.mean([run.sequence_stats[key] for run in done])) for key in keys}
+    return {
+        "configuration": name,
+        "routing": None if config is None else config.to_dict(),
+        "routing_effective": done[0].effective,
+        "baseline": is_baseline,
+        "ms_per_token": summarize(ms),
+        "prefill_ms": summarize([run.prefill_ms for run in done]),
+        "total_ms": summarize([run.total_ms for run in done]),
+        "ratio": paired_ratio(ms, [run.ms_per_token for run in reference]),
+        "routing_stats": stats,
+        "tokens_identical_to_baseline": all(same),
+        "rounds_identical_to_baseline": int(sum(same)),
+        "first_divergence": divergence,
+        "baseline_repeatable": repeatable,
+        "experts_implementation_during_decode": done[0].experts_during_decode,
+        "tokens": done[-1].tokens,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- record
@@ -271,21 +296,9 @@ def run_bench_patch(
     model = build_random_model(config, target, DTYPES[dtype], seed=seed, experts_implementation=experts_implementation)
     target = next(model.parameters()).device
     configs = dict(DEFAULT_CONFIGS if configs is None else configs)
-    calibration = None
-    if calibrate_tokens:
-        from ..hf.calibrate import calibrate
-
-        if progress is not None:
-            progress(f"calibrating on {calibrate_tokens} random tokens")
-        window = 256
-        ids = prompt_ids(config.vocab_size, -(-calibrate_tokens // window) * window, seed + 1).reshape(-1, window)
-        calibration = calibrate(model, ids, max_length=window, batch_size=4, max_tokens=calibrate_tokens,
-                                progress=False)
+    calibration = _random_calibration(model, calibrate_tokens, seed + 1, progress) if calibrate_tokens else None
     rows = bench_patch(model, configs=configs, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
                        warmup=warmup, seed=seed, calibration=calibration, progress=progress)
-    shape_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-                  "max_position_embeddings", "rope_parameters", "rms_norm_eps")
     record = {
         "benchmark": "patch",
         "settings": {
@@ -305,7 +318,7 @@ def run_bench_patch(
         "model": {
             "class": type(model).__name__,
             "shape": "tiny" if tiny else "OLMoE-1B-7B",
-            "config": {key: getattr(config, key) for key in shape_keys},
+            "config": {key: getattr(config, key) for key in SHAPE_KEYS},
             "dtype": dtype,
             "device": str(target),
             "parameters": int(sum(p.numel() for p in model.parameters())),
@@ -318,6 +331,20 @@ def run_bench_patch(
         "results": rows,
     }
     return record
+
+
+def _random_calibration(model: torch.nn.Module, tokens: int, seed: int,
+                        progress: Callable[[str], None] | None) -> Calibration:
+    """:func:`psr_hf.calibrate` on ``tokens`` seeded random token ids (windows of 256): what a calibrated deployment
+    pays for, with values that mean nothing for random weights."""
+    from ..hf.calibrate import calibrate
+
+    if progress is not None:
+        progress(f"calibrating on {tokens} random tokens")
+    window = 256
+    vocab = int(model.config.get_text_config().vocab_size)
+    ids = prompt_ids(vocab, -(-tokens // window) * window, seed).reshape(-1, window)
+    return calibrate(model, ids, max_length=window, batch_size=4, max_tokens=tokens, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
