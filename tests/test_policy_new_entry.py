@@ -54,3 +54,11 @@ def test_a_new_entry_patches_generates_replays_and_gets_a_frontier_label(new_pol
     recording = rec.recordings[0]
     np.testing.assert_array_equal(psr_hf.replay(config, recording).selected, recording.selected)
     assert family({"name": "x", "policy": NEW, "eviction": "lru", "budget": 1}) == NEW
+
+
+def test_a_new_entry_outside_the_paper_has_no_grid_name(new_policy):
+    from psr_hf.eval.grid import routing_name
+
+    assert routing_name(RoutingConfig(policy="psr", residency=0.5, eviction="lru")) == "psr_lam0.2_n1_lru"
+    with pytest.raises(ValueError, match="the routing grid has no name"):
+        routing_name(RoutingConfig(policy=NEW, residency=0.5))

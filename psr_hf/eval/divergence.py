@@ -18,7 +18,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,11 @@ from ..policy.config import RoutingConfig
 from ..policy.policies import POLICY_TABLE
 from .grid import cache_prior, exact_lru, psr, routing_name
 from .stats import mean_interval
+
+if TYPE_CHECKING:
+    from ..offload.config import OffloadConfig
+    from ..policy.calibration import Calibration
+    from ..prefetch.predictor import Predictor
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ def paired_difference(a: DivergenceRow, b: DivergenceRow) -> tuple[float, tuple[
     return float(diff.mean()), _ci95(diff)
 
 
-def _token_nll(model: torch.nn.Module, ids: torch.Tensor, bar: Any = None) -> np.ndarray:
+def _token_nll(model: torch.nn.Module, ids: torch.Tensor, bar: tqdm | None = None) -> np.ndarray:
     """``[T - 1]`` NLL (nats, float64) of tokens 1.. of ``ids`` ``[1, T]`` given the ones before."""
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, :-1].double()  # [T-1, V]
@@ -95,8 +100,9 @@ def _ci95(values: np.ndarray) -> tuple[float, float]:
 
 
 def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs: Mapping[str, RoutingConfig],
-               calibration: Any = None, offload: Any = None, progress: bool = False,
-               predictor: Any = None) -> list[DivergenceRow]:
+               calibration: Calibration | str | Path | None = None,
+               offload: OffloadConfig | Mapping[str, object] | str | None = None, progress: bool = False,
+               predictor: Predictor | None = None) -> list[DivergenceRow]:
     """Excess NLL over exact routing and routing statistics of each configuration on ``windows``.
 
     Args:
