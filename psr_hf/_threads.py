@@ -7,13 +7,17 @@ benchmarks/threads/record.txt). Torch's thread count is process-wide, so only th
 decision; the library (``patch()``, ``load_shipped()``) leaves it to the caller, who calls
 ``torch.set_num_threads(1)`` for a small model (as the README's quickstart and the notebook do). The CLI's
 commands take ``PSR_HF_THREADS=N`` (or ``OMP_NUM_THREADS``, or ``--threads``) to choose otherwise.
+
+:func:`keep_torch_threads` keeps that decision around numba's parallel kernels (the policy's replay).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +59,19 @@ def decide_for(model: Any) -> int:
     except (StopIteration, AttributeError):
         device = "cpu"
     return decide(hidden if isinstance(hidden, int) else None, device)
+
+
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Around a parallel numba kernel: numba's OpenMP layer sets the process's OpenMP thread count, which torch
+    reads as its own intra-op count (a caller that chose one torch thread for a small model would run its next
+    forward on every core). Restores the caller's torch count after the call where torch is loaded (this never
+    imports it: the policy room that calls it never uses torch); numba's own count is the caller's too, never set
+    here."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..policy import _kernels  # noqa: F401  (sets numba's cache folder before the decorators below)
+from ..policy.numba_setup import use_user_cache_folder; use_user_cache_folder()  # noqa: E702 (before the njits)
 
 WARM, DEMAND, PREFETCH = 0, 1, 2
 QUEUED, ISSUED, DROPPED = 0, 1, 2

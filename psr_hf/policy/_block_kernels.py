@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import _kernels  # noqa: F401  (sets numba's cache folder before the decorator below)
+from .numba_setup import use_user_cache_folder; use_user_cache_folder()  # noqa: E702 (before the njit)
 
 
 @njit(cache=True)

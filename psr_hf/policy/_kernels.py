@@ -8,42 +8,25 @@ touching any state, so a bad block leaves the state as it was. State and config 
 The policy reaches the kernels as behaviour flags (``MI_INSERTS``, ``MI_BIASED``, ``MI_EXECUTES_PREGATE``, from
 :mod:`.policies`), never as a name: the kernels branch on what a policy does (``MI_POLICY`` only names it).
 
-One position of one layer (:func:`_step_layer_checked`) runs, in ALGORITHM.md's order: :func:`_insert_predicted`
-(part 1), the selection (:func:`_top_k_of` of the router or the pre-gate, or :func:`_bonus_scale` and
-:func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and :func:`_update_statistics`. Every kernel
-is tested against the slow reference :mod:`psr_hf.policy.reference` (docs/policy.md).
+One layer (:func:`_step_layer_checked`) reads its rules once (:func:`_layer_rules`, :func:`_cut_scratch`) and runs
+each position, in ALGORITHM.md's order: :func:`_insert_predicted` (part 1, counted by :func:`_count_prefetch`), the
+selection (:func:`_select_experts`: :func:`_top_k_of` of the router or the pre-gate, or :func:`_bonus_scale` and
+:func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and :func:`_update_statistics` (counted by
+:func:`_count_step`); a padded position :func:`_padded_position`. The small helpers of one layer are inlined into
+it (``inline="always"``), so the split costs no call. Every kernel is tested against the slow reference
+:mod:`psr_hf.policy.reference` (docs/policy.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from collections import namedtuple
-from typing import Iterator
 
-import numba
 import numpy as np
 from numba import njit, prange
 
+from .numba_setup import use_user_cache_folder
 
-def user_cache_dir() -> str:
-    """Where numba caches these kernels: ``NUMBA_CACHE_DIR`` when the user set it, else a per-user cache folder
-    (``$XDG_CACHE_HOME/psr_hf/numba``, default ``~/.cache/psr_hf/numba``; ``~/Library/Caches/psr_hf/numba`` on
-    macOS; ``%LOCALAPPDATA%\\psr_hf\\numba`` on Windows). Never beside the modules: ``cache=True`` alone writes
-    ``__pycache__/*.nbi|.nbc`` into site-packages, which ``pip uninstall`` does not remove."""
-    from .._paths import user_cache_dir as cache
-
-    return os.environ.get("NUMBA_CACHE_DIR") or cache("numba")
-
-
-# numba picks a function's cache folder when @njit(cache=True) runs (numba.config.CACHE_DIR, read from
-# NUMBA_CACHE_DIR at numba's import), so it is set here, before the decorators below and before those of
-# ._mass and offload.slot_book, which import this module first. It stays set for the process (numba.config only; the
-# environment is left alone): numba functions defined later elsewhere cache there too, in a subfolder named after
-# their source path, instead of beside their sources. A NUMBA_CACHE_DIR of the user's always wins.
-if not numba.config.CACHE_DIR:
-    numba.config.CACHE_DIR = user_cache_dir()
+use_user_cache_folder()  # before the decorators below: numba picks each function's cache folder as it decorates it
 
 # evictions
 EVICT_SCORE, EVICT_LRU = 0, 1
@@ -108,7 +91,7 @@ def plan_layout(K, P):
 def scratch_sizes(E, K, window, top_j, P):
     """Sizes of the float64 and int64 scratch buffers of :func:`_step_layer_checked` for ``E`` experts, top-``K``
     routing, a pre-gate ``window`` (at most E), ``top_j`` and at most ``P`` prefetch insertions (allocate with
-    zeros). The buffers are cut in :func:`_step_layer_checked`, next to which this layout is described."""
+    zeros). The buffers are cut in :func:`_cut_scratch`, next to which this layout is described."""
     ranked = max(window, K, top_j)
     return 6 * E + ranked, 2 * E + 4 * ranked + P
 
@@ -457,6 +440,136 @@ def _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags,
     return replaced
 
 
+# ---------------------------------------------------------------------------------------------------- one position
+# The pieces of _step_layer_checked, in ALGORITHM.md's order. They are inlined into it (inline="always"), so the
+# split costs no call; each takes the arrays it works on as arguments (an array taken out of a tuple, or a view
+# made where none was, costs numba a reference count per position: measurable at about a microsecond a step).
+LayerRules = namedtuple(
+    "LayerRules", "K capacity budget window top_j running biased executes_pregate lam decay_fast decay_slow flush "
+                  "fixed_delta part1_runs do_part1 do_part2")
+LayerRules.__doc__ = """One layer's rules for one kernel call (:func:`_layer_rules`): K, the capacity C, the budget
+n, the window W (at most E), top_j, the bonus scale's kind (``running``), the policy's behaviour flags (``biased``,
+``executes_pregate``), lam, the moving averages' decays and flush threshold, ``delta[l]``, and whether part 1 runs at
+this layer (``part1_runs``: in this call or in a separate prefetch call), in this call (``do_part1``) and whether
+part 2 does (``do_part2``)."""
+
+Scratch = namedtuple(
+    "Scratch", "priority flags scores_f64 other_f64 select_buf top_j_flags candidates own selected selected_sorted "
+               "inserted select_idx")
+Scratch.__doc__ = """The views of the scratch buffers one kernel call works in, cut by :func:`_cut_scratch` from the
+buffers of :func:`scratch_sizes` (and unpacked once per call)."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _layer_rules(layer, mode, config_ints, config_floats, E):
+    """The :data:`LayerRules` of ``layer`` (``E`` experts) in ``mode``, read from the config arrays (their layout:
+    :func:`_step_layer_checked`)."""
+    decay_fast = config_floats[MF_DECAY_FAST]
+    part1_runs = config_ints[MI_INSERTS] != 0 and layer >= 1  # in this call or in a separate prefetch call
+    return LayerRules(config_ints[MI_K], config_ints[MI_C], config_ints[MI_BUDGET], min(config_ints[MI_WINDOW], E),
+                      config_ints[MI_TOP_J], config_ints[MI_RUNNING] != 0, config_ints[MI_BIASED] != 0,
+                      config_ints[MI_EXECUTES_PREGATE] != 0, config_floats[MF_LAM], decay_fast,
+                      config_floats[MF_DECAY_SLOW], min(1.0, 1.0 - decay_fast) * FLUSH_RATIO,
+                      config_floats[MF_SIZE + layer], part1_runs, part1_runs and mode != MODE_SELECT,
+                      mode != MODE_INSERT)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _cut_scratch(float_scratch, int_scratch, E, rules):
+    """The :data:`Scratch` views of ``float_scratch`` and ``int_scratch`` (the layout behind
+    :func:`scratch_sizes`): ``flags`` and ``top_j_flags`` must be zero on entry and are left zero."""
+    n_own = max(rules.K, rules.top_j)  # the router's own ranking is needed this far (statistics: K; top_j)
+    ranked = max(rules.window, n_own)
+    budget = rules.budget
+    return Scratch(
+        float_scratch[:E],  # priority: the eviction priority of the position
+        float_scratch[E : 2 * E],  # flags: 1.0 marks S during demand insertion; the own-top-K indicator in step 7
+        float_scratch[2 * E : 3 * E],  # scores_f64: this position's scores as float64
+        float_scratch[3 * E : 4 * E],  # other_f64: pre-gate as float64, or the biased scores
+        float_scratch[4 * E :],  # select_buf: scratch of _select_top, k + 2E
+        int_scratch[:E],  # top_j_flags
+        int_scratch[E : E + ranked],  # candidates: the pre-gate's ranking
+        int_scratch[E + ranked : E + 2 * ranked],  # own: the router's own ranking
+        int_scratch[E + 2 * ranked : E + 3 * ranked],  # selected: S
+        int_scratch[E + 3 * ranked : E + 4 * ranked],  # selected_sorted: S ascending
+        int_scratch[E + 4 * ranked : E + 4 * ranked + budget],  # inserted: this step's prefetch insertions
+        int_scratch[E + 4 * ranked + budget :],  # select_idx: scratch of _select_top
+    )
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count_resident(row):
+    """``|R|``: the experts resident in ``row [6, E]``."""
+    n_resident = 0
+    for e in range(row.shape[1]):
+        n_resident += row[RESIDENT, e] != 0.0
+    return n_resident
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _clear_plan_row(plan_row, columns):
+    """A position's plan before its step: no experts (-1), no insertions, no replaced slots."""
+    plan_row[:] = -1
+    plan_row[columns.n_prefetch] = 0
+    plan_row[columns.n_demand] = 0
+    plan_row[columns.n_replaced] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _padded_position(scores_row, K, plan_row, columns, scores_f64, own, select_buf, select_idx):
+    """A padded position (ALGORITHM.md, "Batches, padding, prompts"): the router's own top-K of ``scores_row``
+    into the plan, the state neither read nor changed. ``scores_f64``, ``own``, ``select_buf``, ``select_idx``:
+    scratch (:func:`_top_k_of`'s)."""
+    _top_k_of(scores_row, K, scores_f64, own, select_buf, select_idx)
+    for i in range(K):
+        plan_row[columns.selected + i] = own[i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count_prefetch(row_counters, plan_row, columns, n_inserted, mode):
+    """After part 1 of a position (step 2, :func:`_insert_predicted`): its prefetch insertions into the plan and the
+    row's counter; in MODE_INSERT the row's part 1 is then pending (a MODE_SELECT call consumes it)."""
+    plan_row[columns.n_prefetch] = n_inserted
+    row_counters[R_PREFETCH] += n_inserted
+    if mode == MODE_INSERT:
+        row_counters[R_PENDING] = 1.0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _select_experts(scores_row, pregate, b, s, layer, rules, row, row_counters, scores_f64, other_f64, own,
+                    selected, top_j_flags, select_buf, select_idx):
+    """The selection S of position ``(b, s)`` (steps 3-4) into ``selected[:K]``, after the router's own ranking of
+    ``scores_row`` into ``own`` (its scores as float64 into ``scores_f64``): the pre-gate's top-K (``pregate[b, s]``)
+    for a policy that executes it, at layers >= 1; the biased top-K (:func:`_bonus_scale`, :func:`_biased_top_k`
+    over the RESIDENT plane of ``row``) for a biased one; else the router's own top-K. ``other_f64``,
+    ``top_j_flags``, ``select_buf``, ``select_idx``: scratch."""
+    K = rules.K
+    _top_k_of(scores_row, max(K, rules.top_j), scores_f64, own, select_buf, select_idx)
+    if rules.executes_pregate and layer >= 1:
+        _top_k_of(pregate[b, s], K, other_f64, selected, select_buf, select_idx)
+    elif rules.biased:
+        bonus = rules.lam * _bonus_scale(scores_f64, rules.running, row_counters, rules.fixed_delta)
+        _biased_top_k(scores_f64, own, K, rules.top_j, bonus, row[RESIDENT], top_j_flags, other_f64, selected,
+                      select_buf, select_idx)
+    else:
+        for i in range(K):
+            selected[i] = own[i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count_step(row_counters, plan_row, columns, n_demand, replaced):
+    """After the statistics of a position (step 7, :func:`_update_statistics`): its demand insertions (step 5) and
+    replaced router slots into the plan; the row's step counter advanced, part 1 no longer pending, and its steps,
+    demand insertions and replaced slots counted."""
+    plan_row[columns.n_demand] = n_demand
+    plan_row[columns.n_replaced] = replaced
+    row_counters[R_STEP] += 1.0
+    row_counters[R_PENDING] = 0.0
+    row_counters[R_STEPS] += 1.0
+    row_counters[R_DEMAND] += n_demand
+    row_counters[R_REPLACED] += replaced
+
+
 # ---------------------------------------------------------------------------------------------------- one layer
 @njit(cache=True, nogil=True)
 def _validate(layer, mode, config_ints, scores, pregate, tokens, valid, counters, plan, E):
@@ -549,119 +662,58 @@ def _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate
             -1).
         float_scratch, int_scratch: zeroed buffers of :func:`scratch_sizes`; left as they were found.
 
-    The block must have passed :func:`_validate`; returns OK. Per position the work is a handful of passes over
-    the E experts (the router's top-K, the pre-gate ranking, the biased top-K with the bonus computed on the fly,
-    the moving averages) and one priority pass per eviction (:func:`_victim`).
+    The block must have passed :func:`_validate`; returns OK. The layer's :data:`LayerRules` and :data:`Scratch`
+    are read once; then each position runs ALGORITHM.md's steps through the helpers above (a padded one
+    :func:`_padded_position`). Per position the work is a handful of passes over the E experts (the router's
+    top-K, the pre-gate ranking, the biased top-K with the bonus computed on the fly, the moving averages) and one
+    priority pass per eviction (:func:`_victim`).
     """
     B, S = tokens.shape
     E = state.shape[3]
-    L = state.shape[0]
-    K = config_ints[MI_K]
-    capacity = config_ints[MI_C]
-    budget = config_ints[MI_BUDGET]
-    window = min(config_ints[MI_WINDOW], E)
-    top_j = config_ints[MI_TOP_J]
-    running = config_ints[MI_RUNNING] != 0
-    biased = config_ints[MI_BIASED] != 0
-    executes_pregate = config_ints[MI_EXECUTES_PREGATE] != 0
-    lam = config_floats[MF_LAM]
-    decay_fast = config_floats[MF_DECAY_FAST]
-    decay_slow = config_floats[MF_DECAY_SLOW]
-    flush = min(1.0, 1.0 - decay_fast) * FLUSH_RATIO
-    fixed_delta = config_floats[MF_SIZE + layer]
-    eviction = Eviction(config_ints[MI_EVICTION], layer, L, config_ints, config_floats, prior_indptr,
+    rules = _layer_rules(layer, mode, config_ints, config_floats, E)
+    K = rules.K
+    eviction = Eviction(config_ints[MI_EVICTION], layer, state.shape[0], config_ints, config_floats, prior_indptr,
                         prior_experts, prior_values)
-    columns = plan_layout(K, budget)
+    columns = plan_layout(K, rules.budget)
+    (priority, flags, scores_f64, other_f64, select_buf, top_j_flags, candidates, own, selected, selected_sorted,
+     inserted, select_idx) = _cut_scratch(float_scratch, int_scratch, E, rules)
     all_valid = valid.shape[0] == 0
-
-    n_own = max(K, top_j)  # the router's own ranking is needed this far (statistics: K; top_j)
-    ranked = max(window, n_own)
-    # scratch (the layout behind scratch_sizes): flags and top_j_flags must be zero on entry and are left zero
-    priority = float_scratch[:E]
-    flags = float_scratch[E : 2 * E]  # 1.0 marks S during demand insertion; the own-top-K indicator in step 7
-    scores_f64 = float_scratch[2 * E : 3 * E]  # this position's scores as float64
-    other_f64 = float_scratch[3 * E : 4 * E]  # pre-gate as float64, or the biased scores
-    select_buf = float_scratch[4 * E :]  # scratch of _select_top: k + 2E
-    top_j_flags = int_scratch[:E]
-    candidates = int_scratch[E : E + ranked]
-    own = int_scratch[E + ranked : E + 2 * ranked]
-    selected = int_scratch[E + 2 * ranked : E + 3 * ranked]
-    selected_sorted = int_scratch[E + 3 * ranked : E + 4 * ranked]
-    inserted = int_scratch[E + 4 * ranked : E + 4 * ranked + budget]
-    select_idx = int_scratch[E + 4 * ranked + budget :]
-
-    part1_runs = config_ints[MI_INSERTS] != 0 and layer >= 1  # in this call or in a separate prefetch call
-    do_part1 = part1_runs and mode != MODE_SELECT
-    do_part2 = mode != MODE_INSERT
-
     for b in range(B):
         row = state[layer, b]  # [6, E]
         row_counters = counters[layer, b]
-        n_resident = 0
-        for e in range(E):
-            n_resident += row[RESIDENT, e] != 0.0
+        n_resident = _count_resident(row)
         for s in range(S):
             plan_row = plan[b, s]
-            plan_row[:] = -1
-            plan_row[columns.n_prefetch] = 0
-            plan_row[columns.n_demand] = 0
-            plan_row[columns.n_replaced] = 0
+            _clear_plan_row(plan_row, columns)
             if not all_valid and valid[b, s] == 0:
-                # padded position: the router's own top-K, state neither read nor changed
-                if do_part2:
-                    _top_k_of(scores[b, s], K, scores_f64, own, select_buf, select_idx)
-                    for i in range(K):
-                        plan_row[columns.selected + i] = own[i]
+                if rules.do_part2:
+                    _padded_position(scores[b, s], K, plan_row, columns, scores_f64, own, select_buf, select_idx)
                 continue
             token = tokens[b, s]
             have_priority = False
             n_inserted = 0
-
-            # ---- part 1: pre-gate insertion
-            if do_part1:
+            # ---- part 1 (step 2): in this call, or left by a separate prefetch call
+            if rules.do_part1:
                 n_inserted, n_resident, have_priority = _insert_predicted(
-                    pregate[b, s], window, budget, capacity, n_resident, row, token, eviction, priority,
-                    have_priority, plan_row, columns, inserted, other_f64, candidates, select_buf, select_idx)
-                plan_row[columns.n_prefetch] = n_inserted
-                row_counters[R_PREFETCH] += n_inserted
+                    pregate[b, s], rules.window, rules.budget, rules.capacity, n_resident, row, token, eviction,
+                    priority, have_priority, plan_row, columns, inserted, other_f64, candidates, select_buf,
+                    select_idx)
+                _count_prefetch(row_counters, plan_row, columns, n_inserted, mode)
                 if mode == MODE_INSERT:
-                    row_counters[R_PENDING] = 1.0
                     continue
-            elif mode == MODE_SELECT and part1_runs:
-                # B and the insertions were left by prefetch() in the PROTECTED / INSERTED planes
+            elif mode == MODE_SELECT and rules.part1_runs:
                 n_inserted = _pending_insertions(row, inserted)
-
-            if not do_part2:
+            if not rules.do_part2:
                 continue
-
-            # ---- part 2: selection (steps 3-4)
-            _top_k_of(scores[b, s], n_own, scores_f64, own, select_buf, select_idx)
-            if executes_pregate and layer >= 1:
-                _top_k_of(pregate[b, s], K, other_f64, selected, select_buf, select_idx)
-            elif biased:
-                bonus = lam * _bonus_scale(scores_f64, running, row_counters, fixed_delta)
-                _biased_top_k(scores_f64, own, K, top_j, bonus, row[RESIDENT], top_j_flags, other_f64, selected,
-                              select_buf, select_idx)
-            else:
-                for i in range(K):
-                    selected[i] = own[i]
-
-            # ---- step 5: demand insertions, ascending expert index
+            # ---- part 2: the selection (steps 3-4), the demand insertions (step 5), the statistics (step 7)
+            _select_experts(scores[b, s], pregate, b, s, layer, rules, row, row_counters, scores_f64, other_f64, own,
+                            selected, top_j_flags, select_buf, select_idx)
             n_demand, n_resident, have_priority = _insert_demanded(
-                selected, K, capacity, n_resident, row, token, eviction, priority, have_priority, plan_row,
+                selected, K, rules.capacity, n_resident, row, token, eviction, priority, have_priority, plan_row,
                 columns, flags, selected_sorted)
-            plan_row[columns.n_demand] = n_demand
-
-            # ---- step 7: statistics from the router's own top-K
-            step = row_counters[R_STEP]
-            replaced = _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags, decay_fast,
-                                          decay_slow, flush, part1_runs)
-            plan_row[columns.n_replaced] = replaced
-            row_counters[R_STEP] = step + 1.0
-            row_counters[R_PENDING] = 0.0
-            row_counters[R_STEPS] += 1.0
-            row_counters[R_DEMAND] += n_demand
-            row_counters[R_REPLACED] += replaced
+            replaced = _update_statistics(row, row_counters[R_STEP], selected, own, K, inserted, n_inserted, flags,
+                                          rules.decay_fast, rules.decay_slow, rules.flush, rules.part1_runs)
+            _count_step(row_counters, plan_row, columns, n_demand, replaced)
     return OK
 
 
@@ -763,21 +815,6 @@ def _step_table(layer, mode, table, scores, pregate, tokens, valid, plan):
     int_scratch = carray(_voidptr(table[T_IBUF]), (table[T_IBUF_N],), np.int64)
     return _step_layer(layer, mode, config_ints, config_floats, scores, pregate, tokens, valid, state, counters,
                        prior_indptr, prior_experts, prior_values, plan, float_scratch, int_scratch)
-
-
-@contextlib.contextmanager
-def keep_torch_threads() -> Iterator[None]:
-    """Around a parallel kernel: numba's OpenMP layer sets the process's OpenMP thread count, which torch reads
-    as its own intra-op count (a caller that chose one torch thread for a small model would run its next forward
-    on every core). Restores the caller's torch count after the call where torch is loaded (this module never
-    imports it); numba's own count is the caller's too, never set here."""
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else None
-    try:
-        yield
-    finally:
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
 
 
 @njit(cache=True, nogil=True, parallel=True)

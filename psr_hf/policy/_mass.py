@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import _kernels  # noqa: F401  (sets numba's cache folder before the decorators below, whoever imports first)
+from .numba_setup import use_user_cache_folder
+
+use_user_cache_folder()  # before the decorators below
 
 MASS_SOFTMAX = 0  # weight of expert e proportional to exp(z[e]) (softmax routers: z are the logits)
 MASS_SIGMOID_BIAS = 1  # weight = z[e] - bias[e] (DeepSeek-V3: z = sigmoid(logits) + bias; -inf = masked, weight 0)

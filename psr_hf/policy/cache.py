@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .._threads import keep_torch_threads
 from . import _kernels as K_
 from . import _mass
 from .calibration import Calibration
@@ -607,7 +608,7 @@ class LogicalCache:
         B, S = t.shape
         plan = np.empty((L, B, S, self._plan_width), dtype=np.int64)
         codes = np.zeros(L, dtype=np.int64)
-        with K_.keep_torch_threads():
+        with keep_torch_threads():
             K_._step_all_layers(K_.MODE_BOTH, self._mi, self._mf, z, g, t, v, self.state, self.counters,
                                 *self._prior, plan, codes)
         for layer in range(L):
