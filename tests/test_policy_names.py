@@ -22,7 +22,6 @@ COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
 # the comparisons left in modules whose owners have yet to convert them (path, policy name): each entry must still
 # be found (remove it with its comparison), and nothing else may appear
 NOT_YET_CONVERTED = {
-    ("psr_hf/cli/gates.py", "psr"),  # the budget of a gate's routing: POLICY_TABLE[args.policy].can_prefetch
     ("psr_hf/demo.py", "exact"),  # the exact runs by name: their DEMO_CONFIGS entry's follows_router
 }
 PREFIX_TESTS = ("startswith", "endswith")
