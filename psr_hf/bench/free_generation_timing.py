@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from .prompt_sets import TokenizedPrompt
 from .rows import ENGINE, ENGINE_RESIDENT, OFFLOAD, Row
 from .runners import EngineRunner, offload_config, release
 from .timing import MIN_ROUNDS, check_rounds
+
+if TYPE_CHECKING:
+    from ..policy.calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +167,8 @@ Results = dict[str, list[dict[str, list[Continuation]]]]
 
 def bench_free_generation(
     model: torch.nn.Module, prompts: Mapping[str, Sequence[TokenizedPrompt]], *, configs: Sequence[Row],
-    calibration: Any = None, rounds: int = MIN_ROUNDS, warmup: int = 1, max_new_tokens: int = 128, max_len: int,
+    calibration: Calibration | None = None, rounds: int = MIN_ROUNDS, warmup: int = 1, max_new_tokens: int = 128,
+    max_len: int,
     stop_ids: Sequence[int] = (), stop_strings: Mapping[str, Sequence[str]] | None = None, tokenizer: Any = None,
     max_in_flight: int = 2, graphs: bool | None = None, progress: Callable[[str], None] | None = None,
 ) -> tuple[Results, dict[str, int], dict[str, Any]]:
@@ -178,23 +182,8 @@ def bench_free_generation(
     prompt plus ``max_new_tokens`` must fit. ``stop_strings``: task -> the strings that end its continuations
     (decoded by ``tokenizer``). Returns ``(results, capacity, memory)``: the continuations, and each row's cache
     slots per layer and offload memory as the runner noted them."""
-    check_rounds(rounds)
-    if warmup < 0:
-        raise ValueError(f"warmup={warmup} must be >= 0")
-    if not prompts or not all(prompts.values()):
-        raise ValueError("no prompts to decode (every task needs at least one)")
-    longest = max(len(p.ids) for task in prompts.values() for p in task)
-    if longest + max_new_tokens > max_len:
-        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds max_len="
-                         f"{max_len}: cut the prompts to at most max_len - max_new_tokens tokens")
-    if getattr(model, "_psr_hf_controller", None) is not None:
-        raise ValueError("the model is patched by psr_hf; give the unpatched model (the rows run patched copies)")
-    if any(row.kind not in (ENGINE, ENGINE_RESIDENT) for row in configs):
-        raise ValueError("free generation runs engine rows only (free_generation_rows)")
+    _check(model, prompts, configs, rounds=rounds, warmup=warmup, max_new_tokens=max_new_tokens, max_len=max_len)
     names = [row.name for row in configs]
-    if ENGINE_RESIDENT not in names or len(set(names)) != len(names):
-        raise ValueError(f"configs {names}: each row once, '{ENGINE_RESIDENT}' among them (the reference of the "
-                         "engine rows' ratios; free_generation_rows adds it)")
     device = next(model.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
     model.eval()
@@ -231,6 +220,28 @@ def bench_free_generation(
             runner.close()
             release(device)
     return results, dict(runner.capacity), dict(runner.memory)
+
+
+def _check(model: torch.nn.Module, prompts: Mapping[str, Sequence[TokenizedPrompt]], configs: Sequence[Row], *,
+           rounds: int, warmup: int, max_new_tokens: int, max_len: int) -> None:
+    """``ValueError`` naming what :func:`bench_free_generation` cannot run, and the fix."""
+    check_rounds(rounds)
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0")
+    if not prompts or not all(prompts.values()):
+        raise ValueError("no prompts to decode (every task needs at least one)")
+    longest = max(len(p.ids) for task in prompts.values() for p in task)
+    if longest + max_new_tokens > max_len:
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds max_len="
+                         f"{max_len}: cut the prompts to at most max_len - max_new_tokens tokens")
+    if getattr(model, "_psr_hf_controller", None) is not None:
+        raise ValueError("the model is patched by psr_hf; give the unpatched model (the rows run patched copies)")
+    if any(row.kind not in (ENGINE, ENGINE_RESIDENT) for row in configs):
+        raise ValueError("free generation runs engine rows only (free_generation_rows)")
+    names = [row.name for row in configs]
+    if ENGINE_RESIDENT not in names or len(set(names)) != len(names):
+        raise ValueError(f"configs {names}: each row once, '{ENGINE_RESIDENT}' among them (the reference of the "
+                         "engine rows' ratios; free_generation_rows adds it)")
 
 
 def _mean_ms(round_result: Mapping[str, list[Continuation]]) -> float:
