@@ -617,7 +617,7 @@ class Controller:
         # the model's own routing (calibration): no state is read or changed, but the store's slots must hold the
         # current weights, and be consistent after an error
         store = self.expert_store
-        store.check_device(self.layers[0].router.weight.device)
+        store.check_device()
         store.sync_weights(self.routing.resident)
         try:
             return original(*args, **kwargs)
@@ -734,7 +734,7 @@ class Controller:
         """Open the forward pass of ``tokens`` [B, S] (``valid``: its real positions, None: all) after ``past``
         cached positions: a new sequence when ``past`` is 0 (or ``restart``), else the current one continues."""
         store = self.expert_store
-        store.check_device(self.layers[0].router.weight.device)
+        store.check_device()
         try:  # from here on the state changes: a stop part-way closes the sequence
             self._recover()
             store.sync_weights(self.routing.resident)

@@ -400,7 +400,7 @@ class LayerRouting:
         layer's input through this layer's router), and the offload's prefetch copies of its insertions."""
         self.cache.io.pregate[:, 0] = g
         plan = self.cache.step_io(layer, "prefetch")
-        if _mirrors(fwd):
+        if self.store.offloaded and _mirrors(fwd):  # resident experts: nothing to copy, no host time spent
             self.store.prefetch(layer, plan, self.cache.resident_mask(layer))
 
     def _decide(self, fwd: ForwardPass, layer: int, plan: StepPlan, z_host: np.ndarray,
@@ -421,9 +421,10 @@ class LayerRouting:
         # an offloaded layer loads exactly the plan's experts, padded positions' included
         count = self.cache.finish_layer(plan, own_scores, fwd.valid, store.offloaded, self.family.router_mass,
                                         self._mass_bias[layer], self.displaced[layer], chosen, flags)
-        mirror = _mirrors(fwd)
-        resident = None if fwd.rows != 1 else self.cache.resident_mask(layer) if mirror else self.resident(layer)
-        store.route(layer, plan, chosen, mirror, resident)
+        if store.offloaded:  # the slots follow the plan (resident experts: nothing moves, no host time spent)
+            mirror = _mirrors(fwd)
+            resident = None if fwd.rows != 1 else self.cache.resident_mask(layer) if mirror else self.resident(layer)
+            store.route(layer, plan, chosen, mirror, resident)
         return count, chosen_dev_view, flags, chosen
 
     def _staging(self, rows: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:

@@ -167,6 +167,7 @@ class OffloadedExperts:
         self.device = resolve_device(config.device)
         self.num_layers, self.num_experts = len(layers), num_experts
         self.modules = [layer.block.experts for layer in layers]
+        self._router = layers[0].router  # where the model computes now (check_device)
         for layer, module in zip(layers, self.modules):
             if not hasattr(module, "config") or not hasattr(type(module), "forward"):
                 raise ValueError(
@@ -256,8 +257,9 @@ class OffloadedExperts:
     def experts_module(self, layer: int) -> SlotExperts:
         return self._proxies[layer]
 
-    def check_device(self, device: torch.device) -> None:
-        """``ValueError`` where the model's routers (on ``device``) moved away from the offload device."""
+    def check_device(self) -> None:
+        """``ValueError`` where the model (its first router) moved away from the offload device."""
+        device = self._router.weight.device
         if device != self.device:
             raise ValueError(
                 f"psr_hf offload: the model's weights are on {device}, but it was offloaded to compute on "

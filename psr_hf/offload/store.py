@@ -90,8 +90,8 @@ class PatchedExpertStore(ExpertStore, Protocol):
     resident store) every such call does nothing, so callers make it without asking. A further layout (FP8 expert
     weights, other placements) is one more implementation of these members; no caller changes."""
 
-    def check_device(self, device: torch.device) -> None:
-        """``ValueError`` where the model (its routers on ``device``) moved away from where the store computes."""
+    def check_device(self) -> None:
+        """``ValueError`` where the model moved away from where the store computes."""
 
     def sync_weights(self, resident: Callable[[int], np.ndarray]) -> bool:
         """At the start of every forward pass: make the slots hold the model's current expert weights (``resident``
@@ -174,7 +174,7 @@ class ResidentExperts:
         pass
 
     # ------------------------------------------------------------------ what the controller tells it
-    def check_device(self, device: torch.device) -> None:
+    def check_device(self) -> None:
         pass  # the experts compute wherever the model put them
 
     def sync_weights(self, resident: Callable[[int], np.ndarray]) -> bool:
