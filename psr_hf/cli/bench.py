@@ -7,23 +7,22 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from .._text import text_table
 from ..bench.generate_sizes import SETUPS as GENERATE_SETUPS, sizes_for, sizes_help  # torch-free, for --help
 from .console import HeaderFirst, compile_notice, progress_line, write_json
-from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out, add_plot,
-                      add_rounds, add_seed, add_texts, add_threads, comma_floats, comma_ints, set_threads,
+from .options import (Subparsers, add_calibration, add_device, add_json, add_latency_rounds, add_model, add_out,
+                      add_plot, add_rounds, add_seed, add_texts, add_threads, comma_floats, comma_ints, set_threads,
                       set_threads_for_model)
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     for register_command in (_register_bench_policy, _register_bench_patch, _register_bench,
                              _register_bench_generate, _register_bench_plot):
         register_command(subparsers)
 
 
-def _register_bench_policy(subparsers: Any) -> None:
+def _register_bench_policy(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench-policy", help="per-call cost of the policy kernel and replay throughput")
     add_rounds(p, 5)
     p.add_argument("--calls", type=int, default=3000, help="batch-1 calls per round and case (default 3000)")
@@ -35,7 +34,7 @@ def _register_bench_policy(subparsers: Any) -> None:
     p.set_defaults(func=bench_policy)
 
 
-def _register_bench_patch(subparsers: Any) -> None:
+def _register_bench_patch(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench-patch", help="decode ms/token of generate(), unpatched vs patched exact and psr")
     add_device(p, "cuda", note="; cpu with --tiny")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
@@ -55,7 +54,7 @@ def _register_bench_patch(subparsers: Any) -> None:
     p.set_defaults(func=bench_patch)
 
 
-def _register_bench(subparsers: Any) -> None:
+def _register_bench(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench", help="offload latency: teacher-forced decode ms/token and copies per token of "
                                             "resident, accelerate and routed rows (the paper's Section 6.1)")
     add_model(p, "grown-olmoe-routing", note=" (bf16 on a GPU: trained routing, real-size experts; the shipped "
@@ -104,7 +103,7 @@ def _register_bench(subparsers: Any) -> None:
     p.set_defaults(func=bench)
 
 
-def _register_bench_generate(subparsers: Any) -> None:
+def _register_bench_generate(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench-generate", help="what generate() users wait for: time to first token and "
                                                      "decode ms/token, transformers and the engine, resident and "
                                                      "offloaded, beside the engine's own step")
@@ -128,7 +127,7 @@ def _register_bench_generate(subparsers: Any) -> None:
     p.set_defaults(func=bench_generate)
 
 
-def _register_bench_plot(subparsers: Any) -> None:
+def _register_bench_plot(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench-plot", help="the latency-vs-copies plot (PNG) of a psr-hf bench JSON record")
     p.add_argument("record", help="JSON record written by psr-hf bench --json")
     add_out(p, "PNG file to write")

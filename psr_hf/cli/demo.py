@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from .._text import text_table
 from .console import compile_notice, err
-from .options import add_model, add_plot, add_threads, set_threads
+from .options import Subparsers, add_model, add_plot, add_threads, set_threads
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("demo", help="generate under exact and cache-aware routing on a small model: copies "
                                            "per token")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")

@@ -24,6 +24,8 @@ _OUTPUTS = ("out", "json", "plot", "markdown")  # every option that names a path
 #: imports torch (tests/test_cli_startup.py keeps the two equal)
 LATENCY_ROUNDS = 3
 LATENCY_ROUNDS_WHY = "latency ratios come from a paired t-test over rounds (the round is the unit)"
+#: what ``ArgumentParser.add_subparsers()`` returns, where each command group registers its commands
+Subparsers = argparse._SubParsersAction
 
 
 def add_model(parser: argparse.ArgumentParser, default: str | None = None, *, built: bool = True, also: str = "",

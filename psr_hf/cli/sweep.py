@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from .console import compile_notice, progress_line
-from .options import (add_calibration, add_device, add_json, add_latency_rounds, add_model, add_plot, add_seed,
-                      add_threads, comma_floats, comma_ints, set_threads_for_model)
+from .options import (Subparsers, add_calibration, add_device, add_json, add_latency_rounds, add_model, add_plot,
+                      add_seed, add_threads, comma_floats, comma_ints, set_threads_for_model)
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("sweep", help="the latency-divergence frontier: every policy, lam, budget, eviction "
                                             "and residency timed (engine on a GPU) and scored on selfgen and "
                                             "held-out text; resumable (the paper's Figure 1, Table 2, Section 6.6)")
