@@ -24,7 +24,8 @@ ROOMS: dict[str, tuple[int, str]] = {
     "psr_hf.assets": (1, "library: assets"),
     "psr_hf.patches": (1, "library: patches"),
     "psr_hf.gates": (1, "library: gates"),
-    "psr_hf.gates.train": (4, "library: gate training"),
+    "psr_hf.gates.train": (4, "library: training"),  # the former path of psr_hf.training.gate, an alias of it
+    "psr_hf.training": (4, "library: training"),
     "psr_hf.offload": (2, "library: offload"),
     "psr_hf.hf": (3, "library: hf"),
     "psr_hf.engine": (4, "library: engine"),

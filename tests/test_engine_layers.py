@@ -18,7 +18,8 @@ import psr_hf
 from psr_hf.assets import OLMOE_ROUTING_NAME, load_shipped
 from psr_hf.engine.families.deepseek_v3 import DeepseekV3Layers
 from psr_hf.engine.families.olmoe import OlmoeLayers
-from psr_hf.engine.layers import DecodeLayers, build_layers
+from psr_hf.engine.families import build_layers
+from psr_hf.engine.layers import DecodeLayers
 from psr_hf.testing import tiny_model
 
 LOGITS_TOL = 1e-5  # relative to the largest |logit| of the position
@@ -362,7 +363,8 @@ def _forbid_host_syncs(monkeypatch):
 def test_a_decode_step_never_synchronises_with_the_host(models, prompt, name, absorb, monkeypatch):
     model = models(name)
     ids = prompt(name)[:5]
-    eng = build_layers(model, max_len=8, absorb_mla=absorb)
+    option = {"absorb_mla": absorb} if name.startswith("deepseek") else {}  # DeepSeek-V3's option alone
+    eng = build_layers(model, max_len=8, **option)
     tokens = [torch.tensor([t]) for t in ids]
     positions = [torch.tensor(p) for p in range(len(ids))]
     expected = _decode(eng, ids)
@@ -407,6 +409,35 @@ def test_other_model_types_are_refused():
     stub = types.SimpleNamespace(config=AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4))
     with pytest.raises(ValueError, match="does not support model_type 'llama'; supported: olmoe, deepseek_v3"):
         build_layers(stub, 8)
+
+
+def test_a_family_option_goes_to_the_family_that_takes_it_and_no_other(models):
+    """absorb_mla is DeepSeek-V3's option: passed on to it; another family refuses it unless it is given at
+    DeepSeek-V3's default (what the decoders pass for every model), and an option no family takes is refused."""
+
+    assert DecodeLayers.family_options() == {} and DeepseekV3Layers.family_options() == {"absorb_mla": True}
+    assert build_layers(models("deepseek"), 4, absorb_mla=False).absorb_mla is False
+    assert build_layers(models("deepseek"), 4).absorb_mla is True
+    olmoe = build_layers(models("olmoe"), 4, absorb_mla=True)  # DeepSeek-V3's default asks nothing of OLMoE
+    assert not hasattr(olmoe, "absorb_mla")
+    with pytest.raises(ValueError, match="OlmoeLayers engine layers take no option 'absorb_mla'; they take none"):
+        build_layers(models("olmoe"), 4, absorb_mla=False)
+    with pytest.raises(ValueError, match="take no option 'absorb'; their options: absorb_mla"):
+        build_layers(models("deepseek"), 4, absorb=True)
+
+
+@pytest.mark.parametrize("name", ["olmoe", "deepseek", "qwen3_5_moe_text", "qwen3_next"])
+def test_every_registered_family_provides_what_the_engine_family_protocol_names(models, name):
+    from psr_hf.engine.families import EngineFamily, layers_class
+
+    model = models(name) if name in ("olmoe", "deepseek") else tiny_model(name)
+    layers = build_layers(model, 4)
+    assert isinstance(layers, EngineFamily) and isinstance(layers, DecodeLayers)
+    assert layers_class(model.config.model_type) is type(layers)
+    attention, static, tensors = layers._layer_attention(0)  # set by the family's _build_attention
+    assert callable(attention) and static is not None and tensors
+    for hook in ("_build_attention", "_build_kv_cache", "_cache"):  # the family's own, not the base's abstract ones
+        assert getattr(type(layers), hook) is not getattr(DecodeLayers, hook)
 
 
 def test_rope_depending_on_the_sequence_length_is_refused():

@@ -13,7 +13,7 @@ import torch
 
 import psr_hf
 from psr_hf import RoutingConfig, engine
-from psr_hf.engine.layers import build_layers
+from psr_hf.engine.families import build_layers
 from psr_hf.testing import tiny_model
 from test_engine_generate import _generate as _fresh_generate
 

@@ -39,7 +39,7 @@ def files(tmp_path_factory):
     plain, gated = root / "distilled", root / "distilled_gated"
     plain.mkdir()
     gated.mkdir()
-    from psr_hf.gates.train import GATE_FILE
+    from psr_hf.training.gate import GATE_FILE
 
     (gated / GATE_FILE).write_bytes(b"")
     (root / "file.bin").write_bytes(b"")

@@ -19,7 +19,7 @@ import torch
 import psr_hf
 from psr_hf.assets import load_shipped
 from psr_hf.gates import MarginHead
-from psr_hf.gates.train import GATE_FILE, distill_routing, load_distilled
+from psr_hf.training.gate import GATE_FILE, distill_routing, load_distilled
 from psr_hf.testing import save_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
@@ -141,7 +141,7 @@ def test_the_model_load_distilled_returns_is_the_one_patched_and_evaluated(artef
     """peft's merge_and_unload may return another module than it was given: the harness must run that one."""
     import copy
 
-    import psr_hf.gates.train as train
+    import psr_hf.training.gate as train
 
     returned = []
 

@@ -13,7 +13,7 @@ import torch
 import psr_hf
 from psr_hf.assets import load_shipped
 from psr_hf.gates import MarginHead
-from psr_hf.gates.train import apply_distilled, distill_routing, load_distilled
+from psr_hf.training.gate import apply_distilled, distill_routing, load_distilled
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 

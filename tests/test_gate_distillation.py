@@ -1,4 +1,4 @@
-"""psr_hf.gates.train: distilling the routed model to the frozen one through PSR's selection (the paper's Section
+"""psr_hf.training.gate: distilling the routed model to the frozen one through PSR's selection (the paper's Section
 6.10, "the same for PSR's own router"), with per-expert LoRA adapters on transformers' fused expert tensors through
 peft, on the shipped olmoe-routing (CPU): the routed model's KL to the exact model falls on the training text, the
 written result loads into a fresh model with its shape checked, and the paper's ranks scale with the width."""
@@ -14,7 +14,7 @@ import psr_hf
 from psr_hf.assets import load_shipped
 from psr_hf.assets.texts import module_sources, token_windows
 from psr_hf.gates import MarginHead
-from psr_hf.gates.train import _kl, apply_distilled, distill_routing, load_distilled, scaled_ranks
+from psr_hf.training.gate import _kl, apply_distilled, distill_routing, load_distilled, scaled_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
@@ -56,7 +56,7 @@ def test_distillation_through_psr_lowers_the_kl_and_its_result_loads_into_a_fres
 def test_the_papers_ranks_scale_with_the_width_and_bad_arguments_are_refused():
     import peft
 
-    from psr_hf.gates.train import _lora_config
+    from psr_hf.training.gate import _lora_config
 
     assert scaled_ranks(2048) == (16, 8) and scaled_ranks(1024) == (8, 4) and scaled_ranks(64) == (1, 1)
     model, tokenizer, calibration = load_shipped("olmoe-routing")
@@ -118,7 +118,7 @@ def test_a_training_cut_short_resumes_where_an_uncut_one_would_be(tmp_path, gate
 
 def _interrupted_after(model, steps, windows, calibration, out, **extra):
     """A training that stops (as a killed run would) right after its step ``steps`` wrote its checkpoint."""
-    import psr_hf.gates.train as train
+    import psr_hf.training.gate as train
 
     save = train._save_checkpoint
 

@@ -14,7 +14,7 @@ import psr_hf
 from psr_hf.assets import load_shipped
 from psr_hf.assets.texts import module_sources, token_windows
 from psr_hf.gates import MarginHead
-from psr_hf.gates.train import _kl, _relax, distill_routing, load_distilled
+from psr_hf.training.gate import _kl, _relax, distill_routing, load_distilled
 from psr_hf.policy import LogicalCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")

@@ -26,7 +26,7 @@ from psr_hf._registry import FamilyRegistry
 from psr_hf.assets.grow import PRESETS, default_target, grow, target_by_name
 from psr_hf.assets.grow_families import grow_model_types
 from psr_hf.engine.families import supported_model_types
-from psr_hf.engine.layers import build_layers
+from psr_hf.engine.families import build_layers
 from psr_hf.testing import tiny_model
 from test_patches_discovery import MIXTRAL_MODULE  # the patch module of the transformers path's own test
 

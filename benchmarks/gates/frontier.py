@@ -33,7 +33,7 @@ from psr_hf.assets import load_shipped
 from psr_hf.assets.texts import PREDICTOR_MODULES, default_texts, module_sources, text_windows, token_windows
 from psr_hf.eval.selfgen import sample_windows, start_tokens
 from psr_hf.gates import MarginHead
-from psr_hf.gates.train import distill_routing, load_distilled
+from psr_hf.training.gate import distill_routing, load_distilled
 
 HERE = Path(__file__).parent
 RESIDENCY = 0.375

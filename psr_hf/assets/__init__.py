@@ -78,11 +78,6 @@ def shipped_dir(name: str) -> Path:
     return directory
 
 
-def tiny_moe_dir() -> Path:
-    """The shipped tiny MoE's directory; a clear error where the installation lacks its files."""
-    return shipped_dir(TINY_MOE_NAME)
-
-
 def model_dir(name_or_path: str | Path) -> Path:
     """The directory of a model named on a command line: a shipped name (:data:`SHIPPED`) or a path
     (:func:`resolve_model` also checks it and explains what is wrong with a name)."""

@@ -2,7 +2,7 @@
 paper's 37.5% residency, lam 0.3, n = 1) to the frozen exact model, training its routers and LoRA adapters on
 attention and on each expert through peft, and with ``--gate`` a margin head (the change-based gate with
 ``--policy cache_prior``, the bounded per-token bonus with ``psr``); writes a folder that
-:func:`psr_hf.gates.train.load_distilled` loads."""
+:func:`psr_hf.training.gate.load_distilled` loads."""
 
 from __future__ import annotations
 
@@ -76,14 +76,15 @@ def train_gate(args: argparse.Namespace) -> int:
     from .. import RoutingConfig
     from ..assets.texts import token_windows, training_texts
     from ..gates.margin_head import MarginHead
-    from ..gates.train import distill_routing
     from ..policy.calibration import Calibration
+    from ..policy.policies import POLICY_TABLE
+    from ..training.gate import distill_routing
 
     _check(args)
     fields = dict(policy=args.policy, lam=args.lam, residency=args.residency)
-    if args.policy == "psr":
+    if POLICY_TABLE[args.policy].can_prefetch:  # psr: its budget
         fields["budget"] = args.budget
-    else:
+    else:  # cache_prior: LRU eviction, the change-based gate's rule
         fields["eviction"] = "lru"
     config = RoutingConfig(**fields)
     texts, names = training_texts(args.text)

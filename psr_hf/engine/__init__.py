@@ -16,7 +16,8 @@ from __future__ import annotations
 from .._lazy import lazy_exports
 
 _LAZY = {
-    "build_layers": "psr_hf.engine.layers",
+    "build_layers": "psr_hf.engine.families",
+    "EngineFamily": "psr_hf.engine.families",
     "DecodeLayers": "psr_hf.engine.layers",
     "DecodeBuffers": "psr_hf.engine.layers",
     "StaticKVCache": "psr_hf.engine.attention",

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .layers import DecodeLayers, build_layers
+from .families import build_layers
+from .layers import DecodeLayers
 from .prefill import prefill_block
 from .moe import check_experts_module, check_shapes, moe_slots
 
@@ -190,7 +191,7 @@ class Decoder(DecoderBase):
     prefills and decodes greedily; :meth:`reset` starts a new sequence. The routing state, statistics and
     recording are the controller's (``psr_hf.controller(model)``): the decoder is one more caller of it.
     ``backend``: the slot MoE's (:func:`psr_hf.engine.moe.choose_backend`); ``absorb_mla``: DeepSeek-V3
-    attention (:func:`psr_hf.engine.layers.build_layers`).
+    attention (:func:`psr_hf.engine.families.build_layers`).
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto"):

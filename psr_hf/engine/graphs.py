@@ -23,7 +23,8 @@ import torch
 
 from psr_hf.hf.patching import controller as _controller
 from .decoder import DecoderBase, moe_layers_of, slot_tensors
-from .layers import DecodeLayers, build_layers
+from .families import build_layers
+from .layers import DecodeLayers
 from psr_hf.offload import cuda_runtime
 from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
 from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available

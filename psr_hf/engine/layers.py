@@ -1,6 +1,7 @@
 """The engine's per-layer decode functions over a loaded transformers model's own weights: :class:`DecodeLayers`,
-the base every family's layers derive from (:mod:`psr_hf.engine.families`, one module per family), and
-:func:`build_layers`, which picks the family registered for the model's ``config.model_type``.
+the base every family's layers derive from (:mod:`psr_hf.engine.families`, one module per family, where
+:func:`~psr_hf.engine.families.build_layers` picks the family registered for the model's ``config.model_type``).
+The base names no family and never imports their package.
 
 The base holds what every family shares: **references** to the model's parameters (nothing is copied; it adds
 the static KV cache, one ``[2E, H]`` stack of two router weights per MoE layer that has a next MoE layer, and
@@ -13,6 +14,7 @@ rules, the router contract and the KV layouts are in docs/engine.md ("Inside the
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import types
 from collections.abc import Container
@@ -25,7 +27,6 @@ from torch import nn
 
 from psr_hf.patches import get_patch
 from .attention import StaticKVCache, attention_block, check_rope, norm_params, rms_norm
-from .families import layers_class, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,10 @@ def _router_source(router: nn.Module, following: nn.Module | None) -> tuple:
 class DecodeLayers(abc.ABC):
     """The per-layer decode functions of one family over ``model``'s own weights, a static KV cache of
     ``max_len`` positions and the static buffers of the reference step (capture rules and router contract:
-    docs/engine.md). Build with :func:`build_layers`. A family implements :meth:`_build_attention`,
-    :meth:`_build_kv_cache` and :meth:`_cache` and sets ``_attention_fn`` / ``_static``."""
+    docs/engine.md). Build with :func:`psr_hf.engine.families.build_layers`. A family implements
+    :meth:`_build_attention`, :meth:`_build_kv_cache` and :meth:`_cache` and sets ``_attention_fn`` / ``_static``
+    (:class:`psr_hf.engine.families.EngineFamily`); an option of its own is a keyword-only argument of its
+    constructor (:meth:`family_options`)."""
 
     def __init__(self, model: nn.Module, max_len: int):
         if not isinstance(max_len, int) or max_len < 1:
@@ -136,10 +139,23 @@ class DecodeLayers(abc.ABC):
                      self.num_layers, len(self._routers), max_len, self.kv.nbytes / 2**20)
 
     @classmethod
-    def from_model(cls, model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> "DecodeLayers":
-        """What :func:`build_layers` calls: this family's layers over ``model``. A family with an option of its
-        own (DeepSeek-V3's ``absorb_mla``) overrides it to pass the option on; the others ignore it."""
-        return cls(model, max_len)
+    def family_options(cls) -> dict[str, Any]:
+        """The options this family takes, with their defaults: the keyword-only arguments of its constructor
+        (DeepSeek-V3's ``absorb_mla``; none for the base)."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    @classmethod
+    def from_model(cls, model: nn.Module, max_len: int, **options: Any) -> "DecodeLayers":
+        """What :func:`~psr_hf.engine.families.build_layers` calls: this family's layers over ``model`` with
+        ``options``, each one of :meth:`family_options` (``ValueError`` naming the family and what it takes for
+        any other), the defaults for the rest."""
+        takes = cls.family_options()
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise ValueError(f"the {cls.__name__} engine layers take no option {', '.join(map(repr, unknown))}; "
+                             + (f"their options: {', '.join(takes)}" if takes else "they take none"))
+        return cls(model, max_len, **options)
 
     # ------------------------------------------------------------------ bookkeeping
     def _ref(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -687,19 +703,3 @@ def own_code_copy(function: Any) -> Any:
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
     return copy
-
-
-def build_layers(model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> DecodeLayers:
-    """The decode building blocks of ``model`` (a loaded transformers causal LM, in eval mode) with a static KV
-    cache of ``max_len`` positions, from the family registered for its model type. ``absorb_mla``: DeepSeek-V3's
-    attention with ``kv_b_proj`` absorbed (:mod:`psr_hf.engine.families.deepseek_v3`). ``ValueError`` for an
-    unsupported family, rope type or layout."""
-    model_type = getattr(model.config, "model_type", None)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    types = [t for t in (model_type, getattr(text, "model_type", None)) if t]
-    for t in types:
-        cls = layers_class(t)
-        if cls is not None:
-            return cls.from_model(model, max_len, absorb_mla=absorb_mla)
-    raise ValueError(f"the engine does not support model_type {model_type!r}; supported: "
-                     f"{', '.join(supported_model_types())}")

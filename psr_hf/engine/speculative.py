@@ -24,7 +24,7 @@ from ..offload.store import SlotExperts
 from ..hf.speculative import accepted_count, commit
 from ..policy.blocks import BlockConfig, BlockPool
 from .attention import apply_rope, cos_sin, rms_norm
-from .layers import build_layers
+from .families import build_layers
 from .moe import check_experts_module
 
 if TYPE_CHECKING:

@@ -235,7 +235,7 @@ def _folder_gate(folder: str | None) -> str | None:
     """The margin head a distilled folder holds, or None."""
     if folder is None:
         return None
-    from ..gates.train import GATE_FILE
+    from ..training.gate import GATE_FILE
 
     return str(Path(folder) / GATE_FILE) if (Path(folder) / GATE_FILE).is_file() else None
 

@@ -123,7 +123,7 @@ class PSRLM(HFLM):
         """Merge a distilled folder into the model, patch it, and send HFLM's inputs where the patch put them."""
         head = args.gate.head
         if args.gate.distilled is not None:
-            from ..gates.train import load_distilled
+            from ..training.gate import load_distilled
 
             # merging the adapters may return a new module: HFLM's model becomes it
             self._model, folder_head = load_distilled(self.model, args.gate.distilled)

@@ -15,7 +15,7 @@ import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,106 +102,192 @@ def distill_routing(model: torch.nn.Module, windows: Sequence[torch.Tensor], con
     (default ``lr``) and given the trained values in place (it stays on its device), written as
     ``out/gate.safetensors``; ``load_penalty``: the weight of the smooth host loads
     per token beside the KL. Either runs the relaxation of :mod:`psr_hf.gates.relaxation` (``temperature`` in
-    units of ``lam * delta[l]``): the forward stays the hard routing, the gradients reach the margins."""
-    peft = _peft()
-    from .. import RoutingConfig, patch, unpatch
-    from .._progress import tqdm
+    units of ``lam * delta[l]``): the forward stays the hard routing, the gradients reach the margins.
+
+    The steps: the arguments checked (:func:`_checked_ranks`), the exact model's distributions computed
+    (:func:`_teacher_logits`), the trained parts made trainable (:func:`_trainable_parts`) with their optimiser
+    (:func:`_optimiser`), the steps run on the patched model (:func:`_train`), the result written (:func:`_save`,
+    :func:`_save_gate`)."""
+    _peft()  # before anything changes: ImportError without peft
+    from .. import RoutingConfig
 
     config = RoutingConfig.coerce(config)
+    attention_rank, expert_rank = _checked_ranks(model, config, windows, steps, attention_rank, expert_rank,
+                                                 load_penalty, temperature, gate)
+    relaxed = gate is not None or load_penalty > 0
+    if gate is not None:
+        from ..gates.margin_head import MarginHead
+
+        gate = MarginHead.coerce(gate)
+    windows = [w.reshape(1, -1) if w.ndim == 1 else w for w in windows]
+    torch.manual_seed(seed)  # before peft draws the adapters' initial values
+    teachers = _teacher_logits(model, windows)
+    parts = _trainable_parts(model, gate, attention_rank, expert_rank)
+    optimiser, schedule = _optimiser(parts, lr, router_lr, head_lr, warmup)
+    out = Path(out)
+    identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed,
+                         gate is not None, load_penalty, temperature, head_lr)
+    run = _Run(optimiser, schedule, identity, out / CHECKPOINT, checkpoint_every)
+    if resume:
+        run.start, run.losses, run.loads = _load_checkpoint(run.checkpoint, parts.trained, optimiser, schedule,
+                                                            identity)
+    _train(model, parts, run, windows, teachers, steps, config, calibration,
+           temperature if relaxed else None, load_penalty, progress)
+    path = _save(parts.tuned, parts.routers, out, model, config, attention_rank, expert_rank, steps, metadata)
+    if gate is not None:
+        _save_gate(gate, parts.head, out / GATE_FILE, model, config, steps, load_penalty, temperature)
+    run.checkpoint.unlink(missing_ok=True)
+    for router in parts.routers:
+        router.weight.requires_grad_(False)
+    return DistillationResult(run.losses, attention_rank, expert_rank, path, run.loads)
+
+
+def _checked_ranks(model: torch.nn.Module, config: Any, windows: Sequence[torch.Tensor], steps: int,
+                   attention_rank: int | None, expert_rank: int | None, load_penalty: float, temperature: float,
+                   gate: Any) -> tuple[int, int]:
+    """:func:`distill_routing`'s arguments checked (``ValueError`` naming the one refused); returns the ranks,
+    :func:`scaled_ranks` where not given."""
     if steps < 1:
         raise ValueError(f"steps={steps}: give at least one optimiser step")
     if not windows:
         raise ValueError("no training windows: give token windows of held-out-free training text")
-    hidden = int(model.config.hidden_size)
-    default_attention, default_expert = scaled_ranks(hidden)
+    default_attention, default_expert = scaled_ranks(int(model.config.hidden_size))
     attention_rank = default_attention if attention_rank is None else int(attention_rank)
     expert_rank = default_expert if expert_rank is None else int(expert_rank)
     if attention_rank < 0 or expert_rank < 0:
         raise ValueError(f"ranks must be >= 0; got attention {attention_rank}, expert {expert_rank}")
     if not (load_penalty >= 0 and temperature > 0):
         raise ValueError(f"load_penalty={load_penalty} must be >= 0 and temperature={temperature} > 0")
-    relaxed = gate is not None or load_penalty > 0
-    if relaxed and not config.takes_gate:
+    if (gate is not None or load_penalty > 0) and not config.takes_gate:
         raise ValueError(f"a gate or a load penalty trains the bonus of cache_prior or psr with delta_mode='fixed'; "
                          f"got policy={config.policy!r}, delta_mode={config.delta_mode!r}")
-    if gate is not None:
-        from .margin_head import MarginHead
+    return attention_rank, expert_rank
 
-        gate = MarginHead.coerce(gate)
-    windows = [w.reshape(1, -1) if w.ndim == 1 else w for w in windows]
-    torch.manual_seed(seed)
+
+def _teacher_logits(model: torch.nn.Module, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The targets: the frozen exact model's next-token logits on every window (before anything is patched)."""
     model.eval()
-    with torch.no_grad():  # the frozen exact model's distributions: the targets
-        teachers = [model(input_ids=w).logits.detach() for w in windows]
+    with torch.no_grad():
+        return [model(input_ids=w).logits.detach() for w in windows]
+
+
+@dataclass
+class _TrainableParts:
+    """What a distillation trains: the model with its adapters (``tuned``: peft's wrapper, or the model itself
+    without adapters), the routers, the margin head trained beside them (on the routers' device) or None, and every
+    trained tensor by the name a checkpoint gives it."""
+
+    tuned: Any
+    routers: list[torch.nn.Module]
+    head: Any
+    trained: dict[str, torch.Tensor]
+
+    def groups(self, lr: float, router_lr: float, head_lr: float | None) -> list[dict]:
+        """The optimiser's parameter groups: the routers, then the adapters, then the head."""
+        groups = [{"params": [r.weight for r in self.routers], "lr": router_lr}]
+        adapters = [p for n, p in self.tuned.named_parameters() if p.requires_grad and "lora_" in n]
+        if adapters:
+            groups.append({"params": adapters, "lr": lr})
+        if self.head is not None:
+            groups.append({"params": list(self.head.parameters()), "lr": lr if head_lr is None else head_lr})
+        return groups
+
+
+def _trainable_parts(model: torch.nn.Module, gate: Any, attention_rank: int, expert_rank: int) -> _TrainableParts:
+    """Freeze the model, wrap it with peft's adapters of the given ranks (none where both are 0), make its router
+    weights trainable, and put the head to train beside them (a copy of ``gate`` where it lives on another
+    device)."""
     for p in model.parameters():
         p.requires_grad_(False)
     tuned = model
     if attention_rank or expert_rank:
-        tuned = peft.get_peft_model(model, _lora_config(model, attention_rank, expert_rank))
+        tuned = _peft().get_peft_model(model, _lora_config(model, attention_rank, expert_rank))
     routers = _routers(model)
     for router in routers:
         router.weight.requires_grad_(True)
     head = gate  # the head trained, beside the routers: the one the patched model routes with
     if gate is not None and gate.weight.device != routers[0].weight.device:
         head = copy.deepcopy(gate).to(routers[0].weight.device)
-    adapters = [p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n]
-    groups = [{"params": [r.weight for r in routers], "lr": router_lr}]
-    if adapters:
-        groups.append({"params": adapters, "lr": lr})
-    if head is not None:
-        groups.append({"params": list(head.parameters()), "lr": lr if head_lr is None else head_lr})
-    optimiser = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(1.0, (s + 1) / max(1, warmup)))
-    out = Path(out)
     trained = {f"router.{i}": r.weight for i, r in enumerate(routers)} | {
         n: p for n, p in tuned.named_parameters() if p.requires_grad and "lora_" in n}
     if head is not None:
         trained |= {f"gate.{n}": p for n, p in head.named_parameters()}
-    identity = _identity(windows, config, attention_rank, expert_rank, lr, router_lr, warmup, seed,
-                         gate is not None, load_penalty, temperature, head_lr)
-    losses: list[float] = []
-    loads: list[float] = []
-    start = 0
-    if resume:
-        start, losses, loads = _load_checkpoint(out / CHECKPOINT, trained, optimiser, schedule, identity)
-    patch(model, config, calibration=calibration, gate=head)
-    if relaxed:
+    return _TrainableParts(tuned, routers, head, trained)
+
+
+def _optimiser(parts: _TrainableParts, lr: float, router_lr: float, head_lr: float | None,
+               warmup: int) -> tuple[Any, Any]:
+    """AdamW with betas (0.9, 0.95) and no weight decay over ``parts``, and its linear warm-up over ``warmup``
+    steps."""
+    optimiser = torch.optim.AdamW(parts.groups(lr, router_lr, head_lr), betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(1.0, (s + 1) / max(1, warmup)))
+    return optimiser, schedule
+
+
+@dataclass
+class _Run:
+    """A training run's optimiser and schedule, what its checkpoints must match and where they go (every
+    ``checkpoint_every`` steps, 0: never), the step it starts from and the losses and loads of its steps so far."""
+
+    optimiser: Any
+    schedule: Any
+    identity: str
+    checkpoint: Path
+    checkpoint_every: int
+    start: int = 0
+    losses: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+
+
+def _train(model: torch.nn.Module, parts: _TrainableParts, run: _Run, windows: Sequence[torch.Tensor],
+           teachers: Sequence[torch.Tensor], steps: int, config: Any, calibration: Any, temperature: float | None,
+           load_penalty: float, progress: bool) -> None:
+    """Steps ``run.start .. steps - 1`` on ``model`` patched with ``config`` (the head routing it), through the
+    relaxation when ``temperature`` is given: each the KL to the teacher on the step's window (plus
+    ``load_penalty`` times the smooth host loads per token, relaxed), one optimiser step, a checkpoint when due.
+    The model is unpatched and in eval mode afterwards, whatever happens."""
+    from .. import patch, unpatch
+    from .._progress import tqdm
+
+    patch(model, config, calibration=calibration, gate=parts.head)
+    if temperature is not None:
         _relax(model, config, temperature)
     try:
         model.train()
-        bar = tqdm(range(start, steps), desc="distil routing", disable=not progress, unit="step", initial=start,
-                   total=steps)
+        bar = tqdm(range(run.start, steps), desc="distil routing", disable=not progress, unit="step",
+                   initial=run.start, total=steps)
         for step in bar:
             i = step % len(windows)
             kl = _kl(model(input_ids=windows[i]).logits, teachers[i], None)
             loss = kl
-            if relaxed:
+            if temperature is not None:
                 smooth = _routing(model).relaxation.loads / windows[i].numel()
                 loss = kl + load_penalty * smooth
-                loads.append(float(smooth.detach()))
-            optimiser.zero_grad(set_to_none=True)
+                run.loads.append(float(smooth.detach()))
+            run.optimiser.zero_grad(set_to_none=True)
             loss.backward()
-            optimiser.step()
-            schedule.step()
-            losses.append(float(kl.detach()))
-            if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                _save_checkpoint(out / CHECKPOINT, trained, optimiser, step + 1, losses, loads, identity)
+            run.optimiser.step()
+            run.schedule.step()
+            run.losses.append(float(kl.detach()))
+            if run.checkpoint_every and (step + 1) % run.checkpoint_every == 0 and step + 1 < steps:
+                _save_checkpoint(run.checkpoint, parts.trained, run.optimiser, step + 1, run.losses, run.loads,
+                                 run.identity)
     finally:
         model.eval()
         unpatch(model)
-    path = _save(tuned, routers, out, model, config, attention_rank, expert_rank, steps, metadata)
-    if gate is not None:
-        if head is not gate:  # the caller's head gets the trained values and stays on its device
-            gate.load_state_dict(head.state_dict())
-        gate.requires_grad_(False)
-        gate.metadata |= {"model_type": str(getattr(model.config, "model_type", "")),
-                          "routing": json.dumps(config.to_dict()), "steps": str(steps),
-                          "load_penalty": str(load_penalty), "temperature": str(temperature)}
-        gate.save(out / GATE_FILE)
-    (out / CHECKPOINT).unlink(missing_ok=True)
-    for router in routers:
-        router.weight.requires_grad_(False)
-    return DistillationResult(losses, attention_rank, expert_rank, path, loads)
+
+
+def _save_gate(gate: Any, head: Any, file: Path, model: torch.nn.Module, config: Any, steps: int,
+               load_penalty: float, temperature: float) -> None:
+    """Give the caller's ``gate`` the trained values of ``head`` (it stays on its device), freeze it, record how it
+    was trained in its metadata and write it to ``file``."""
+    if head is not gate:
+        gate.load_state_dict(head.state_dict())
+    gate.requires_grad_(False)
+    gate.metadata |= {"model_type": str(getattr(model.config, "model_type", "")),
+                      "routing": json.dumps(config.to_dict()), "steps": str(steps),
+                      "load_penalty": str(load_penalty), "temperature": str(temperature)}
+    gate.save(file)
 
 
 def _routing(model: torch.nn.Module) -> Any:
@@ -215,7 +301,7 @@ def _relax(model: torch.nn.Module, config: Any, temperature: float) -> None:
     import numpy as np
 
     from ..policy.margins import margin_scale
-    from .relaxation import GateRelaxation
+    from ..gates.relaxation import GateRelaxation
 
     routing = _routing(model)
     unit = margin_scale(np.ones(routing.num_layers), float(config.lam), routing.cache.calibration.delta)
@@ -323,7 +409,7 @@ def apply_distilled(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     path = Path(path)
     file = path / "routing.safetensors"
     if not file.is_file():
-        raise ValueError(f"{path} holds no routing.safetensors: not a distilled routing (psr_hf.gates.train)")
+        raise ValueError(f"{path} holds no routing.safetensors: not a distilled routing (psr_hf.training.gate)")
     meta, _, tensors = read_file(file, FORMAT_NAME, "distilled routing", "train one with psr-hf train-gate")
     routers = _routers(model)
     want = {"model_type": str(getattr(model.config, "model_type", "")), "num_layers": str(len(routers)),
@@ -365,7 +451,7 @@ def load_distilled(model: torch.nn.Module, path: str | Path) -> tuple[torch.nn.M
     """:func:`apply_distilled`, and the folder's trained margin head (``gate.safetensors``, written when a gate was
     trained; checked against the model) or None: what ``psr_hf.patch(model, config, gate=...)`` takes. A gate or
     router tensor refused (``ValueError``) leaves the model as it was."""
-    from .margin_head import MarginHead
+    from ..gates.margin_head import MarginHead
 
     file = Path(path) / GATE_FILE
     head = None

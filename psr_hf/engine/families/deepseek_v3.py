@@ -35,12 +35,9 @@ class DeepseekV3Layers(DecodeLayers):
     listing_order = 2  # second in the lists of supported families (the paper's second model)
 
     def __init__(self, model: nn.Module, max_len: int, *, absorb_mla: bool = True):
+        # absorb_mla: the family's one option (DecodeLayers.family_options), passed on by build_layers
         self.absorb_mla = bool(absorb_mla)
         super().__init__(model, max_len)
-
-    @classmethod
-    def from_model(cls, model: nn.Module, max_len: int, *, absorb_mla: bool = True) -> "DeepseekV3Layers":
-        return cls(model, max_len, absorb_mla=absorb_mla)
 
     def _build_attention(self) -> None:
         c = self.config
