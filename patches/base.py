@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psr_hf.policy._mass import MASS_SOFTMAX
+from psr_hf.policy import MASS_SOFTMAX
 
 # special token ids of every tiny test config: psr_hf.testing's byte tokenizer keeps bytes 0, 1, 2 (which never
 # occur in text) for pad, eos and bos

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from psr_hf.policy._mass import MASS_SIGMOID_BIAS
+from psr_hf.policy import MASS_SIGMOID_BIAS
 
 from . import register_patch
 from .base import ArchitecturePatch

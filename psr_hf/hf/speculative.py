@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..patches import get_patch
-from ..policy._mass import MASS_SOFTMAX
+from ..policy import MASS_SOFTMAX
 from ..policy.blocks import BlockConfig, BlockPool, BlockRecord
 from .installation import CONTROLLER_ATTRIBUTE
 

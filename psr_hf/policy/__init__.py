@@ -5,6 +5,7 @@
 - :class:`Calibration`: bonus scale, warm set and token prior from held-out text.
 - :class:`LogicalCache`: per-(row, layer) state and the compiled step (ALGORITHM.md parts 1 and 2).
 - :func:`replay`: the policy over a recorded trace.
+- :data:`MASS_SOFTMAX`, :data:`MASS_SIGMOID_BIAS`: how a family's router weighs an expert (``router_mass``).
 - :mod:`psr_hf.policy.reference`: the slow pure-Python reference the kernels are tested against.
 
 Names load on first use, so ``import psr_hf`` (which reaches RoutingConfig through here) stays free of numpy
@@ -28,6 +29,9 @@ _LAZY = {
     "ReplayResult": ".replaying",
     "replay": ".replaying",
     "Recording": ".replaying",
+    # how a family's router weighs an expert (an ArchitecturePatch's router_mass), for the displaced mass
+    "MASS_SOFTMAX": "._mass",
+    "MASS_SIGMOID_BIAS": "._mass",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=["RoutingConfig", "POLICIES", "POLICY_TABLE", "Policy", "EVICTIONS",
