@@ -34,7 +34,7 @@ _LAZY = {
 
 #: subpackages reachable as attributes (``psr_hf.engine.attach(model)`` after ``import psr_hf``), imported on use
 _SUBPACKAGES = ("assets", "bench", "engine", "eval", "gates", "hf", "offload", "patches", "policy", "prefetch",
-                "testing")
+                "testing", "training")
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _LAZY, eager=["RoutingConfig", "__version__"],
                                              subpackages=_SUBPACKAGES)
