@@ -192,7 +192,7 @@ def run_demo(*, new_tokens: int = 32, residencies: tuple[float, ...] = (0.5, 0.2
             runs.append(DemoRun(name, residency, capacity, texts, generated, stats))
             bar.update(1)
     bar.close()
-    exact = {run.residency: run.tokens for run in runs if run.name.startswith("exact")}
+    exact = {run.residency: run.tokens for run in runs if configs[f"{run.name}@{run.residency}"].follows_router}
     for run in runs:
         run.stats["same_tokens_as_exact"] = float(np.mean(run.tokens == exact[run.residency]))
     windows = _kl_windows(held_ids, kl_windows, kl_tokens)
