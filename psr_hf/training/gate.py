@@ -7,6 +7,10 @@ the executed experts' weights and the adapters through the computation.
 
 The result is a folder: ``routing.safetensors`` (the trained routers, the model's shape and the training facts)
 and ``adapter/`` (peft's own format); :func:`apply_distilled` puts both into a model of the same shape.
+
+This module sits in the training room (rank 4, ARCHITECTURE.md): it patches the model (``hf``) and reads peft, and
+what it trains lives below it (:mod:`psr_hf.gates`: the margin head and the relaxation). ``psr_hf.gates.train`` is
+its former import path, an alias of this module.
 """
 
 from __future__ import annotations
