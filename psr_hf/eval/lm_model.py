@@ -20,7 +20,7 @@ the engine with ``engine=true``, speculative decoding with ``speculative=MODE`` 
 loglikelihood requests stay on the batched transformers path, their padding read by :mod:`psr_hf.eval.lm_inputs`.
 
 With ``gate=FILE`` (a saved :class:`psr_hf.gates.MarginHead`) and ``distilled=FOLDER`` (a
-:func:`psr_hf.gates.train.distill_routing` result, merged by :func:`psr_hf.gates.train.load_distilled` before the
+:func:`psr_hf.training.gate.distill_routing` result, merged by :func:`psr_hf.training.gate.load_distilled` before the
 model is patched; its own margin head, if it has one, is the gate) trained gates run under lm-eval (docs/gates.md).
 """
 
