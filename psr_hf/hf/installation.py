@@ -20,7 +20,6 @@ from .checkpointing import checkpointing_modules, route_checkpoints, unroute_che
 
 if TYPE_CHECKING:
     from ..offload.config import OffloadConfig
-    from .controller import Controller
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class Installation:
 class Installer:
     """Installs ``controller`` on its model (:meth:`install`) and removes it (:meth:`uninstall`)."""
 
-    def __init__(self, controller: Controller):
+    def __init__(self, controller: Any):  # the Controller (which imports this module)
         self.controller = controller
         self.installation = Installation()
         self._checkpointing: list = []  # the modules transformers may checkpoint
@@ -167,7 +166,7 @@ class Installer:
         ctl.attach_store(experts)
 
 
-def _forward_wrapper(ctl: Controller, module: torch.nn.Module, original: Callable) -> Callable:
+def _forward_wrapper(ctl: Any, module: torch.nn.Module, original: Callable) -> Callable:
     """The forward that replaces ``module``'s (the model's or its decoder's; ``original`` bound)."""
 
     @functools.wraps(original)
@@ -177,7 +176,7 @@ def _forward_wrapper(ctl: Controller, module: torch.nn.Module, original: Callabl
     return forward
 
 
-def _generate_wrapper(ctl: Controller, original: Callable) -> Callable:
+def _generate_wrapper(ctl: Any, original: Callable) -> Callable:
     """The model's ``generate`` that also tells the controller the stop tokens and the prompt length."""
 
     @functools.wraps(original)
@@ -187,7 +186,7 @@ def _generate_wrapper(ctl: Controller, original: Callable) -> Callable:
     return generate
 
 
-def _stopping_criteria_wrapper(ctl: Controller, original: Callable) -> Callable:
+def _stopping_criteria_wrapper(ctl: Any, original: Callable) -> Callable:
     """The model's ``_get_stopping_criteria`` whose list also tells the controller which rows each step stopped
     (stop strings, lm-eval's ``until``, any custom criterion), so the pad tokens generate() feeds a stopped row
     afterwards never touch its routing state or statistics."""
@@ -210,7 +209,7 @@ def _stopping_criteria_wrapper(ctl: Controller, original: Callable) -> Callable:
     return get_stopping_criteria
 
 
-def _reorder_cache_wrapper(ctl: Controller, original: Callable | None) -> Callable:
+def _reorder_cache_wrapper(ctl: Any, original: Callable | None) -> Callable:
     """The model's ``_reorder_cache`` (None: it has none, and the KV cache reorders itself) that also reorders
     the per-row state like the KV cache (beam search)."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..offload.experts import OffloadStats
+    from ..offload.store import OffloadStats
     from ..policy.cache import CacheStats
 
 

@@ -11,7 +11,6 @@ and runs the model's own experts implementation (``grouped_mm`` by default) on t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Union
 
 import numpy as np
@@ -22,7 +21,7 @@ from .config import OffloadConfig
 from .links import new_link
 from .placement import OffloadMemory, place
 from .scheduler import SlotScheduler
-from .store import SlotExperts
+from .store import OffloadStats, SlotExperts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -40,49 +39,6 @@ ExpertsFunction = Callable[..., torch.Tensor]
 #: what a layer's next run() does: True (a decode selection whose copies were issued), a block's (chosen [N, K],
 #: the row's logical cache or None), or None (ask the device which experts run)
 Pending = Union[bool, tuple[np.ndarray, Union[np.ndarray, None]], None]
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    """Physical copies of an offloaded model since :meth:`Controller.reset_stats` (per token: divided by the real
-    tokens the model processed in that time).
-
-    ``demand``: copies a layer needed at once (it waits for all of it); ``prefetch``: prefetch insertions, of which
-    ``prefetch_in_time`` had arrived when their expert first executed, ``prefetch_late`` were still in flight or
-    queued then (the layer waits for the rest), ``prefetch_unused`` were copied but evicted before any use, and
-    ``dropped`` were reassigned before they were issued (no copy); ``warm``: warm-set copies at sequence starts
-    (part of prompt processing); ``bytes``: bytes copied; ``wait_ms``: time the computation waited for copies
-    (device time on CUDA, measured with events; wall time on the CPU path).
-    """
-
-    tokens: int
-    demand: int
-    prefetch: int
-    prefetch_in_time: int
-    prefetch_late: int
-    prefetch_unused: int
-    dropped: int
-    warm: int
-    bytes: int
-    wait_ms: float
-
-    def per_token(self, name: str) -> float:
-        return float(getattr(self, name)) / max(self.tokens, 1)
-
-    def __repr__(self) -> str:
-        return (f"OffloadStats(tokens={self.tokens}, demand/tok={self.per_token('demand'):.2f}, "
-                f"prefetch/tok={self.per_token('prefetch'):.2f} (in time {self.prefetch_in_time}, late "
-                f"{self.prefetch_late}, unused {self.prefetch_unused}), dropped={self.dropped}, warm={self.warm}, "
-                f"MiB={self.bytes / 2**20:.1f}, wait_ms={self.wait_ms:.1f})")
-
-    def to_dict(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = asdict(self)
-        for name in ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped",
-                     "bytes", "wait_ms"):
-            out[f"{name}_per_token"] = self.per_token(name)
-        out["copies_per_token"] = (self.demand + self.prefetch - self.dropped) / max(self.tokens, 1)
-        out["warm_copies"] = self.warm
-        return out
 
 
 def _offload_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -5,7 +5,7 @@ speculative engine ask the store instead of branching on where the experts are.
 :class:`ExpertStore` is what every placement provides to a layer's computation: per MoE layer ``capacity`` slots
 of expert weights and the slot of each expert it executes. :class:`PatchedExpertStore` adds what a patched model's
 :class:`~psr_hf.hf.controller.Controller` tells its store: the logical cache's decisions, sequence starts, stopped
-forward passes, changed weights, statistics. Implementations: :class:`ResidentExperts` here (the model's own
+forward passes, changed weights, statistics (:class:`OffloadStats`). Implementations: :class:`ResidentExperts` here (the model's own
 weights, slot = expert id, nothing moves), :class:`~psr_hf.offload.experts.OffloadedExperts` (a host store and
 device slots that follow the logical cache) and the speculative engine's
 :class:`~psr_hf.engine.speculative.ExpertSlots` (a host store and slots that follow the block selection).
@@ -14,18 +14,60 @@ device slots that follow the logical cache) and the speculative engine's
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
-from .placement import EXPERT_WEIGHTS
+from .placement import EXPERT_WEIGHTS, OffloadMemory
 
 if TYPE_CHECKING:
     from ..policy.cache import StepPlan
-    from .experts import OffloadStats
-    from .placement import OffloadMemory
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Physical copies of an offloaded model since :meth:`Controller.reset_stats` (per token: divided by the real
+    tokens the model processed in that time).
+
+    ``demand``: copies a layer needed at once (it waits for all of it); ``prefetch``: prefetch insertions, of which
+    ``prefetch_in_time`` had arrived when their expert first executed, ``prefetch_late`` were still in flight or
+    queued then (the layer waits for the rest), ``prefetch_unused`` were copied but evicted before any use, and
+    ``dropped`` were reassigned before they were issued (no copy); ``warm``: warm-set copies at sequence starts
+    (part of prompt processing); ``bytes``: bytes copied; ``wait_ms``: time the computation waited for copies
+    (device time on CUDA, measured with events; wall time on the CPU path).
+    """
+
+    tokens: int
+    demand: int
+    prefetch: int
+    prefetch_in_time: int
+    prefetch_late: int
+    prefetch_unused: int
+    dropped: int
+    warm: int
+    bytes: int
+    wait_ms: float
+
+    def per_token(self, name: str) -> float:
+        return float(getattr(self, name)) / max(self.tokens, 1)
+
+    def __repr__(self) -> str:
+        return (f"OffloadStats(tokens={self.tokens}, demand/tok={self.per_token('demand'):.2f}, "
+                f"prefetch/tok={self.per_token('prefetch'):.2f} (in time {self.prefetch_in_time}, late "
+                f"{self.prefetch_late}, unused {self.prefetch_unused}), dropped={self.dropped}, warm={self.warm}, "
+                f"MiB={self.bytes / 2**20:.1f}, wait_ms={self.wait_ms:.1f})")
+
+    def to_dict(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = asdict(self)
+        for name in ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped",
+                     "bytes", "wait_ms"):
+            out[f"{name}_per_token"] = self.per_token(name)
+        out["copies_per_token"] = (self.demand + self.prefetch - self.dropped) / max(self.tokens, 1)
+        out["warm_copies"] = self.warm
+        return out
 
 
 class SlotExperts:
