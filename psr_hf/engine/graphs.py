@@ -5,11 +5,11 @@
 Per MoE layer ``m``: graph A_m (the dense layers before it, its attention block, router logits and scores, and
 their copy into a pinned host buffer), then on the host ``controller.select``, the launch of graph B_m (the
 execution weights, the slot MoE, the shared experts and the residual) and only then ``controller.prefetch(m + 1)``
-and the expert store's ``decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are captured as one
-graph (``merge=True``), launched through raw runtime calls where cuda-python imports, on the caller's current
-stream in capture order. ``graphs=False`` runs the same bodies eagerly (the CPU tests compare it with
-``Decoder``). The schedule, what capture touches, and why nothing the warm-up writes is read: docs/engine.md,
-"Inside the engine".
+and the expert store's ``decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are
+captured as one graph (``merge=True``), launched through raw runtime calls where cuda-python imports, on the
+caller's current stream in capture order. ``graphs=False`` runs the same bodies eagerly (the CPU tests compare it
+with ``Decoder``). The schedule, what capture touches, and why nothing the warm-up writes is read:
+docs/engine.md, "Inside the engine".
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ speculative engine ask the store instead of branching on where the experts are.
 :class:`ExpertStore` is what every placement provides to a layer's computation: per MoE layer ``capacity`` slots
 of expert weights and the slot of each expert it executes. :class:`PatchedExpertStore` adds what a patched model's
 :class:`~psr_hf.hf.controller.Controller` tells its store: the logical cache's decisions, sequence starts, stopped
-forward passes, changed weights, statistics (:class:`OffloadStats`). Implementations: :class:`ResidentExperts` here (the model's own
-weights, slot = expert id, nothing moves), :class:`~psr_hf.offload.experts.OffloadedExperts` (a host store and
-device slots that follow the logical cache) and the speculative engine's
+forward passes, changed weights, statistics (:class:`OffloadStats`). Implementations: :class:`ResidentExperts`
+here (the model's own weights, slot = expert id, nothing moves), :class:`~psr_hf.offload.experts.OffloadedExperts`
+(a host store and device slots that follow the logical cache) and the speculative engine's
 :class:`~psr_hf.engine.speculative.ExpertSlots` (a host store and slots that follow the block selection).
 :func:`psr_hf.patch` chooses the controller's store: resident unless ``offload=`` is given.
 """
@@ -129,8 +129,10 @@ class PatchedExpertStore(ExpertStore, Protocol):
     tells what happens: the slots follow the logical cache (:meth:`route`, :meth:`prefetch`, :meth:`new_sequence`),
     and they stay consistent with the model's weights (:meth:`check_device`, :meth:`sync_weights`,
     :meth:`refresh`) and after a forward pass that stopped part-way (:meth:`abort`). Where nothing moves (the
-    resident store) every such call does nothing, so callers make it without asking. A further layout (FP8 expert
-    weights, other placements) is one more implementation of these members; no caller changes."""
+    resident store) every such call does nothing, so callers make it without asking; the decode path asks
+    ``offloaded`` only to skip computing what :meth:`route` and :meth:`prefetch` would be given (host time per
+    layer). A further layout (FP8 expert weights, other placements) is one more implementation of these members;
+    no caller changes."""
 
     def check_device(self) -> None:
         """``ValueError`` where the model moved away from where the store computes."""
