@@ -10,10 +10,10 @@ The policy reaches the kernels as behaviour flags (``MI_INSERTS``, ``MI_BIASED``
 
 One layer (:func:`_step_layer_checked`) reads its rules once (:func:`_layer_rules`, :func:`_cut_scratch`) and runs
 each position, in ALGORITHM.md's order: :func:`_insert_predicted` (part 1, counted by :func:`_count_prefetch`), the
-selection (:func:`_select_experts`: :func:`_top_k_of` of the router or the pre-gate, or :func:`_bonus_scale` and
-:func:`_biased_top_k` for biased policies), :func:`_insert_demanded` and :func:`_update_statistics` (counted by
-:func:`_count_step`); a padded position :func:`_padded_position`. The small helpers of one layer are inlined into
-it (``inline="always"``), so the split costs no call. Every kernel is tested against the slow reference
+selection (:func:`_top_k_of` of the router or the pre-gate, or :func:`_bonus_scale` and :func:`_biased_top_k` for
+biased policies), :func:`_insert_demanded` and :func:`_update_statistics` (counted by :func:`_count_step`); a padded
+position :func:`_padded_position`. The small helpers of one layer are inlined into it (``inline="always"``), so the
+split costs no call. Every kernel is tested against the slow reference
 :mod:`psr_hf.policy.reference` (docs/policy.md).
 """
 
@@ -442,8 +442,9 @@ def _update_statistics(row, step, selected, own, K, inserted, n_inserted, flags,
 
 # ---------------------------------------------------------------------------------------------------- one position
 # The pieces of _step_layer_checked, in ALGORITHM.md's order. They are inlined into it (inline="always"), so the
-# split costs no call; each takes the arrays it works on as arguments (an array taken out of a tuple, or a view
-# made where none was, costs numba a reference count per position: measurable at about a microsecond a step).
+# split costs no call. Each array an inlined helper takes, or takes out of a tuple, costs numba a reference count
+# per position (measured: eleven arrays, about 3% of a step), so the per-position helpers take few arrays and the
+# scratch tuple is unpacked once per call.
 LayerRules = namedtuple(
     "LayerRules", "K capacity budget window top_j running biased executes_pregate lam decay_fast decay_slow flush "
                   "fixed_delta part1_runs do_part1 do_part2")
@@ -533,27 +534,6 @@ def _count_prefetch(row_counters, plan_row, columns, n_inserted, mode):
     row_counters[R_PREFETCH] += n_inserted
     if mode == MODE_INSERT:
         row_counters[R_PENDING] = 1.0
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _select_experts(scores_row, pregate, b, s, layer, rules, row, row_counters, scores_f64, other_f64, own,
-                    selected, top_j_flags, select_buf, select_idx):
-    """The selection S of position ``(b, s)`` (steps 3-4) into ``selected[:K]``, after the router's own ranking of
-    ``scores_row`` into ``own`` (its scores as float64 into ``scores_f64``): the pre-gate's top-K (``pregate[b, s]``)
-    for a policy that executes it, at layers >= 1; the biased top-K (:func:`_bonus_scale`, :func:`_biased_top_k`
-    over the RESIDENT plane of ``row``) for a biased one; else the router's own top-K. ``other_f64``,
-    ``top_j_flags``, ``select_buf``, ``select_idx``: scratch."""
-    K = rules.K
-    _top_k_of(scores_row, max(K, rules.top_j), scores_f64, own, select_buf, select_idx)
-    if rules.executes_pregate and layer >= 1:
-        _top_k_of(pregate[b, s], K, other_f64, selected, select_buf, select_idx)
-    elif rules.biased:
-        bonus = rules.lam * _bonus_scale(scores_f64, rules.running, row_counters, rules.fixed_delta)
-        _biased_top_k(scores_f64, own, K, rules.top_j, bonus, row[RESIDENT], top_j_flags, other_f64, selected,
-                      select_buf, select_idx)
-    else:
-        for i in range(K):
-            selected[i] = own[i]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -705,9 +685,20 @@ def _step_layer_checked(layer, mode, config_ints, config_floats, scores, pregate
                 n_inserted = _pending_insertions(row, inserted)
             if not rules.do_part2:
                 continue
-            # ---- part 2: the selection (steps 3-4), the demand insertions (step 5), the statistics (step 7)
-            _select_experts(scores[b, s], pregate, b, s, layer, rules, row, row_counters, scores_f64, other_f64, own,
-                            selected, top_j_flags, select_buf, select_idx)
+            # ---- part 2, the selection (steps 3-4): the router's own ranking first (the statistics read it), then S
+            # (written out here, not in a helper: passing its eleven arrays to an inlined one costs numba a reference
+            # count each, about 3% of a step)
+            _top_k_of(scores[b, s], max(K, rules.top_j), scores_f64, own, select_buf, select_idx)
+            if rules.executes_pregate and layer >= 1:  # the pre-gate's top-K
+                _top_k_of(pregate[b, s], K, other_f64, selected, select_buf, select_idx)
+            elif rules.biased:  # the biased top-K
+                bonus = rules.lam * _bonus_scale(scores_f64, rules.running, row_counters, rules.fixed_delta)
+                _biased_top_k(scores_f64, own, K, rules.top_j, bonus, row[RESIDENT], top_j_flags, other_f64, selected,
+                              select_buf, select_idx)
+            else:  # the router's own top-K
+                for i in range(K):
+                    selected[i] = own[i]
+            # ---- the demand insertions (step 5) and the statistics (step 7)
             n_demand, n_resident, have_priority = _insert_demanded(
                 selected, K, rules.capacity, n_resident, row, token, eviction, priority, have_priority, plan_row,
                 columns, flags, selected_sorted)
