@@ -150,3 +150,21 @@ def test_the_command_writes_what_apply_distilled_loads_and_refuses_what_it_canno
     assert "--steps 0" in capsys.readouterr().err
     assert main(["train-gate", "--resume", "--out", str(tmp_path / "other")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_the_former_import_path_is_the_training_module_and_warns(monkeypatch):
+    """psr_hf.gates.train moved to psr_hf.training.gate (above hf: it patches the model); the old path is the same
+    module object, so callers that import it or set its names keep working, and importing it says where it went."""
+    import importlib
+    import sys
+
+    import psr_hf.gates
+    import psr_hf.training.gate as gate
+
+    monkeypatch.delitem(sys.modules, "psr_hf.gates.train", raising=False)
+    with pytest.warns(DeprecationWarning, match="moved to psr_hf.training.gate"):
+        old = importlib.import_module("psr_hf.gates.train")
+    from psr_hf.gates.train import load_distilled as old_load
+
+    assert old is gate and psr_hf.gates.train is gate and old_load is load_distilled
+    assert psr_hf.training.distill_routing is distill_routing
