@@ -26,7 +26,7 @@ POLICIES = {
     "spec": dict(policy="spec", residency=0.5),
 }
 STAT_FIELDS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token",
-               "displaced_mass_per_token")
+               "displaced_mass")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

@@ -135,9 +135,8 @@ class TokenGraphDecoder(GraphDecoder):
             self._body_b(m, d, from_host=False)()
             previous = d
         self._body_c(range(previous + 1, L.num_layers))()
-        for event in waits.values():
+        for event in waits.values():  # every prefetch issued on the side stream joins the token here
             main.wait_event(event)
-        main.wait_stream(side)
 
     @torch.no_grad()
     def _capture_token(self) -> None:
