@@ -1,12 +1,13 @@
 """psr_hf.engine.Decoder, the eager batch-1 decoder, against the patched HF model it is built from (CPU, float32).
 
-The decoder drives the same Controller as the HF path (begin_step / select / prefetch / end_step), so it must
-make the same decisions: exact routing gives HF's greedy tokens and per-step logits (within 1e-4 of the step's
-largest |logit|; measured at most 5.4e-7) and the same routing statistics; psr and spec select the same experts at
-every token-layer as HF's generate() (whose prompt runs as one block) and count the same copies; the offloaded
-decoder (CPU slots) computes what the resident one does; the decoder's recordings replay to its own selections.
-Copy counts and replaced slots are compared exactly; the displaced mass (a float sum over scores that differ by
-float noise between a block matmul and a one-row matmul) within 1e-5 relative (measured at most 4.2e-7).
+The decoder drives the same Controller as the HF path (its decode handle's begin_step / select / prefetch /
+end_step), so it must make the same decisions: exact routing gives HF's greedy tokens and per-step logits (within
+1e-4 of the step's largest |logit|; measured at most 5.4e-7) and the same routing statistics; psr and spec select
+the same experts at every token-layer as HF's generate() (whose prompt runs as one block) and count the same
+copies; the offloaded decoder (CPU slots) computes what the resident one does; the decoder's recordings replay to
+its own selections. Copy counts and replaced slots are compared exactly; the displaced mass (a float sum over
+scores that differ by float noise between a block matmul and a one-row matmul) within 1e-5 relative (measured at
+most 4.2e-7).
 """
 
 from __future__ import annotations
@@ -164,14 +165,15 @@ def test_controller_step_api_guards_and_sequences(case):
     model, ids, _, _ = case("olmoe")
     with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
         ctl = psr_hf.controller(model)
+        handle = ctl.decode_handle()
         with pytest.raises(RuntimeError, match="outside a step"):
-            ctl.select(0, np.zeros(ctl.num_experts, dtype=np.float32))
+            handle.select(0, np.zeros(ctl.num_experts, dtype=np.float32))
         decoder = Decoder(model, MAX_LEN)
         first = decoder.prefill(ids).clone()
         # a step that stops part-way closes the sequence: continuing raises, a new sequence starts cleanly
         with pytest.raises(KeyboardInterrupt):
-            with ctl.step(5, decoder.position):
-                ctl.select(0, np.zeros(ctl.num_experts, dtype=np.float32))
+            with handle.step(5, decoder.position):
+                handle.select(0, np.zeros(ctl.num_experts, dtype=np.float32))
                 raise KeyboardInterrupt
         with pytest.raises(RuntimeError, match="stopped part-way"):
             decoder.step(5)

@@ -54,7 +54,7 @@ def test_the_token_graph_decides_as_the_host_bitwise(name, policy, offloaded):
         host = _greedy(model, GraphDecoder(model, MAX_LEN), ids)
         device_decoder = TokenGraphDecoder(model, MAX_LEN)
         device = _greedy(model, device_decoder, ids)
-        assert psr_hf.controller(model).lent is None  # stats() took the state back
+        assert psr_hf.controller(model).decode_handle().lent is None  # stats() took the state back
         torch.testing.assert_close(device[0], host[0], rtol=0, atol=0)
         torch.testing.assert_close(device[1], host[1], rtol=0, atol=0)
         for field in STAT_FIELDS:

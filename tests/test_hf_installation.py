@@ -1,4 +1,4 @@
-"""One owner of install and uninstall: the Controller installs everything, wraps what it replaces so that it still
+"""One owner of install and uninstall: the Installer installs everything, wraps what it replaces so that it still
 looks like the original, and removes all of it in reverse order, also when an install step fails halfway. A patched
 model refuses to be copied or pickled, naming what to do. Its counters travel as named dataclasses into the public
 statistics."""
@@ -12,7 +12,8 @@ import torch
 
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
-from psr_hf.hf.installation import Installation, Installer
+from psr_hf.hf.installation import Installation
+from psr_hf.hf.installer import Installer
 from psr_hf.hf.statistics import RoutingCounters
 from psr_hf.offload.scheduler import CopyCounters
 from psr_hf.patches import get_patch
@@ -112,15 +113,15 @@ def test_unpatch_leaves_the_model_as_before(offload):
     before, logits = _snapshot(model), _logits(model)
     psr_hf.patch(model, CONFIG, offload=offload)
     ctl = psr_hf.controller(model)
-    assert ctl.installed and (ctl.offload is not None) == (offload is not None)
+    assert Installer(ctl).installed and (ctl.offload is not None) == (offload is not None)
     with torch.no_grad():
         model.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
     psr_hf.unpatch(model)
-    assert not ctl.installed and ctl.offload is None
+    assert not Installer(ctl).installed and ctl.offload is None
     for layer in ctl.layers:
         assert "forward" not in vars(layer.router)
     _assert_as_before(model, before, logits)
-    ctl.uninstall()  # a second uninstall has nothing left to do
+    Installer(ctl).uninstall()  # a second uninstall has nothing left to do
 
 
 # ---------------------------------------------------------------------------------------------- copies
@@ -209,7 +210,7 @@ def test_installing_twice_raises():
     model = tiny_model("olmoe")
     with psr_hf.patched(model, CONFIG):
         with pytest.raises(RuntimeError, match="already installed"):
-            psr_hf.controller(model).install()
+            Installer(psr_hf.controller(model)).install()
 
 
 # ---------------------------------------------------------------------------------------------- counters

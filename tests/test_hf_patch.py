@@ -198,7 +198,7 @@ def test_reset_returns_every_row_to_the_calibrated_warm_set(model, calibration):
     with psr_hf.patched(model, RoutingConfig(policy="psr", residency=RESIDENCY), calibration=calibration):
         ctl = psr_hf.controller(model)
         _generate(model, LEFT_IDS, LEFT_MASK)
-        assert ctl.rows == 2 and ctl.stats().tokens.tolist() == [8 + NEW - 1, 5 + NEW - 1]
+        assert ctl.cache.rows == 2 and ctl.stats().tokens.tolist() == [8 + NEW - 1, 5 + NEW - 1]
         moved = [not np.array_equal(ctl.cache.resident(layer, row), calibration.warm_set(layer, ctl.capacity))
                  for layer in range(ctl.num_layers) for row in range(2)]
         assert any(moved)

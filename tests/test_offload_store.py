@@ -53,22 +53,23 @@ def _layer_output(store: ExpertStore, layer: int, experts: np.ndarray, hidden: t
 
 
 def _decode_through_store(model: torch.nn.Module) -> tuple[list[np.ndarray], list[torch.Tensor]]:
-    """Decode :data:`TOKENS` through the controller's step API with seeded router scores, computing every layer
+    """Decode :data:`TOKENS` through the controller's decode handle with seeded router scores, computing every layer
     from the controller's store; the selected experts and the outputs of every token-layer."""
     ctl = psr_hf.controller(model)
+    handle = ctl.decode_handle()
     store = ctl.expert_store
     rng = np.random.default_rng(0)
     hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     chosen, outputs = [], []
     for position, token in enumerate(TOKENS):
-        with ctl.step(token, position):
+        with handle.step(token, position):
             for layer in range(ctl.num_layers):
                 scores = rng.standard_normal(ctl.num_experts).astype(np.float32)
                 pregate = rng.standard_normal(ctl.num_experts).astype(np.float32)
                 last = layer + 1 == ctl.num_layers
-                selection = ctl.select(layer, scores, None if last else pregate)
+                selection = handle.select(layer, scores, None if last else pregate)
                 if not last:
-                    ctl.prefetch(layer + 1)
+                    handle.prefetch(layer + 1)
                 chosen.append(selection.experts.copy())
                 outputs.append(_layer_output(store, layer, selection.experts, hidden))
     return chosen, outputs
@@ -104,13 +105,14 @@ def test_the_slots_a_store_names_hold_the_experts_it_names():
         ctl = psr_hf.controller(model)
         store = ctl.expert_store
         assert store.capacity == ctl.capacity
-        with ctl.step(7, 0):
+        handle = ctl.decode_handle()
+        with handle.step(7, 0):
             for layer in range(ctl.num_layers):
                 scores = np.arange(ctl.num_experts, dtype=np.float32)[::-1].copy()
                 last = layer + 1 == ctl.num_layers
-                selection = ctl.select(layer, scores, None if last else scores)
+                selection = handle.select(layer, scores, None if last else scores)
                 if not last:
-                    ctl.prefetch(layer + 1)
+                    handle.prefetch(layer + 1)
                 slots = torch.from_numpy(store.decode_slots(layer, selection.experts))
                 experts = torch.from_numpy(selection.experts)
                 for name, weights in store.slot_weights(layer).items():

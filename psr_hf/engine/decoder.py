@@ -3,9 +3,9 @@
 :class:`~psr_hf.hf.controller.Controller`; and :class:`DecoderBase`, what both decoders build on their step.
 
 Per step, for each MoE layer: the router logits and the family's scores, moved to the host in one transfer, then
-the controller's ``select`` (part 2 of the policy, recording, statistics, the offload's demand copies) and
-``prefetch`` of the next MoE layer (part 1, issued before this layer's experts run), the execution weights from
-the unmodified logits and the MoE over expert slots into the residual. Every routing decision is the
+the ``select`` of the controller's decode handle (part 2 of the policy, recording, statistics, the offload's demand
+copies) and ``prefetch`` of the next MoE layer (part 1, issued before this layer's experts run), the execution
+weights from the unmodified logits and the MoE over expert slots into the residual. Every routing decision is the
 controller's. This eager version is the reference of the CUDA-graph decoder (:mod:`psr_hf.engine.graphs`); the
 places the graph version changes are marked ``GRAPH:``. Page: docs/engine.md.
 """
@@ -27,6 +27,7 @@ from .moe import check_experts_module, check_shapes, moe_slots
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
+    from psr_hf.hf.decode_handle import DecodeHandle
     from psr_hf.offload.store import PatchedExpertStore
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class DecoderBase(abc.ABC):
     model: torch.nn.Module
     layers: DecodeLayers
     controller: Controller
+    decode_handle: DecodeHandle  # the controller's: its steps route this decoder's
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -99,8 +101,8 @@ class DecoderBase(abc.ABC):
         """What a new sequence checks before its first position: the prefetch ranking the router stacks were built
         for, and that the model tensors the engine reads have not moved (``RuntimeError`` otherwise); then the
         layers' recurrent state, where the family has one, is cleared (:meth:`DecodeLayers.begin_sequence`)."""
-        self.layers.check_prefetch_source(self.controller)
-        self.layers.check_references(self.controller)
+        self.layers.check_prefetch_source(self.controller.predictor)
+        self.layers.check_references(self.controller.expert_store.offloaded)
         self.layers.begin_sequence()
 
     @torch.no_grad()
@@ -197,6 +199,7 @@ class Decoder(DecoderBase):
     def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto"):
         self.model = model
         self.controller = _controller(model)
+        self.decode_handle = self.controller.decode_handle()
         self.layers: DecodeLayers = build_layers(model, max_len, absorb_mla=absorb_mla)
         self.backend = backend
         L = self.layers
@@ -219,18 +222,18 @@ class Decoder(DecoderBase):
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
         """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer."""
-        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        L, b, handle = self.layers, self.layers.buffers, self.decode_handle
         position = self.position
         L.check_position(position)
         if position == 0:
             self.check_sequence_start()
         else:
-            L.check_prefetch_source(ctl)
-        L.sync_routers(ctl)
+            L.check_prefetch_source(self.controller.predictor)
+        L.sync_routers(handle)
         token = int(token)
         b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
         b.position.fill_(position)
-        with ctl.step(token, position):  # opens the one-token forward (a new sequence at position 0)
+        with handle.step(token, position):  # opens the one-token forward (a new sequence at position 0)
             L.embed(b.token, b.hidden)
             for d in range(L.num_layers):
                 L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)  # GRAPH: graph A
@@ -244,7 +247,7 @@ class Decoder(DecoderBase):
         return b.logits
 
     def _moe_layer(self, d: int) -> None:
-        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        L, b, handle = self.layers, self.layers.buffers, self.decode_handle
         m = L.moe_index(d)
         E = L.num_experts
         width = L.router_width(d)
@@ -255,10 +258,10 @@ class Decoder(DecoderBase):
         # pinned host buffer and records an event; the host waits on that event only
         host = scores.float().cpu().numpy().copy()  # [1, width]: z | the next MoE layer's pre-gate (a copy: on
         # the CPU, .cpu() of a float32 tensor is the static buffer itself)
-        pregate = host[0, E:] if width > E and ctl.needs_pregate else None
-        selection = ctl.select(m, host[0, :E], pregate)
+        pregate = host[0, E:] if width > E and handle.needs_pregate else None
+        selection = handle.select(m, host[0, :E], pregate)
         if pregate is not None:
-            ctl.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
+            handle.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
         # the selected experts to the device (from the controller's staging buffer, pinned on CUDA)
         b.expert_ids.copy_(selection.tensor, non_blocking=True)
         L.execution_weights(d, logits, b.expert_ids, b.expert_weights)  # from the unmodified logits
@@ -268,7 +271,7 @@ class Decoder(DecoderBase):
         # slots (resident: slot = expert id). GRAPH: offloaded, the layer's persistent device slot map, uploaded
         # from a pinned buffer when it changed (OffloadedExperts._compute), gathered by the selected expert ids
         # inside graph B; resident, graph B reads the expert ids themselves
-        store = ctl.expert_store
+        store = self.controller.expert_store
         slots = torch.from_numpy(store.decode_slots(m, selection.experts)).to(L.device)
         weights = store.slot_weights(m)
         self._moe(slots, weights["gate_up_proj"], weights["down_proj"], out, residual)  # GRAPH: graph B

@@ -3,8 +3,8 @@
 :mod:`psr_hf.engine.moe` in the same order on the same static buffers, routed by the same controller calls).
 
 Per MoE layer ``m``: graph A_m (the dense layers before it, its attention block, router logits and scores, and
-their copy into a pinned host buffer), then on the host ``controller.select``, the launch of graph B_m (the
-execution weights, the slot MoE, the shared experts and the residual) and only then ``controller.prefetch(m + 1)``
+their copy into a pinned host buffer), then on the host the decode handle's ``select``, the launch of graph B_m (the
+execution weights, the slot MoE, the shared experts and the residual) and only then its ``prefetch(m + 1)``
 and the expert store's ``decode_done(m)``; graph C runs the final norm and the lm_head. B_m and A_{m+1} are
 captured as one graph (``merge=True``), launched through raw runtime calls where cuda-python imports, on the
 caller's current stream in capture order. ``graphs=False`` runs the same bodies eagerly (the CPU tests compare it
@@ -49,6 +49,7 @@ class GraphDecoder(DecoderBase):
                  backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True):
         self.model = model
         self.controller = ctl = _controller(model)
+        self.decode_handle = ctl.decode_handle()
         L = build_layers(model, max_len, absorb_mla=absorb_mla)
         self.layers: DecodeLayers = L
         self.device = L.device
@@ -343,15 +344,15 @@ class GraphDecoder(DecoderBase):
         """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer (rewritten by the
         next step)."""
         token = self._one_token(token)
-        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        L, b, handle = self.layers, self.layers.buffers, self.decode_handle
         position = self.position
         L.check_position(position)
         if position > 0:
             return self._continue(token, lambda: token, None)[0]
         self._write_inputs(token, position)  # before graph A_0; device memory the graphs read
-        with ctl.step(token, position):
+        with handle.step(token, position):
             self.check_sequence_start()
-            L.sync_routers(ctl)
+            L.sync_routers(handle)
             stream = raw_current_stream(self.device) if self._runtime is not None else 0
             self._units[0](stream)
             self._record(stream)
@@ -379,20 +380,20 @@ class GraphDecoder(DecoderBase):
                   overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
         """A step after the first of a sequence: graph A_0 reads only its inputs and the first router, so it is
         launched before everything else the host checks (that overlaps with it)."""
-        L, b, ctl = self.layers, self.layers.buffers, self.controller
+        L, b, handle = self.layers, self.layers.buffers, self.decode_handle
         position = self.position
-        L.sync_routers(ctl, moe_layers=(0,))
+        L.sync_routers(handle, moe_layers=(0,))
         self._write_inputs(token, position)  # token None: the choice wrote it
         stream = raw_current_stream(self.device) if self._runtime is not None else 0
         self._units[0](stream)
         self._record(stream)
         self._check_slot_buffers()  # before the first graph B, which reads the slots
-        L.check_prefetch_source(ctl)
-        L.sync_routers(ctl, moe_layers=range(1, len(self.moe_layers)))
+        L.check_prefetch_source(self.controller.predictor)
+        L.sync_routers(handle, moe_layers=range(1, len(self.moe_layers)))
         token = read_token()
         if token is None:
             return None, None
-        with ctl.step(int(token), position):
+        with handle.step(int(token), position):
             for m in range(len(self.moe_layers)):
                 self._moe_layer(m, stream)
                 if m == 0 and overlap is not None:
@@ -447,17 +448,17 @@ class GraphDecoder(DecoderBase):
         """Layer ``m``: wait for graph A_m's scores, make the selection, replay B_m (with A_{m+1} or C), and only
         then do the host work the replay does not need (the next layer's part 1 and the prefetch copies), so that
         it overlaps with the GPU."""
-        ctl, E = self.controller, self.layers.num_experts
+        handle, E = self.decode_handle, self.layers.num_experts
         self._wait()
         marks = self.marks
         if marks is not None:  # the prediction for layer m + 1 is available from here on
             marks.append(("pred", m, self._mark()))
         host = self._host_scores_np[m][0].copy()  # [width] (a copy: the buffer is rewritten next step)
-        pregate = host[E:] if host.shape[0] > E and ctl.needs_pregate else None
-        selection = ctl.select(m, host[:E], pregate)
+        pregate = host[E:] if host.shape[0] > E and handle.needs_pregate else None
+        selection = handle.select(m, host[:E], pregate)
         # graph B_m of the previous step (the last reader of this buffer) is complete: graph A_m came after it
         self._host_ids_np[m][:] = selection.experts
-        store = ctl.expert_store
+        store = self.controller.expert_store
         if self.offloaded:  # resident, graph B reads the expert ids as slots
             # on CUDA the current stream waits for the copies
             self._host_slots_np[m][:] = store.decode_slots(m, selection.experts)
@@ -469,7 +470,7 @@ class GraphDecoder(DecoderBase):
         if pregate is not None:
             # part 1 of the next MoE layer: the logical decisions in the same order as before the replay (select
             # m, prefetch m + 1, select m + 1), its copies queued and issued below while the GPU computes
-            ctl.prefetch(m + 1)
+            handle.prefetch(m + 1)
         store.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
 
     # ------------------------------------------------------------------ measuring

@@ -19,7 +19,7 @@ import logging
 import types
 from collections.abc import Container
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,15 @@ from psr_hf.patches import get_patch
 from .attention import StaticKVCache, attention_block, check_rope, norm_params, rms_norm
 
 logger = logging.getLogger(__name__)
+
+
+class RouterStacks(Protocol):
+    """Where the layers read a stacked router weight again when a router changed (:meth:`DecodeLayers.sync_routers`):
+    a controller's :class:`~psr_hf.hf.decode_handle.DecodeHandle`."""
+
+    def stacked_weight(self, layer: int) -> torch.Tensor:
+        """``[2E, H]``: MoE layer ``layer``'s router weight over what ranks the next layer's prefetches."""
+
 
 @dataclass(frozen=True)
 class DecodeBuffers:
@@ -191,12 +200,11 @@ class DecodeLayers(abc.ABC):
         """The model's tensors (parameters, buffers, views of them) the functions use in place."""
         return dict(self._refs)
 
-    def check_references(self, ctl: Any) -> None:
+    def check_references(self, offloaded: bool) -> None:
         """At a sequence start: ``RuntimeError`` if a model tensor the engine reads in place now has other memory
         or another dtype than when the engine was built (``model.to(dtype)``, a move), where the engine would
-        read stale memory (edits in place are read as they are). The experts of an offloaded model are left out:
-        the offload copies them into its own slots."""
-        offloaded = getattr(ctl, "offload", None) is not None
+        read stale memory (edits in place are read as they are). The experts of an ``offloaded`` model are left
+        out: the offload copies them into its own slots."""
         for name, tensor in self._refs.items():
             if offloaded and ".experts." in name:
                 continue
@@ -245,7 +253,8 @@ class DecodeLayers(abc.ABC):
         for n, m in enumerate(moe):
             following = moe[n + 1].router if n + 1 < len(moe) else None
             if following is not None and predictor is not None:
-                stacked = self._own(f"layers.{m.decoder_index}.stacked_router", ctl.stacked_weight(n).detach())
+                stacked = self._own(f"layers.{m.decoder_index}.stacked_router",
+                                    ctl.decode_handle().stacked_weight(n).detach())
             elif following is not None:
                 stacked = self._own(f"layers.{m.decoder_index}.stacked_router",
                                     self.family.stacked_router_weight(m.router.weight.detach(),
@@ -287,12 +296,13 @@ class DecodeLayers(abc.ABC):
                                                source=_router_source(m.router, following))
         return routers
 
-    def sync_routers(self, ctl: Any, moe_layers: Container[int] | None = None) -> None:
+    def sync_routers(self, stacks: RouterStacks, moe_layers: Container[int] | None = None) -> None:
         """Before a step: a router weight changed in place or replaced since the engine read it
         (``load_state_dict``, ``param.copy_``, a new ``Parameter``) is stacked again into the same memory, so the
         captured graphs route with the new weights; the last MoE layer's router, which the graphs read where it
-        lives, must keep its memory (``RuntimeError`` otherwise). ``moe_layers``: only the routers of these MoE
-        layers (each before the first graph that reads it; default all)."""
+        lives, must keep its memory (``RuntimeError`` otherwise). ``stacks``: where the fresh stacks come from (the
+        controller's, kept by the same versions); ``moe_layers``: only the routers of these MoE layers (each before
+        the first graph that reads it; default all)."""
         for r in self._routers.values():
             if moe_layers is not None and r.moe_index not in moe_layers:
                 continue
@@ -306,7 +316,7 @@ class DecodeLayers(abc.ABC):
                         "engine was built; the engine reads it where it was: attach the engine again "
                         "(psr_hf.engine.detach, then psr_hf.engine.attach) or build a new decoder")
             else:
-                fresh = ctl.stacked_weight(r.moe_index).detach()  # the controller's stack, kept by the same versions
+                fresh = stacks.stacked_weight(r.moe_index).detach()
                 if fresh.shape != r.stacked.shape:
                     raise RuntimeError(
                         f"the router weights of MoE layer {r.moe_index} changed shape after the engine was built "
@@ -450,10 +460,10 @@ class DecodeLayers(abc.ABC):
     _block: Any = staticmethod(attention_block)
     compiled: bool = False
 
-    def check_prefetch_source(self, ctl: Any) -> None:
-        """``RuntimeError`` when the controller's learned predictor is not the one the router stacks were built
+    def check_prefetch_source(self, predictor: object) -> None:
+        """``RuntimeError`` when the controller's learned ``predictor`` is not the one the router stacks were built
         with (``reconfigure`` to or from ``prefetch="predictor"`` after the decoder was built): build a new one."""
-        if getattr(ctl, "predictor", None) is not self.predictor:
+        if predictor is not self.predictor:
             raise RuntimeError("the engine's router stacks were built for another prefetch ranking (the "
                                "controller's predictor changed with reconfigure()); build a new decoder")
 
@@ -554,13 +564,13 @@ class DecodeLayers(abc.ABC):
     @torch.no_grad()
     def router_scores(self, layer: int, logits: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (same shape as ``logits``): the family's selection scores of this layer and pre-gate of the
-        next, exactly the controller's ``joint_scores`` (docs/engine.md, "Inside the engine")."""
+        next, exactly the controller routing's ``joint_scores`` (docs/engine.md, "Inside the engine")."""
         r = self._moe(layer)
         E = self.num_experts
         self._check_row(logits, "router logits", r.stacked.shape[0])
         self._check_row(out, "router scores out", r.stacked.shape[0])
         out[:, :E].copy_(self.family.selection_scores(r.router, logits[:, :E]))
-        if r.following is not None and r.predicted:  # a learned predictor's priorities (Controller.joint_scores)
+        if r.following is not None and r.predicted:  # a learned predictor's priorities (LayerRouting.joint_scores)
             out[:, E:].copy_(torch.softmax(logits[:, E:].float(), dim=-1))
         elif r.following is not None:
             out[:, E:].copy_(self.family.selection_scores(r.following, logits[:, E:]))

@@ -7,8 +7,9 @@ token graph holds graph A_m's body (attention, router scores and the next layer'
 offloaded, the demand copies of ``m`` on many programs and the prefetch copies of ``m + 1`` on a few programs of a
 side branch that only layer ``m + 1`` waits for (:mod:`psr_hf.engine.device_copies`), then graph B_m's body.
 
-The routing state is lent by the controller (:meth:`Controller.lend_state`) after the host step and copied back
-when anything asks the controller for it (statistics, a new sequence, a forward pass of the model): the state,
+The routing state is lent through the controller's decode handle (:meth:`DecodeHandle.lend_state
+<psr_hf.hf.decode_handle.DecodeHandle.lend_state>`) after the host step and copied back when anything asks the
+controller for it (statistics, a new sequence, a forward pass of the model): the state,
 counters, displaced mass and copy counts are then those of the host path, and the offload's slot book takes the
 slot maps over. Page: docs/engine.md, "Routing on the device".
 """
@@ -145,7 +146,7 @@ class TokenGraphDecoder(GraphDecoder):
         device maps name) and are handed back to the slot book; the routing state is uploaded again when lent."""
         device = self.device
         ctl = self.controller
-        ctl._reclaim()
+        self.decode_handle.reclaim()
         self._upload(ctl.expert_store.lend_slots())
         torch.cuda.synchronize(device)
         stream = torch.cuda.Stream(device)
@@ -202,12 +203,13 @@ class TokenGraphDecoder(GraphDecoder):
         self._upload(ctl.expert_store.lend_slots())
         self._lent_from = self._decided_to = self.position
         self._counters_at_lend = ctl.cache.counters[:, 0].copy()
-        ctl.lend_state(self)
+        self.decode_handle.lend_state(self)
 
-    def return_state(self, controller: Controller) -> None:
+    def return_state(self) -> None:
         """The controller takes its state back: state, counters, displaced mass, slot maps and copy counts."""
         torch.cuda.synchronize(self.device)
         state = self.dstate
+        controller = self.controller
         try:
             state.check()
         finally:
@@ -217,7 +219,7 @@ class TokenGraphDecoder(GraphDecoder):
             if last > first:
                 controller.routing.absorb_record(state.record[first:last].cpu().numpy(),
                                                  state.record_plans[first:last].cpu().numpy())
-            controller.continue_sequence(last)
+            self.decode_handle.continue_sequence(last)
             if self.offloaded:  # the device's copies: its slot maps and copy counts
                 delta = cache.counters[:, 0] - self._counters_at_lend
                 controller.expert_store.return_slots(state.slot_of.cpu().numpy().astype(np.int64),
@@ -225,10 +227,10 @@ class TokenGraphDecoder(GraphDecoder):
 
     # ------------------------------------------------------------------ steps
     def _device_step_ready(self) -> bool:
-        ctl = self.controller
-        if ctl.lent is self:
+        ctl, lent = self.controller, self.decode_handle.lent
+        if lent is self:
             return True
-        if ctl.lent is not None or ctl.forward_pass is not None or ctl.recording:
+        if lent is not None or ctl.forward_pass is not None or ctl.recording:
             return False
         if device_routing_unsupported(ctl) is not None:  # reconfigured since: the host path decides
             return False
@@ -239,7 +241,7 @@ class TokenGraphDecoder(GraphDecoder):
 
     def _continue(self, token: int | None, read_token: Callable[[], int | None],
                   overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
-        with self.controller.holding():  # no other thread takes the state back while the step is launched
+        with self.decode_handle.holding():  # no other thread takes the state back while the step is launched
             if not self._device_step_ready():
                 return super()._continue(token, read_token, overlap)
             return self._device_step(token, read_token, overlap)
@@ -255,8 +257,8 @@ class TokenGraphDecoder(GraphDecoder):
             write = int(token)
         position = self.position
         self._check_slot_buffers()
-        self.layers.check_prefetch_source(self.controller)
-        self.layers.sync_routers(self.controller)
+        self.layers.check_prefetch_source(self.controller.predictor)
+        self.layers.sync_routers(self.decode_handle)
         self._write_inputs(write, position)
         self._token_graph.replay()
         if overlap is not None:

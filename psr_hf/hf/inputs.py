@@ -51,7 +51,7 @@ class ForwardPass:
         self.past = past  # cached positions before this forward
         self.tokens = tokens  # [B, S] int64
         self.valid = valid  # [B, S] uint8, or None when every position is real
-        self.owner = owner  # the module whose forward opened this forward pass (None: Controller.begin_step)
+        self.owner = owner  # the module whose forward opened this forward pass (None: a decode handle's step)
         self.thread = threading.get_ident()  # the thread that runs it
 
 

@@ -1,7 +1,7 @@
 """patch() / unpatch() / patched() / controller(): install and remove cache-aware routing on a transformers model.
 
-What is installed, and how it is removed, is the :class:`Controller`'s business (:meth:`Controller.install`,
-:meth:`Controller.uninstall`); these functions find the family, build the controller and hand over.
+What is installed, and how it is removed, is the :class:`~.installer.Installer`'s business; these functions find
+the family, build the controller and hand it to the installer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..patches import get_patch, supported_model_types
 from ..policy.config import RoutingConfig
 from .controller import Controller
 from .installation import CONTROLLER_ATTRIBUTE
+from .installer import Installer
 
 if TYPE_CHECKING:
     from ..gates.margin_head import MarginHead
@@ -118,7 +119,7 @@ def patch(model: torch.nn.Module, config: RoutingConfig | Mapping[str, object] |
             "psr_hf.patch without a calibration: warm set = the first %d experts of each layer and no token prior; "
             "calibrate the model (psr_hf.calibrate or psr-hf calibrate) for the paper's warm set and prior",
             ctl.capacity)
-    ctl.install(offload=offload_config)  # all or nothing: a failure leaves the model as it was
+    Installer(ctl).install(offload=offload_config)  # all or nothing: a failure leaves the model as it was
     logger.info("psr_hf: patched %d MoE layers of %s (%s), capacity %d of %d experts", ctl.num_layers,
                 type(model).__name__, routing.policy, ctl.capacity, ctl.num_experts)
     return model
@@ -141,7 +142,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     ctl = getattr(model, CONTROLLER_ATTRIBUTE, None)
     if ctl is None:
         raise ValueError("this model is not patched by psr_hf (nothing to unpatch); psr_hf.patch(model, config) patches it")
-    ctl.uninstall()
+    Installer(ctl).uninstall()
     return model
 
 

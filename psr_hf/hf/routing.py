@@ -5,8 +5,9 @@ A router forward computes this layer's selection scores and the next layer's pre
 policy reads a pre-gate), moves them to the host in **one** transfer and asks the
 :class:`~psr_hf.policy.LogicalCache` for the selection. Where the selection equals the router's own top-K its own
 outputs are returned untouched (exact routing is bitwise the unpatched model); elsewhere the selected experts,
-weighed from the unmodified scores. The batch-1 decode path of :meth:`Controller.select` and
-:meth:`Controller.prefetch` runs the same helpers. Nothing here decides which expert runs: the kernels do.
+weighed from the unmodified scores. The batch-1 decode path of a decode handle's
+:meth:`~.decode_handle.DecodeHandle.select` and :meth:`~.decode_handle.DecodeHandle.prefetch` runs the same
+helpers. Nothing here decides which expert runs: the kernels do.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Selection:
-    """What :meth:`Controller.select` decided for one MoE layer of a batch-1 decode step.
+    """What :meth:`DecodeHandle.select <.decode_handle.DecodeHandle.select>` decided for one MoE layer of a batch-1
+    decode step.
 
     ``experts``: the ``K`` executed expert ids (host int64, the logical cache's order); ``tensor``: the same
     memory as a ``[1, K]`` int64 tensor (the host staging buffer, pinned and reused for a CUDA device: copy it to
-    the device before the next :meth:`Controller.select` of a layer on that device); ``own``: whether the
+    the device before the next ``select`` of a layer on that device); ``own``: whether the
     selection is the router's own top-K (nothing replaced, no tie across its top-K boundary): then the HF path
     returns the router's own outputs."""
 
@@ -270,7 +272,7 @@ class LayerRouting:
 
     # ------------------------------------------------------------------ the batch-1 decode path
     def select(self, fwd: ForwardPass, layer: int, scores: ArrayLike, pregate: ArrayLike | None) -> Selection:
-        """:meth:`Controller.select` in the open step ``fwd``."""
+        """:meth:`DecodeHandle.select <.decode_handle.DecodeHandle.select>` in the open step ``fwd``."""
         if self.gate is not None:
             raise RuntimeError("psr_hf: a model routed with a gate (a margin head) decodes through its own forward "
                                "pass (generate(), lm-eval); the engine's decode steps do not run gates")
@@ -289,7 +291,7 @@ class LayerRouting:
         return Selection(experts=chosen[0], tensor=tensor, own=count == 0)
 
     def prefetch(self, fwd: ForwardPass, layer: int) -> bool:
-        """:meth:`Controller.prefetch` in the open step ``fwd``."""
+        """:meth:`DecodeHandle.prefetch <.decode_handle.DecodeHandle.prefetch>` in the open step ``fwd``."""
         if not self.needs_pregate:
             return False
         g = self.pregate[layer] if 0 < layer < self.num_layers else None
@@ -315,17 +317,23 @@ class LayerRouting:
 
     # ------------------------------------------------------------------ router weights
     def joint_scores(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Controller.joint_scores`."""
+        """``(logits [N, 2E], scores [N, 2E])`` of MoE layer ``layer`` (not the last) on its router input
+        ``hidden``: this layer's logits and selection scores, then the next layer's pre-gate from the same matmul:
+        the next router's scores on this input, or with ``RoutingConfig(prefetch="predictor")`` the predictor's
+        priorities ``softmax(B A x)`` in float32 (docs/ALGORITHM.md, "Prefetch ranking source")."""
         raw, both = self.family.joint_scores(self.layers[layer].router, self.layers[layer + 1].router, hidden,
                                              self.stacked_weight(layer))
         return raw, self.source.priorities(raw, both, self.num_experts)
 
     def prefetch_weight(self, layer: int) -> torch.Tensor:
-        """:meth:`Controller.prefetch_weight`."""
+        """``[E, H]``: what ranks the prefetches of layer ``layer + 1`` from layer ``layer``'s router input: the
+        next router's weight, or the predictor's ``B A`` (float32) with ``prefetch="predictor"``."""
         return self.source.ranking_weight(layer, self.layers[layer + 1].router)
 
     def stacked_weight(self, layer: int) -> torch.Tensor:
-        """:meth:`Controller.stacked_weight`."""
+        """``[2E, H]`` this router's weight over :meth:`prefetch_weight` (one matmul gives z and the next
+        pre-gate), in the family's router dtype; rebuilt when a weight is replaced or changed in place, and at every
+        new sequence (device moves)."""
         a = self.layers[layer].router.weight
         b = self.source.weight_owner(self.layers[layer + 1].router)
         cached = self._stacked.get(layer)
