@@ -1,18 +1,12 @@
-"""The Controller: per-row logical caches carried across the forward passes of a patched model.
+"""The Controller: per-row logical caches carried across the forward passes of a patched model, with the user API
+and the sequence state machine (ARCHITECTURE.md, "The one decision path").
 
-It owns the sequence state machine (ARCHITECTURE.md, "The one decision path"): the wrapped forward reads
-``input_ids``, the attention mask and the cache length (:mod:`.inputs`); a new sequence resets the rows, padded
-positions and rows that finished (:mod:`.finished_rows`) are marked so they never touch the state. The forward pass
-is closed however it ends: after any exception (``KeyboardInterrupt`` and ``SystemExit`` included) the sequence is
-closed and the offload's slots made consistent, so the next sequence starts cleanly and continuing the stopped one
-raises. Calls from several threads are serialised by one re-entrant lock per model (a whole ``generate()`` at a
-time).
-
-Two objects of this room drive the state machine through its underscored transitions: the callables installed on
-the model (:mod:`.wrapped_calls`, put there by :mod:`.installer`) and the decode handle of a batch-1 decoder that
-runs the layers itself (:mod:`.decode_handle`). Each MoE layer's routing is :class:`~.routing.LayerRouting`'s, its
-prefetch ranking a source of :mod:`.prefetch_sources`; statistics and recording live in :mod:`.statistics` and
-:mod:`.recording`.
+A forward pass starts a new sequence or continues the current one (:mod:`.routed_sequence` says whether it may);
+padded positions and the rows that finished (:mod:`.finished_rows`) never touch the state. A forward pass is closed
+however it ends: after any exception (``KeyboardInterrupt`` and ``SystemExit`` included) the sequence is closed and
+the offload's slots made consistent, so the next sequence starts cleanly and continuing the stopped one raises. The
+callables installed on the model (:mod:`.wrapped_calls`) and the engine's decode handle (:mod:`.decode_handle`)
+drive the machine through its underscored transitions, under one re-entrant lock per model.
 """
 
 from __future__ import annotations

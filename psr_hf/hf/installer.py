@@ -77,7 +77,7 @@ class Installer:
     def _install_routers(self) -> None:
         for layer in self.controller.layers:
             router = layer.router
-            self.installation.set_attr(router, "forward", self.calls.router_forward(layer, router.forward))
+            self.installation.set_attr(router, "forward", self.calls.wrap_router(layer, router.forward))
 
     def _install_forwards(self) -> None:
         # the model itself, and its decoder for direct calls (the composite model's language model). A wrapper of
@@ -85,17 +85,17 @@ class Installer:
         # forward pass must be closed after any BaseException (Ctrl-C in a notebook, SystemExit, GeneratorExit)
         ctl = self.controller
         for module in dict.fromkeys((ctl.model, ctl.family.decoder())):
-            self.installation.set_attr(module, "forward", self.calls.forward(module, module.forward))
+            self.installation.set_attr(module, "forward", self.calls.wrap_forward(module, module.forward))
 
     def _install_generate(self) -> None:
         model = self.controller.model
         self.installation.set_attr(model, "_reorder_cache",
-                                   self.calls.reorder_cache(getattr(model, "_reorder_cache", None)))
+                                   self.calls.wrap_reorder_cache(getattr(model, "_reorder_cache", None)))
         if hasattr(model, "generate"):
-            self.installation.set_attr(model, "generate", self.calls.generate(model.generate))
+            self.installation.set_attr(model, "generate", self.calls.wrap_generate(model.generate))
         if hasattr(model, "_get_stopping_criteria"):
             self.installation.set_attr(model, "_get_stopping_criteria",
-                                       self.calls.stopping_criteria(model._get_stopping_criteria))
+                                       self.calls.wrap_stopping_criteria(model._get_stopping_criteria))
 
     def _install_checkpointing(self) -> None:
         """Gradient checkpointing replays each forward's routing (:mod:`.checkpointing`); the wrapping itself happens

@@ -34,7 +34,7 @@ class WrappedCalls:
         self.checkpointing: list[torch.nn.Module] = []  # the modules transformers may checkpoint (the installer's)
 
     # ------------------------------------------------------------------ the wrappers
-    def forward(self, module: torch.nn.Module, original: Callable) -> Callable:
+    def wrap_forward(self, module: torch.nn.Module, original: Callable) -> Callable:
         """The forward that replaces ``module``'s (the model's or its decoder's; ``original`` bound)."""
 
         @functools.wraps(original)
@@ -43,7 +43,7 @@ class WrappedCalls:
 
         return forward
 
-    def generate(self, original: Callable) -> Callable:
+    def wrap_generate(self, original: Callable) -> Callable:
         """The model's ``generate`` that also tells the controller the stop tokens and the prompt length."""
 
         @functools.wraps(original)
@@ -52,7 +52,7 @@ class WrappedCalls:
 
         return generate
 
-    def stopping_criteria(self, original: Callable) -> Callable:
+    def wrap_stopping_criteria(self, original: Callable) -> Callable:
         """The model's ``_get_stopping_criteria`` whose list also tells the controller which rows each step stopped
         (stop strings, lm-eval's ``until``, any custom criterion), so the pad tokens generate() feeds a stopped row
         afterwards never touch its routing state or statistics."""
@@ -76,7 +76,7 @@ class WrappedCalls:
 
         return get_stopping_criteria
 
-    def reorder_cache(self, original: Callable | None) -> Callable:
+    def wrap_reorder_cache(self, original: Callable | None) -> Callable:
         """The model's ``_reorder_cache`` (None: it has none, and the KV cache reorders itself) that also reorders
         the per-row state like the KV cache (beam search)."""
         ctl = self.controller
@@ -102,7 +102,7 @@ class WrappedCalls:
 
         return reorder_cache
 
-    def router_forward(self, layer: MoELayer, original: Callable) -> Callable:
+    def wrap_router(self, layer: MoELayer, original: Callable) -> Callable:
         """The forward that replaces ``layer``'s router forward ``original`` (bound): the same name, docstring and
         signature (``functools.wraps``; ``__wrapped__`` is ``original``), routed by :class:`~.routing.LayerRouting`."""
         ctl = self.controller
