@@ -16,6 +16,8 @@ TORCH_PIP_ARGS ?=
 EXTRAS ?= dev,eval,train
 STAMP := $(VENV)/.psr-hf-installed
 PYTEST_ARGS ?=
+# test workers (pytest-xdist): one per core, at most 4; each runs its tiny models with one torch thread (conftest.py)
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: demo test test-quick docs install bench-policy moonlight-routing qwen36-routing clean
 
@@ -23,15 +25,14 @@ demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
 
 test: $(STAMP)
-	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU); on the 2-core CI machine 13 minutes"
-	@echo "when quiet with its caches warm, 28 minutes in the last CI run from a clean clone (install included)."
-	@echo "Each test file prints its name, then a dot per test; the 20 slowest tests are listed at the end."
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU) on $(PYTEST_WORKERS) workers; on the"
+	@echo "2-core CI machine MEASURED_FULL when quiet with its caches warm. A dot per test; the 20 slowest are listed at the end."
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=20 $(PYTEST_ARGS)
 
 # the inner loop: every test but the ~190 listed in tests/slow_tests.txt (over 0.5 s each on the CI machine)
 test-quick: $(STAMP)
 	@echo "make test-quick: the test suite without the tests marked slow (tests/slow_tests.txt); make test runs all"
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 install: $(STAMP)
 
