@@ -25,13 +25,15 @@ demo: $(STAMP)
 	$(VENV)/bin/psr-hf demo
 
 test: $(STAMP)
-	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU) on $(PYTEST_WORKERS) workers; on the"
-	@echo "2-core CI machine MEASURED_FULL when quiet with its caches warm. A dot per test; the 20 slowest are listed at the end."
+	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU) on $(PYTEST_WORKERS) workers; on the 2-core"
+	@echo "CI machine 7 minutes when quiet with its caches warm (14 minutes on one worker: PYTEST_WORKERS=0)."
+	@echo "A dot per test; the 20 slowest tests are listed at the end."
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=20 $(PYTEST_ARGS)
 
 # the inner loop: every test but the ~190 listed in tests/slow_tests.txt (over 0.5 s each on the CI machine)
 test-quick: $(STAMP)
-	@echo "make test-quick: the test suite without the tests marked slow (tests/slow_tests.txt); make test runs all"
+	@echo "make test-quick: the test suite without the tests marked slow (tests/slow_tests.txt), about 1.5 minutes on"
+	@echo "the 2-core CI machine; make test runs all"
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 install: $(STAMP)

@@ -178,3 +178,12 @@ def test_make_test_says_what_it_runs_how_long_it_takes_and_lists_the_slowest_tes
     recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
     assert "minutes" in recipe and "CI" in recipe, "make test says how long it takes on the CI machine"
     assert "--durations=" in recipe
+
+
+def test_both_test_commands_run_on_workers_and_say_how_long_they_take():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for target in ("test", "test-quick"):
+        recipe = makefile.split(f"\n{target}: ", 1)[1].split("\n\n", 1)[0]
+        assert "-n $(PYTEST_WORKERS)" in recipe, f"make {target} runs on the pytest-xdist workers"
+        assert "minutes" in recipe, f"make {target} says how long it takes"
+    assert "pytest-xdist" in (ROOT / "pyproject.toml").read_text(encoding="utf-8"), "the dev extra installs xdist"
