@@ -64,3 +64,19 @@ def test_psr_steered_by_a_registered_source_replays(reversed_pregate_source):
     _, rec, totals = _generate(tiny_model("olmoe"), config)
     assert totals["prefetch_per_token"] > 0
     np.testing.assert_array_equal(psr_hf.replay(config, rec).selected, rec.selected)
+
+
+def test_every_registered_source_is_a_prefetch_ranking_and_the_predictor_has_what_a_source_reads():
+    import inspect
+
+    from psr_hf.prefetch import Predictor
+
+    for name, cls in sources._SOURCES.items():
+        source = cls.__new__(cls)
+        assert isinstance(source, sources.PrefetchRanking), name
+    wanted = {n for n in dir(sources.RankingPredictor) if not n.startswith("_")}
+    assert wanted == {"weight", "check"}
+    for method in wanted:
+        assert callable(getattr(Predictor, method, None)), method
+    assert (list(inspect.signature(Predictor.weight).parameters)
+            == list(inspect.signature(sources.RankingPredictor.weight).parameters))

@@ -157,7 +157,7 @@ class FreeGenerationRunner(EngineRunner):
         arguments)."""
         decoder = self._activate(row)
         ctl = decoder.controller
-        self._note(row, ctl, ctl.offload is not None)
+        self._note(row, ctl)
         return [generate_timed(decoder, p, max_new_tokens, device=self.device, **stop) for p in prompts]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..hf.controller import Controller
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
 from .accelerate_baseline import accelerate_copy
@@ -71,7 +72,7 @@ def drop_offloaded_copy(model: torch.nn.Module, source: torch.nn.Module) -> None
     """Unpatch a :func:`weight_sharing_copy` that is thrown away: its offloaded experts are pointed at the source's
     tensors first, so that restoring them does not make a second device copy of every expert."""
     ctl = controller(model)
-    if ctl.offload is not None:
+    if ctl.expert_store.offloaded:
         originals = dict(source.named_parameters(remove_duplicate=False))
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         for layer in ctl.offload.placement.expert_params:
@@ -133,10 +134,10 @@ class Runner(abc.ABC):
     def close(self) -> None:
         """Drop the runner's model copies (the caller then calls :func:`release`)."""
 
-    def _note(self, row: Row, ctl: Any, offloaded: bool) -> None:
+    def _note(self, row: Row, ctl: Controller) -> None:
         self.capacity.setdefault(row.name, int(ctl.capacity))
         if row.name not in self.memory:
-            self.memory[row.name] = ctl.memory().to_dict() if offloaded else None
+            self.memory[row.name] = ctl.memory().to_dict() if ctl.expert_store.offloaded else None
 
 
 class ResidentRunner(Runner):
@@ -170,7 +171,7 @@ class TransformersRunner(Runner):
 
     def run(self, row: Row, windows: Sequence[torch.Tensor]) -> list[WindowRun]:
         target = self.shared.activate(row.routing)
-        self._note(row, controller(target), self.shared.offload is not None)
+        self._note(row, controller(target))
         return [decode_window(target, ids, device=self.device) for ids in windows]
 
     def close(self) -> None:
@@ -232,7 +233,7 @@ class EngineRunner(Runner):
 
         decoder = self._activate(row)
         ctl = decoder.controller
-        self._note(row, ctl, ctl.offload is not None)
+        self._note(row, ctl)
         self.decided_on.setdefault(row.name, "device" if isinstance(decoder, TokenGraphDecoder) else "host")
         return [decode_engine_window(decoder, ids, device=self.device) for ids in windows]
 

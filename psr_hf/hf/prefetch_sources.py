@@ -12,10 +12,50 @@ in ``psr_hf/policy/config.py``'s ``PREFETCH_SOURCES`` and its row in docs/ALGORI
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ..policy.calibration import Calibration
+
+
+class RankingPredictor(Protocol):
+    """What a learned predictor gives a source (``psr_hf.prefetch.Predictor`` is one; read by duck typing, so this
+    room never imports ``psr_hf.prefetch``)."""
+
+    def weight(self, pair: int) -> torch.Tensor:
+        """``[E, H]`` float32: the ranking of MoE layer ``pair + 1`` from layer ``pair``'s router input."""
+
+    def check(self, **model_shape: object) -> None:
+        """``ValueError`` where the predictor was trained for another model."""
+
+
+@runtime_checkable
+class PrefetchRanking(Protocol):
+    """What the controller asks a prefetch source, at fixed points and never which it is. :class:`PregateRanking`
+    is the default implementation and the base of the others; a new source implements these and registers."""
+
+    predictor: RankingPredictor | None
+
+    def ranking_weight(self, layer: int, following: torch.nn.Module) -> torch.Tensor: ...
+
+    def weight_owner(self, following: torch.nn.Module) -> object: ...
+
+    def priorities(self, raw: torch.Tensor, both: torch.Tensor, num_experts: int) -> torch.Tensor: ...
+
+    def start(self, rows: int, calibration: "Calibration") -> None: ...
+
+    def reorder(self, index: np.ndarray) -> None: ...
+
+    def next_pregate(self, layer: int, computed: np.ndarray | None) -> np.ndarray | None: ...
+
+    def block_pregate(self, layer: int, stored: np.ndarray | None, scores: np.ndarray,
+                      valid: np.ndarray | None) -> np.ndarray | None: ...
+
+    def remember(self, layer: int, scores: np.ndarray, valid: np.ndarray | None) -> None: ...
+
 
 _SOURCES: dict[str, type["PregateRanking"]] = {}
 
@@ -28,7 +68,8 @@ def register_source(name: str) -> Callable[[type["PregateRanking"]], type["Prega
     return register
 
 
-def prefetch_source(name: str, predictor: Any, current: Any, model_shape: dict[str, Any]) -> "PregateRanking":
+def prefetch_source(name: str, predictor: RankingPredictor | None, current: RankingPredictor | None,
+                    model_shape: dict[str, object]) -> PrefetchRanking:
     """The source ``RoutingConfig(prefetch=name)`` ranks with. ``predictor``: the one given to ``patch`` or
     ``reconfigure``; ``current``: the one the model has now (kept by ``reconfigure`` without a new one);
     ``model_shape``: ``num_layers``, ``num_experts``, ``hidden_size``, ``model_type``, ``top_k``, which a
@@ -46,10 +87,11 @@ class PregateRanking:
     """The pre-gate: the next MoE layer's router applied to this layer's router input. The base of every source:
     each method is a point where the controller asks for the ranking, and this one answers with the pre-gate."""
 
-    predictor: Any = None  # the learned predictor ranked with (None: none)
+    predictor: RankingPredictor | None = None  # the learned predictor ranked with (None: none)
 
     @classmethod
-    def build(cls, predictor: Any, current: Any, model_shape: dict[str, Any]) -> "PregateRanking":
+    def build(cls, predictor: RankingPredictor | None, current: RankingPredictor | None,
+              model_shape: dict[str, object]) -> "PregateRanking":
         if predictor is not None:
             raise ValueError("a predictor was given but the RoutingConfig ranks prefetches by the pre-gate "
                              "(prefetch='pregate'); set RoutingConfig(prefetch='predictor', ...) to use it")
@@ -60,7 +102,7 @@ class PregateRanking:
         ``layer``'s router input, stacked under this layer's router weight for one matmul."""
         return following.weight
 
-    def weight_owner(self, following: torch.nn.Module) -> Any:
+    def weight_owner(self, following: torch.nn.Module) -> object:
         """The object whose identity (and version counter, for a tensor) says the stacked weight is stale."""
         return following.weight
 
@@ -69,7 +111,7 @@ class PregateRanking:
         ranking."""
         return both
 
-    def start(self, rows: int, calibration: Any) -> None:
+    def start(self, rows: int, calibration: "Calibration") -> None:
         """A new sequence of ``rows`` rows starts."""
 
     def reorder(self, index: np.ndarray) -> None:
@@ -95,11 +137,12 @@ class LearnedPredictorRanking(PregateRanking):
     """A learned predictor's priorities ``softmax(B A x)`` (a :class:`psr_hf.prefetch.Predictor`, read by duck
     typing: ``weight(pair)`` and ``check(...)``), checked against the model."""
 
-    def __init__(self, predictor: Any):
+    def __init__(self, predictor: RankingPredictor):
         self.predictor = predictor
 
     @classmethod
-    def build(cls, predictor: Any, current: Any, model_shape: dict[str, Any]) -> "LearnedPredictorRanking":
+    def build(cls, predictor: RankingPredictor | None, current: RankingPredictor | None,
+              model_shape: dict[str, object]) -> "LearnedPredictorRanking":
         if predictor is None:
             predictor = current
         if predictor is None:
@@ -115,7 +158,7 @@ class LearnedPredictorRanking(PregateRanking):
     def ranking_weight(self, layer: int, following: torch.nn.Module) -> torch.Tensor:
         return self.predictor.weight(layer)  # B A, float32
 
-    def weight_owner(self, following: torch.nn.Module) -> Any:
+    def weight_owner(self, following: torch.nn.Module) -> object:
         return self.predictor
 
     def priorities(self, raw: torch.Tensor, both: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -132,7 +175,7 @@ class PreviousTokenRanking(PregateRanking):
     def __init__(self) -> None:
         self._previous: np.ndarray | None = None  # [L, R, E] each row's last real z per layer
 
-    def start(self, rows: int, calibration: Any) -> None:
+    def start(self, rows: int, calibration: "Calibration") -> None:
         counts = np.asarray(calibration.expert_counts, dtype=np.float32)  # [L, E]
         self._previous = np.repeat(counts[:, None, :], rows, axis=1)  # [L, R, E], a writable copy
 

@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike
 
 from ..policy.cache import StepPlan
 from .inputs import ForwardPass
-from .prefetch_sources import PregateRanking
+from .prefetch_sources import PregateRanking, PrefetchRanking
 from .router_choice import follow_router_choice
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class LayerRouting:
         self.model, self.family, self.layers = model, family, layers
         self.num_layers, self.num_experts, self.top_k = len(layers), num_experts, top_k
         self.cache: LogicalCache | None = None
-        self.source: PregateRanking = PregateRanking()  # the prefetch source (RoutingConfig.prefetch)
+        self.source: PrefetchRanking = PregateRanking()  # the prefetch source (RoutingConfig.prefetch)
         self.store: PatchedExpertStore | None = None  # where the experts live (the controller's expert store)
         self.recorder: Recorder | None = None  # the running recording, if any
         self.gate: MarginHead | None = None  # a margin head: each token's scores scaled by gate_unit[l] / its margin
@@ -87,7 +87,7 @@ class LayerRouting:
         self.displaced = np.zeros((self.num_layers, 1))  # [L, R] displaced-mass sums
 
     # ------------------------------------------------------------------ state the controller changes
-    def configure(self, config: RoutingConfig, cache: LogicalCache, source: PregateRanking) -> None:
+    def configure(self, config: RoutingConfig, cache: LogicalCache, source: PrefetchRanking) -> None:
         """Route with ``config`` through ``cache``, ranking prefetches with ``source``: one fresh row."""
         self._stacked.clear()
         self.source, self.cache = source, cache
