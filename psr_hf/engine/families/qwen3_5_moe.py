@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import apply_rope, cos_sin, write_kv, zero_centred_rms_norm
+from ..gated_delta_kernel import gated_delta_step_reference
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -229,10 +230,6 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
 
 
-def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
 def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
     """A Gated DeltaNet layer's projections of one token: the convolution's input ``[conv_dim]`` (q, k, v, each
     head after head), the output gate ``z [Hv, Dv]``, and ``b`` and ``a`` ``[Hv]``. Fused projections hold, per
@@ -254,33 +251,10 @@ def _gated_delta_net(s: _LinearStatic, a: dict, x: torch.Tensor, position: torch
                      recurrent: torch.Tensor) -> torch.Tensor:
     """One token of a Gated DeltaNet layer, updating its convolution window and recurrent state in place:
     the short causal convolution (silu) over q, k and v, the L2-normalised q and k, the gated delta rule in
-    float32 (decay ``exp(g)``, write strength ``beta``), the gated RMSNorm of the output and its projection."""
-    dtype = x.dtype
+    float32 (decay ``exp(g)``, write strength ``beta``), the gated RMSNorm of the output and its projection. The
+    step after the input projections is :mod:`~psr_hf.engine.gated_delta_kernel`'s torch step, the reference its
+    one-kernel step is tested against."""
     mixed, z, b, g_in = _linear_inputs(s, a, x)
-    conv.copy_(torch.cat((conv[:, 1:], mixed[:, None].to(conv.dtype)), dim=1))
-    weight = a["conv_weight"]
-    mixed = (conv.to(torch.float32) * weight.to(torch.float32)).sum(dim=-1)
-    if a["conv_bias"] is not None:
-        mixed = mixed + a["conv_bias"].to(torch.float32)
-    mixed = F.silu(mixed.to(weight.dtype)).to(dtype)
-    key_dim = s.k_heads * s.k_dim
-    q, k, v = torch.split(mixed, (key_dim, key_dim, s.v_heads * s.v_dim))
-    repeat = s.v_heads // s.k_heads
-    q = q.view(s.k_heads, s.k_dim).repeat_interleave(repeat, dim=0).to(torch.float32)
-    k = k.view(s.k_heads, s.k_dim).repeat_interleave(repeat, dim=0).to(torch.float32)
-    v = v.view(s.v_heads, s.v_dim).to(torch.float32)
-    beta = torch.sigmoid(b).to(torch.float32)
-    g = -a["A_log"].to(torch.float32).exp() * F.softplus(g_in.to(torch.float32) + a["dt_bias"])
-    q = _l2_normalised(q) / (s.k_dim ** 0.5)
-    k = _l2_normalised(k)
-    state = recurrent * g.exp()[:, None, None]  # [Hv, Dk, Dv]
-    memory = (state * k[:, :, None]).sum(dim=-2)  # [Hv, Dv]
-    delta = (v - memory) * beta[:, None]
-    state = state + k[:, :, None] * delta[:, None, :]
-    recurrent.copy_(state)
-    out = (state * q[:, :, None]).sum(dim=-2).to(dtype)  # [Hv, Dv]
-    w_norm, eps = a["norm"]
-    h = out.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = (w_norm * h.to(dtype)) * F.silu(z.to(torch.float32))
-    return F.linear(h.to(dtype).reshape(1, s.v_heads * s.v_dim), *a["out_proj"])
+    h = gated_delta_step_reference(mixed, z, b, g_in, conv, recurrent, a["conv_weight"], a["conv_bias"],
+                                   a["A_log"], a["dt_bias"], *a["norm"])
+    return F.linear(h, *a["out_proj"])
