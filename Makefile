@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@echo "make test: the CPU test suite (tests marked cuda skip without a GPU) on $(PYTEST_WORKERS) workers; on the 2-core"
-	@echo "CI machine 7 minutes when quiet with its caches warm (14 minutes on one worker: PYTEST_WORKERS=0)."
+	@echo "CI machine 7 minutes when quiet with its caches warm (14 minutes in one process: PYTEST_WORKERS=0)."
 	@echo "A dot per test; the 20 slowest tests are listed at the end."
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=20 $(PYTEST_ARGS)
 
