@@ -1,5 +1,5 @@
 """The paper's Section 6.10 frontier on olmoe-routing (CPU, 37.5% residency): does training the gate lower the excess
-NLL at the same host loads? Trains three variants on standard-library training text (psr_hf.gates.train):
+NLL at the same host loads? Trains three variants on standard-library training text (psr_hf.training.gate):
 
 - ``swap``: the change-based gate (Cache-Prior, LRU) with a learned per-token margin, the routers, attention and
   per-expert LoRA, KL to the exact model plus the smooth host-load penalty;

@@ -67,7 +67,7 @@ class LayerRouting:
         self.recorder: Recorder | None = None  # the running recording, if any
         self.gate: MarginHead | None = None  # a margin head: each token's scores scaled by gate_unit[l] / its margin
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
-        self.relaxation: GateRelaxation | None = None  # while a gate trains (psr_hf.gates.train)
+        self.relaxation: GateRelaxation | None = None  # while a gate trains (psr_hf.training.gate)
         self.needs_pregate = self.executes_pregate = False
         self.follows_router = False  # exact routing: the router's own picks decide ties (router_choice)
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
