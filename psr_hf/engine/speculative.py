@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..offload import cuda_runtime
+from ..offload.links import new_link
 from ..offload.store import SlotExperts
 from ..hf.speculative import accepted_count, commit
 from ..policy.blocks import BlockConfig, BlockPool
@@ -62,8 +63,10 @@ def block_attention(s: Any, a: dict, x: torch.Tensor, positions: torch.Tensor, k
 class ExpertSlots:
     """The speculative engine's :class:`~psr_hf.offload.store.ExpertStore`. Per MoE layer: the experts in pinned
     host memory (the store), ``slots`` device slots, which expert each holds logically (``slot_of``) and
-    physically (``content``), and the copies into free slots on one copy stream (``copy=False``: the same
-    bookkeeping, no copy). The block selection decides what is loaded (:meth:`load`, :meth:`keep`)."""
+    physically (``content``), and the copies into free slots on the offload's copy link
+    (:func:`~psr_hf.offload.links.new_link`: raw runtime calls on CUDA where cuda-python imports, a copy thread on
+    the CPU), which the layer's next computation waits for (``copy=False``: the same bookkeeping, no copy). The
+    block selection decides what is loaded (:meth:`load`, :meth:`keep`)."""
 
     offloaded = True
 
@@ -87,9 +90,12 @@ class ExpertSlots:
                          for module, buffers in zip(experts_modules, self.buffers)]
         self.slot_of = np.full((len(self.store), self.num_experts), -1, dtype=np.int64)
         self.content = np.full((len(self.store), int(slots)), -1, dtype=np.int64)  # -1: no expert's weights
-        self.runtime = cuda_runtime.Runtime(device) if self.cuda and cuda_runtime.available()[0] else None
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.events = [torch.cuda.Event() for _ in self.store] if self.cuda else []
+        self.link = new_link(device, 0.0)
+        self._dst, self._src = self.link.prepare(
+            [[[b["gate_up_proj"][s], b["down_proj"][s]] for s in range(self.capacity)] for b in self.buffers],
+            [[[gate_up[e], down[e]] for e in range(self.num_experts)] for gate_up, down in self.store])
+        self._issued = 0  # the link's next copy number
+        weakref.finalize(self, self.link.close)
         self.copies = 0  # logical loads
         self.transfers = 0  # copies performed
 
@@ -109,7 +115,7 @@ class ExpertSlots:
         return self.slot_of[layer][experts]
 
     def decode_done(self, layer: int) -> None:
-        pass  # a load's copies wait for everything the compute stream was given before them
+        self.link.read_done(layer)  # the next copy into this layer's slots waits for the computation issued
 
     # ------------------------------------------------------------------ what the block selection loads
     def reset(self) -> None:
@@ -144,24 +150,10 @@ class ExpertSlots:
             return
         content[free] = missing
         self.transfers += int(missing.size)
-        stream = self.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        for source, buffer in zip(self.store[layer], (self.buffers[layer]["gate_up_proj"],
-                                                      self.buffers[layer]["down_proj"])):
-            for e, slot in zip(missing.tolist(), free.tolist()):
-                dst = buffer[slot]
-                if self.runtime is not None:
-                    self.runtime.copy_h2d(dst.data_ptr(), source[e].data_ptr(), dst.numel() * dst.element_size(),
-                                          int(stream.cuda_stream))
-                elif stream is not None:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(source[e], non_blocking=True)
-                else:
-                    dst.copy_(source[e])
-        if stream is not None:
-            self.events[layer].record(stream)
-            torch.cuda.current_stream(self.device).wait_event(self.events[layer])
+        for e, slot in zip(missing.tolist(), free.tolist()):
+            self.link.copy(self._issued, layer, slot, e, self._dst[layer][slot], self._src[layer][e])
+            self._issued += 1
+        self.link.wait(self._issued - 1)
 
     def keep(self, layer: int, members: np.ndarray) -> None:
         """After a block: only the pool's experts keep their slots (the others' slots are free)."""

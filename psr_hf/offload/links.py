@@ -1,5 +1,6 @@
 """The copy links: how a copy into an expert slot is issued, completes and is waited for, behind one protocol
-(:class:`CopyLink`) that :class:`~psr_hf.offload.scheduler.SlotScheduler` calls without asking which link it has.
+(:class:`CopyLink`) that :class:`~psr_hf.offload.scheduler.SlotScheduler` and the speculative engine's
+:class:`~psr_hf.engine.speculative.ExpertSlots` call without asking which link it has.
 
 Three links, one chosen per offloaded model (:func:`new_link`): :class:`ThreadLink` on the CPU (a copy thread),
 :class:`RuntimeLink` on CUDA through raw runtime calls (:mod:`psr_hf.offload.cuda_runtime`, about 3 us of host
