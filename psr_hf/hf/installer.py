@@ -104,12 +104,13 @@ class Installer:
         self.installation.add(lambda: unroute_checkpoints(modules))
 
     def _install_offload(self, config: OffloadConfig) -> None:
-        """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadedExperts`), the
+        """Move the experts to a host store with device slots (:class:`~psr_hf.offload.OffloadedExperts`, in FP8
+        where the model comes from an FP8 checkpoint: :func:`~psr_hf.offload.fp8_experts.offloaded_experts`), the
         controller's expert store until uninstalled."""
-        from ..offload.experts import OffloadedExperts
+        from ..offload.fp8_experts import offloaded_experts
 
         ctl = self.controller
-        experts = OffloadedExperts(ctl.model, ctl.layers, ctl.num_experts, ctl.capacity, config)
+        experts = offloaded_experts(ctl.model, ctl.layers, ctl.num_experts, ctl.capacity, config)
         self.installation.add(self._detach_store)
         self._attach_store(experts)
 

@@ -13,6 +13,9 @@ MAX_COPY_DELAY_MS = 60_000.0
 #: how a CUDA device's copies and events are issued: raw runtime calls through cuda-python when it imports
 #: ("auto"), always ("cuda-python": an error without it), or torch's own calls ("torch", the reference)
 COPY_APIS = ("auto", "cuda-python", "torch")
+#: what the host store and the copies hold: FP8 with block scales where the model was loaded from a fine-grained
+#: FP8 checkpoint ("auto"), FP8 required ("fp8"), or the model's own weights as loaded ("model")
+EXPERT_FORMATS = ("auto", "fp8", "model")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,14 @@ class OffloadConfig:
             through cuda-python when it is installed, the ``cuda`` extra; torch's calls otherwise), ``"cuda-python"``
             (required), or ``"torch"``. Only the host's cost per copy differs (about 3 against 20-30 us); the
             copies, their order and what each layer waits for are the same.
+        expert_format: what the host store holds (docs/offloading.md, "FP8 experts"): ``"auto"`` (the experts
+            of the fine-grained FP8 checkpoint the model was loaded from, e4m3 with their block scales, read from
+            its files, where its config says ``quant_method: fp8``; the model's own weights otherwise), ``"fp8"``
+            (an FP8 checkpoint required: ``ValueError`` without one) or ``"model"`` (the model's own weights as
+            loaded, bf16 after transformers dequantized an FP8 checkpoint). FP8 halves the host store and every
+            copy.
+        checkpoint: the folder of that FP8 checkpoint (default: the folder, or cached hub model, the model was
+            loaded from).
     """
 
     device: str = "cuda"
@@ -46,6 +57,8 @@ class OffloadConfig:
     copy_delay_ms: float = 0.0
     check_slots: bool = False
     copy_api: str = "auto"
+    expert_format: str = "auto"
+    checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         device = self.device
@@ -72,6 +85,14 @@ class OffloadConfig:
         if self.copy_api != "auto" and self.device == "cpu":
             raise ValueError(f"copy_api={self.copy_api!r} chooses how CUDA copies are issued; device='cpu' copies "
                              "with a thread: leave copy_api='auto'")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format={self.expert_format!r} must be one of "
+                             f"{', '.join(map(repr, EXPERT_FORMATS))}")
+        if self.checkpoint is not None and (not isinstance(self.checkpoint, str) or not self.checkpoint):
+            raise ValueError(f"checkpoint={self.checkpoint!r} must be None or the path of an FP8 checkpoint folder")
+        if self.checkpoint is not None and self.expert_format == "model":
+            raise ValueError(f"checkpoint={self.checkpoint!r} names the FP8 checkpoint the experts are read from; "
+                             "expert_format='model' reads none: use expert_format='auto' or 'fp8', or drop checkpoint")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

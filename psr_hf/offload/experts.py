@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .links import new_link
-from .placement import OffloadMemory, place
+from .placement import OffloadMemory, Placement, place
 from .scheduler import SlotScheduler
 from .store import OffloadStats, SlotExperts
 
@@ -131,7 +131,7 @@ class OffloadedExperts:
                     "an experts implementation (use_experts_implementation); psr_hf cannot offload it"
                 )
         self._inner = [_inner_function(m) for m in self.modules]
-        self.placement = place(model, self.modules, num_experts, capacity, self.device, config.pin_memory)
+        self.placement = self._place(model, capacity)
         self._remember_weights()
         self._configs: list[tuple[PretrainedConfig, str | None]] = []
         try:
@@ -148,6 +148,10 @@ class OffloadedExperts:
         logger.info("psr_hf offload: %s", self.memory())
 
     # ------------------------------------------------------------------ buffers
+    def _place(self, model: nn.Module, capacity: int) -> Placement:
+        """The host store and the non-expert weights on the device: the model's own expert weights, in a store."""
+        return place(model, self.modules, self.num_experts, capacity, self.device, self.config.pin_memory)
+
     def _allocate(self, capacity: int) -> None:
         self.capacity = C = int(capacity)
         store = self.placement.store
@@ -414,12 +418,16 @@ class OffloadedExperts:
             inside = slots < self.capacity
             weights = weights * inside.to(weights.dtype)
             slots = torch.where(inside, slots, slots - self.capacity)
-        if self.device.type == "cpu" and hidden.shape[0] > 1 and torch.get_num_threads() > 1:
-            out = _slot_by_slot(self._inner[layer], self._proxies[layer], hidden, slots, weights)
-        else:
-            out = self._inner[layer](self._proxies[layer], hidden, slots, weights)
+        out = self._execute(layer, hidden, slots, weights)
         self.link.read_done(layer)
         return out
+
+    def _execute(self, layer: int, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The model's experts implementation over ``layer``'s slots: ``slots`` ``[T, K]`` (on the device) with
+        their ``weights``, the slots' copies waited for."""
+        if self.device.type == "cpu" and hidden.shape[0] > 1 and torch.get_num_threads() > 1:
+            return _slot_by_slot(self._inner[layer], self._proxies[layer], hidden, slots, weights)
+        return self._inner[layer](self._proxies[layer], hidden, slots, weights)
 
     def _check(self, layer: int, index: torch.Tensor) -> None:
         """check_slots: every expert the layer executes is in a slot whose buffers equal the host store's."""

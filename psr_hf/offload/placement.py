@@ -10,6 +10,7 @@ from, with the same values.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -173,16 +174,12 @@ def place(model: nn.Module, experts_modules: list[nn.Module], num_experts: int, 
     per_expert = [sum(_nbytes(p[0]) for _, p in layer) for layer in weights]
     if len(set(per_expert)) != 1:
         raise ValueError(f"MoE layers differ in expert size ({sorted(set(per_expert))} bytes); psr_hf needs one shape")
-    expert_ids = {id(p) for layer in weights for _, p in layer}
     placement = Placement()
     placement.bytes_per_expert = per_expert[0]
     L = len(weights)
-    slot_bytes = L * capacity * per_expert[0]
-
-    params = [p for p in model.parameters() if id(p) not in expert_ids]  # parameters() yields tied weights once
-    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    params, buffers = non_expert_tensors(model, weights)
     placement.non_expert_bytes = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for _, _, b in buffers)
-    _check_device_fit(device, params, buffers, weights, slot_bytes, placement.non_expert_bytes)
+    _check_device_fit(device, params, buffers, weights, L * capacity * per_expert[0], placement.non_expert_bytes)
 
     try:
         # experts first: on a model that sits on the device, this frees device memory before anything else moves there
@@ -195,28 +192,51 @@ def place(model: nn.Module, experts_modules: list[nn.Module], num_experts: int, 
             placement.buffers.append(buffer)
             placement.store.append(views)
             placement.expert_params.append(restore)
-
-        for p in params:
-            if p.device != device:
-                placement.moved_params.append((p, p.device))
-                p.data = p.data.to(device)
-        for module, name, b in buffers:
-            if b.device != device:
-                placement.moved_buffers.append((module, name, b.device))
-                module._buffers[name] = b.to(device)
+        move_non_experts(placement, params, buffers, device)
     except BaseException:
         placement.restore()
         raise
     return placement
 
 
+def non_expert_tensors(model: nn.Module, weights: list[list[tuple[str, nn.Parameter]]]) -> tuple[list, list]:
+    """``(parameters, [(module, name, buffer)])`` of ``model`` other than the expert ``weights`` (per layer)."""
+    expert_ids = {id(p) for layer in weights for _, p in layer}
+    params = [p for p in model.parameters() if id(p) not in expert_ids]  # parameters() yields tied weights once
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    return params, buffers
+
+
+def move_non_experts(placement: Placement, params: list, buffers: list, device: torch.device) -> None:
+    """Move ``params`` and ``buffers`` (:func:`non_expert_tensors`) to ``device``, remembered for restore."""
+    for p in params:
+        if p.device != device:
+            placement.moved_params.append((p, p.device))
+            p.data = p.data.to(device)
+    for module, name, b in buffers:
+        if b.device != device:
+            placement.moved_buffers.append((module, name, b.device))
+            module._buffers[name] = b.to(device)
+
+
 def _host_buffer(layer: int, layer_weights: list, pinned: bool, num_layers: int) -> tuple[torch.Tensor, dict]:
     """One layer's host store: a contiguous uint8 buffer (pinned or not) holding a copy of each ``(name, tensor)``
     at an aligned offset, and the views ``{name: tensor}`` into it."""
+    buffer, views = host_store(layer, [(name, p.shape, p.dtype) for name, p in layer_weights], pinned, num_layers)
+    for name, p in layer_weights:
+        views[name].copy_(p.data)
+    return buffer, views
+
+
+def host_store(layer: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]], pinned: bool,
+               num_layers: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One layer's empty host store: a contiguous uint8 buffer (pinned or not) and a view ``{name: tensor}`` of
+    each ``(name, shape, dtype)`` of ``specs`` at an aligned offset; :class:`OffloadMemoryError` where it cannot
+    be allocated."""
     offsets, total = [], 0
-    for _, p in layer_weights:
+    for _, shape, dtype in specs:
         offsets.append(total)
-        total += -(-_nbytes(p) // _ALIGN) * _ALIGN
+        total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     try:
         buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     except RuntimeError as error:
@@ -228,10 +248,8 @@ def _host_buffer(layer: int, layer_weights: list, pinned: bool, num_layers: int)
             "(slower, synchronous copies)"
         ) from error
     views = {}
-    for (name, p), offset in zip(layer_weights, offsets):
-        view = buffer[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
-        view.copy_(p.data)
-        views[name] = view
+    for (name, shape, dtype), offset in zip(specs, offsets):
+        views[name] = buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
     return buffer, views
 
 
@@ -252,6 +270,8 @@ def _check_fit(device: torch.device, arriving: int, slot_bytes: int, leaving: in
 
 def _check_device_fit(device: torch.device, params: list, buffers: list, weights: list, slot_bytes: int,
                       non_expert: int) -> None:
+    """Where ``device`` is CUDA: :func:`_check_fit` for the non-expert ``params``/``buffers`` arriving, ``slot_bytes``
+    of slots and the expert ``weights`` (per layer, ``[(name, parameter)]``) leaving it."""
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)

@@ -1,0 +1,438 @@
+"""The FP8 expert store on the CPU path (``psr_hf/offload/fp8_experts.py``, its block math and checkpoint reader).
+
+A tiny model is saved in bf16, its routed experts quantized block-wise (128x128 tiles, dimensions that give a whole
+tile and a partial one), loaded with ``from_pretrained`` (which dequantizes on a CPU) and patched with
+``offload=``: the host store and the slots then hold the checkpoint's e4m3 experts and scales, copies move FP8
+bytes, and the logits are bitwise those of the same model whose experts are the checkpoint's dequantized values,
+offloaded in bf16 (``expert_format="model"``) under the same routing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+import psr_hf
+from psr_hf import OffloadConfig, RoutingConfig
+from psr_hf.offload.experts import OffloadedExperts
+from psr_hf.offload.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks, scale_shape
+from psr_hf.offload.fp8_experts import Fp8OffloadedExperts
+from psr_hf.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
+
+PAD = 0
+BLOCK = (128, 128)
+# hidden 192 and expert width 160: each projection has a whole 128x128 tile and partial ones
+PARTIAL = {"olmoe": dict(hidden_size=192, intermediate_size=160),
+           "deepseek_v3": dict(hidden_size=192, moe_intermediate_size=160),
+           "qwen3_5_moe": dict(hidden_size=192, moe_intermediate_size=160)}  # loaded as its text model
+WHOLE = dict(hidden_size=256, intermediate_size=128)  # olmoe with whole tiles only
+POLICIES = {"psr": RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
+            "exact": RoutingConfig(policy="exact", residency=0.5)}
+QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head"]}
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _write_fp8(family: str, folder: Path, experts: bool = True, **dims) -> Path:
+    """A tiny ``family`` model saved in bf16 at ``folder`` with its routed experts (``experts``; else only its
+    attention projections) quantized block-wise, and config.json saying fine-grained FP8."""
+    tiny_model(family, dtype=torch.bfloat16, **dims).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        out[name] = tensor
+        if tensor.ndim == 2 and (".experts." in name if experts else ".self_attn.o_proj." in name):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(tensor, BLOCK)
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = QUANTIZATION
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(name)``: the folder of an FP8 checkpoint (family's partial tiles, "whole" or "bf16_experts"),
+    written once per module."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(name)
+            if name == "whole":
+                made[name] = _write_fp8("olmoe", folder, **WHOLE)
+            elif name == "bf16_experts":
+                made[name] = _write_fp8("olmoe", folder, experts=False, **PARTIAL["olmoe"])
+            else:
+                made[name] = _write_fp8(name, folder, **PARTIAL[name])
+        return made[name]
+
+    return get
+
+
+def _load(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+def _stored_experts(folder: Path, module: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's experts of the experts module named ``module`` (a text model's ``model.layers.<i>...``
+    is stored as ``model.language_model.layers.<i>...`` by a composite one), dequantized here to bf16 in
+    transformers' fused layout."""
+    tensors = load_file(folder / "model.safetensors")
+    tail = module[module.index("layers."):]
+    prefix, = {k.rpartition(".0.gate_proj.weight")[0] for k in tensors if k.endswith(f"{tail}.0.gate_proj.weight")}
+
+    def stacked(proj: str) -> torch.Tensor:
+        name = f"{prefix}.{{}}.{proj}.weight"
+        fp8 = torch.stack([tensors[name.format(e)] for e in range(num_experts)])
+        scales = torch.stack([tensors[name.format(e) + "_scale_inv"] for e in range(num_experts)])
+        return dequantize_blocks(fp8, scales, BLOCK, torch.bfloat16)
+
+    return {"gate_up_proj": torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1),
+            "down_proj": stacked("down_proj")}
+
+
+def _experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if name.endswith("mlp.experts")}
+
+
+def _dequantized(folder: Path) -> torch.nn.Module:
+    """The model of ``folder`` whose routed experts are the checkpoint's, dequantized by tile position (where
+    transformers' loader scales partial tiles otherwise)."""
+    model = _load(folder)
+    with torch.no_grad():
+        for name, module in _experts_modules(model).items():
+            for weight, values in _stored_experts(folder, name, module.gate_up_proj.shape[0]).items():
+                getattr(module, weight).copy_(values)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- running
+def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, config, offload, new=6):
+    """Greedy tokens and step logits of one row, a teacher-forced forward of a left-padded batch of two, the
+    offload statistics and memory, of ``model`` freshly patched (unpatched afterwards)."""
+    psr_hf.patch(model, config, calibration=False, offload=offload)
+    try:
+        ctl = psr_hf.controller(model)
+        batch = _ids(1, 2, 12)
+        mask = torch.ones_like(batch)
+        mask[1, :3] = 0
+        batch[1, :3] = PAD
+        with torch.no_grad():
+            out = model.generate(_ids(0, 1, 7), max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                                 output_logits=True, return_dict_in_generate=True)
+            forced = model(batch, attention_mask=mask).logits
+        result = dict(tokens=out.sequences, steps=torch.stack(out.logits), forced=forced,
+                      stats=ctl.stats().offload, memory=ctl.memory(), store=ctl.expert_store)
+    finally:
+        psr_hf.unpatch(model)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- block math
+def _representable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random e4m3 values, each 128x128 tile times its own power of two, with 448 in every tile (so its scale is
+    that power of two and every value comes back exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(shape, generator=g) * 40).to(FP8_DTYPE).float()
+    rows, cols = shape[-2:]
+    values[..., ::BLOCK[0], ::BLOCK[1]] = FP8_MAX
+    powers = torch.randint(-6, 4, scale_shape(shape, BLOCK), generator=g).float().exp2()
+    tile = powers.repeat_interleave(BLOCK[0], -2)[..., :rows, :].repeat_interleave(BLOCK[1], -1)[..., :cols]
+    return values * tile
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (192, 160), (3, 300, 129), (2, 64, 32)])
+def test_exactly_representable_tiles_come_back_exactly(shape):
+    w = _representable(shape, seed=len(shape))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    assert fp8.dtype == FP8_DTYPE and fp8.shape == w.shape
+    assert scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == scale_shape(shape, BLOCK)
+    assert torch.equal(dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32), w)
+
+
+def test_partial_tiles_are_scaled_by_their_position():
+    w = torch.randn(2, 300, 200, generator=torch.Generator().manual_seed(3))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    got = dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32)
+    rows = torch.arange(300) // 128
+    cols = torch.arange(200) // 128
+    expected = fp8.float() * scale_inv[:, rows][:, :, cols]  # element (r, c) takes tile (r // 128, c // 128)'s scale
+    assert torch.equal(got, expected)
+    assert torch.equal(dequantize_blocks(fp8[1], scale_inv[1], BLOCK, torch.float32), got[1])  # stacked = 2-D
+    assert (got - w).abs().max() <= w.abs().max() / 8  # e4m3 keeps 3 mantissa bits
+
+
+def test_dequantizing_writes_into_a_view_of_a_larger_buffer():
+    w = torch.randn(160, 192, generator=torch.Generator().manual_seed(4))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    buffer = torch.zeros(2, 320, 192, dtype=torch.bfloat16)
+    dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16, out=buffer[1, 160:])
+    assert torch.equal(buffer[1, 160:], dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16))
+    assert not buffer[0].any() and not buffer[1, :160].any()
+
+
+def test_block_math_refuses_bad_input_naming_the_fix():
+    fp8, scale_inv = quantize_blocks(torch.randn(160, 192), BLOCK)
+    with pytest.raises(ValueError, match="weight_block_size"):
+        dequantize_blocks(fp8, scale_inv, (64, 64))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_blocks(fp8.float(), scale_inv)
+    with pytest.raises(ValueError, match="block="):
+        quantize_blocks(torch.randn(4, 4), (0, 128))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        quantize_blocks(torch.randn(4), BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------- the store
+@pytest.mark.parametrize("family, policy, threads", [
+    ("olmoe", "psr", 1), ("olmoe", "exact", 1), ("olmoe", "psr", 2), ("deepseek_v3", "psr", 1),
+    ("qwen3_5_moe", "exact", 1)])
+def test_fp8_offload_is_bitwise_the_dequantized_model_offloaded(checkpoints, family, policy, threads):
+    folder = checkpoints(family)
+    config = POLICIES[policy]
+    torch.set_num_threads(threads)  # two: a block computes slot by slot (docs/offloading.md)
+    try:
+        fp8 = _run(_load(folder), config, OffloadConfig(device="cpu", check_slots=True))
+        bf16 = _run(_dequantized(folder), config, OffloadConfig(device="cpu", expert_format="model",
+                                                                check_slots=True))
+    finally:
+        torch.set_num_threads(1)
+    assert isinstance(fp8["store"], Fp8OffloadedExperts) and type(bf16["store"]) is OffloadedExperts
+    assert torch.equal(fp8["tokens"], bf16["tokens"])
+    assert torch.equal(fp8["steps"], bf16["steps"])
+    assert torch.equal(fp8["forced"], bf16["forced"])
+    a, b = fp8["stats"], bf16["stats"]
+    assert (a.demand, a.prefetch, a.dropped, a.warm) == (b.demand, b.prefetch, b.dropped, b.warm)
+
+
+def _decode_through_the_store(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each token-layer's MoE output of four decode steps with seeded router scores, computed as an external
+    decoder does (the engine): the slots :meth:`decode_slots` gives, over :meth:`experts_module`."""
+    ctl = psr_hf.controller(model)
+    handle, store = ctl.decode_handle(), ctl.expert_store
+    rng = np.random.default_rng(0)
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    outputs = []
+    for position, token in enumerate((5, 9, 11, 5)):
+        with handle.step(token, position):
+            for layer in range(ctl.num_layers):
+                last = layer + 1 == ctl.num_layers
+                scores, pregate = rng.standard_normal((2, ctl.num_experts)).astype(np.float32)
+                selection = handle.select(layer, scores, None if last else pregate)
+                if not last:
+                    handle.prefetch(layer + 1)
+                slots = torch.from_numpy(store.decode_slots(layer, selection.experts.reshape(1, -1)))
+                weights = torch.linspace(0.1, 0.9, slots.numel(), dtype=hidden.dtype).reshape(1, -1)
+                module = store.experts_module(layer)
+                assert module.gate_up_proj is store.slot_weights(layer)["gate_up_proj"]
+                outputs.append(ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden, slots, weights))
+                store.decode_done(layer)
+    return outputs
+
+
+def test_a_decoder_reading_the_store_through_its_protocol_gets_the_dequantized_experts(checkpoints):
+    folder = checkpoints("olmoe")
+    runs = []
+    for model, expert_format in ((_load(folder), "auto"), (_dequantized(folder), "model")):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", expert_format=expert_format))
+        try:
+            runs.append(_decode_through_the_store(model))
+        finally:
+            psr_hf.unpatch(model)
+    assert len(runs[0]) == 12 and all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_copy_timing_never_changes_fp8_outputs(checkpoints):
+    folder = checkpoints("olmoe")
+    runs = [_run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu", **kw))
+            for kw in (dict(max_in_flight=4), dict(max_in_flight=1, copy_delay_ms=1.0))]
+    for key in ("tokens", "steps", "forced"):
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+def test_the_store_holds_fp8_experts_and_copies_fp8_bytes(checkpoints):
+    folder = checkpoints("olmoe")
+    model = _load(folder)
+    modules = _experts_modules(model)
+    bf16_per_expert = sum(m.gate_up_proj[0].nbytes + m.down_proj[0].nbytes for m in list(modules.values())[:1])
+    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    try:
+        ctl = psr_hf.controller(model)
+        store = ctl.expert_store
+        host, slots = store.expert_weights(0), store.fp8_slot_weights(0)
+        with torch.no_grad():
+            model.generate(_ids(2, 1, 5), max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+        stats, memory = ctl.stats().offload, ctl.memory()
+    finally:
+        psr_hf.unpatch(model)
+    I, H = 160, 192
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in host.items()} == {
+        "gate_up_proj": (FP8_DTYPE, (16, 2 * I, H)), "gate_up_proj_scale_inv": (torch.float32, (16, 4, 2)),
+        "down_proj": (FP8_DTYPE, (16, H, I)), "down_proj_scale_inv": (torch.float32, (16, 2, 2))}
+    assert {n: (t.dtype, t.shape[0]) for n, t in slots.items()} == {n: (t.dtype, 8) for n, t in host.items()}
+    stored = load_file(folder / "model.safetensors")
+    up = "model.layers.0.mlp.experts.5.up_proj.weight"
+    assert torch.equal(host["gate_up_proj"][5, I:].view(torch.uint8), stored[up].view(torch.uint8))
+    assert torch.equal(host["gate_up_proj_scale_inv"][5, 2:], stored[up + "_scale_inv"])  # up's block rows
+    per_expert = 3 * I * H + 3 * 4 * 4  # e4m3 bytes and three 2x2 float32 scale grids
+    assert memory.bytes_per_expert == per_expert and 0.5 < per_expert / bf16_per_expert < 0.501
+    assert memory.expert_bytes_full == 3 * 16 * per_expert and memory.expert_bytes_device == 3 * 8 * per_expert
+    assert memory.host_store_bytes >= memory.expert_bytes_full
+    copies = stats.demand + stats.prefetch - stats.dropped + stats.warm
+    assert copies > 0 and stats.bytes == copies * per_expert
+
+
+def test_offloaded_expert_parameters_hold_no_memory_and_unpatch_restores_them_dequantized(checkpoints):
+    folder = checkpoints("olmoe")
+    model = _load(folder)
+    reference = _dequantized(folder)
+    originals = {name: (m.gate_up_proj, m.down_proj) for name, m in _experts_modules(model).items()}
+    psr_hf.patch(model, POLICIES["exact"], calibration=False, offload=OffloadConfig(device="cpu"))
+    for name, module in _experts_modules(model).items():
+        for weight, original in zip(("gate_up_proj", "down_proj"), originals[name]):
+            held = getattr(module, weight)
+            assert held.is_meta and held.shape == original_shape(reference, name, weight)
+            assert original.numel() == 0  # the bf16 values are not kept beside the FP8 store
+    psr_hf.unpatch(model)
+    expected = dict(reference.named_parameters())
+    for name, module in _experts_modules(model).items():
+        for weight, original in zip(("gate_up_proj", "down_proj"), originals[name]):
+            assert getattr(module, weight) is original and original.device.type == "cpu"
+            assert torch.equal(original, expected[f"{name}.{weight}"])
+    assert model.config._experts_implementation == reference.config._experts_implementation
+    with torch.no_grad():
+        assert torch.equal(model(_ids(5, 1, 9)).logits, reference(_ids(5, 1, 9)).logits)
+
+
+def original_shape(model: torch.nn.Module, name: str, weight: str) -> torch.Size:
+    return getattr(dict(model.named_modules())[name], weight).shape
+
+
+def test_a_checkpoint_of_whole_tiles_offloads_as_transformers_loaded_it(checkpoints):
+    """Where every tile is whole, transformers' dequantized weights are the checkpoint's: the FP8 store computes
+    the loaded model (bitwise against it offloaded in bf16), and unpatch gives it back unchanged."""
+    folder = checkpoints("whole")
+    model = _load(folder)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bf16 = _run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu", expert_format="model"))
+    fp8 = _run(model, POLICIES["psr"], OffloadConfig(device="cpu", expert_format="fp8"))
+    assert isinstance(fp8["store"], Fp8OffloadedExperts)
+    for key in ("tokens", "steps", "forced"):
+        assert torch.equal(fp8[key], bf16[key]), key
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_an_explicit_checkpoint_serves_a_model_loaded_otherwise(checkpoints, tmp_path):
+    folder = checkpoints("olmoe")
+    model = _dequantized(folder)
+    model.config._name_or_path = str(tmp_path)  # a folder without the checkpoint
+    assert type(_run(model, POLICIES["exact"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
+    run = _run(model, POLICIES["exact"], OffloadConfig(device="cpu", checkpoint=str(folder)))
+    assert isinstance(run["store"], Fp8OffloadedExperts)
+
+
+def test_a_model_whose_experts_differ_from_the_checkpoint_is_refused(checkpoints):
+    model = _load(checkpoints("whole"))
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[1, 0, 0] += 1.0  # expert 1 % 16 of layer 1: the one checked
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="MoE layer 1: expert 1's down_proj in the model differs from the FP8"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    with pytest.raises(ValueError, match="not patched"):
+        psr_hf.controller(model)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in state.items())  # all or nothing: given back as it was
+
+
+def test_weights_replaced_after_offloading_are_refused_at_the_next_forward(checkpoints):
+    model = _load(checkpoints("olmoe"))
+    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    try:
+        experts = model.model.layers[0].mlp.experts
+        experts.down_proj = torch.nn.Parameter(torch.zeros(experts.down_proj.shape, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="replaced, converted or written after offloading"):
+            with torch.no_grad():
+                model(_ids(0, 1, 4))
+    finally:
+        psr_hf.unpatch(model)
+    assert not model.model.layers[0].mlp.experts.down_proj.any()  # the user's parameter stays
+
+
+def test_unquantized_experts_offload_the_models_own_weights(checkpoints):
+    folder = checkpoints("bf16_experts")
+    assert type(_run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
+    with pytest.raises(ValueError, match="keeps the routed experts unquantized"):
+        psr_hf.patch(_load(folder), POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", expert_format="fp8"))
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_an_fp8_model_without_its_files_gets_the_fix(checkpoints, tmp_path):
+    model = _load(checkpoints("olmoe"))
+    model.config.quantization_config = dict(QUANTIZATION)  # as transformers keeps it where it loads FP8 modules
+    model.config._name_or_path = "no/such-model"
+    with pytest.raises(ValueError, match=r"finds no checkpoint files.*OffloadConfig\(checkpoint="):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    with pytest.raises(ValueError, match="no such folder"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", checkpoint=str(tmp_path / "missing")))
+    empty = tmp_path / "config_only"
+    empty.mkdir()
+    shutil.copy(checkpoints("olmoe") / "config.json", empty / "config.json")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", checkpoint=str(empty)))
+    with pytest.raises(ValueError, match="not patched"):
+        psr_hf.controller(model)
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.is_meta
+
+
+def test_fp8_required_of_a_bf16_model_names_psr_hf_quantize():
+    model = tiny_model("olmoe")
+    with pytest.raises(ValueError, match="not loaded from an FP8 checkpoint.*psr-hf quantize"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", expert_format="fp8"))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
+def test_other_quantization_methods_are_refused_at_patch(method, tmp_path):
+    model = tiny_model("olmoe")
+    model.config.quantization_config = {"quant_method": method, "bits": 4}
+    with pytest.raises(ValueError, match=f"quantized with '{method}'.*bf16/float32 experts and fine-grained FP8"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    del model.config.quantization_config
+    model.save_pretrained(tmp_path)  # the same said by the checkpoint's config.json only
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model.config._name_or_path = str(tmp_path)
+    with pytest.raises(ValueError, match=f"checkpoint {tmp_path} is quantized with '{method}'"):
+        psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(expert_format="int4"), "expert_format='int4' must be one of 'auto', 'fp8', 'model'"),
+    (dict(checkpoint=""), "checkpoint='' must be None or the path"),
+    (dict(expert_format="model", checkpoint="/x"), "expert_format='model' reads none"),
+])
+def test_bad_expert_formats_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OffloadConfig(device="cpu", **kwargs)
+
