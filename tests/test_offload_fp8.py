@@ -404,6 +404,25 @@ def test_an_fp8_model_without_its_files_gets_the_fix(checkpoints, tmp_path):
     assert not model.model.layers[0].mlp.experts.gate_up_proj.is_meta
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(weight_block_size=[64, 64]), "psr_hf expects .* 64x64 tiles, as config.json says"),
+    (dict(weight_block_size=None), "weight_block_size=None; psr_hf reads block-wise scales"),
+    (dict(scale_fmt="ue8m0"), "scale_fmt='ue8m0'; psr_hf reads e4m3 weights with float32 scales"),
+    (dict(fmt="e5m2"), "fmt='e5m2'"),
+])
+def test_an_fp8_variant_psr_hf_does_not_read_is_refused_with_the_fix(checkpoints, tmp_path, change, message):
+    folder = shutil.copytree(checkpoints("olmoe"), tmp_path / "variant")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    model = _load(checkpoints("olmoe"))
+    with pytest.raises(ValueError, match=message) as error:
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
+                     offload=OffloadConfig(device="cpu", checkpoint=str(folder)))
+    assert "expert_format='model'" in str(error.value)
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.is_meta
+
+
 def test_fp8_required_of_a_bf16_model_names_psr_hf_quantize():
     model = tiny_model("olmoe")
     with pytest.raises(ValueError, match="not loaded from an FP8 checkpoint.*psr-hf quantize"):

@@ -86,12 +86,13 @@ def _folder_quantization(folder: Path | None) -> dict | None:
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
-    """A fine-grained FP8 checkpoint on disk: ``folder``, its tiles ``block`` (rows, columns), and the file of
-    each tensor name (``files``)."""
+    """A fine-grained FP8 checkpoint on disk: ``folder``, its tiles ``block`` (rows, columns), the file of each
+    tensor name (``files``) and the key prefixes (``...experts``) under which it stores per-expert tensors."""
 
     folder: Path
     block: tuple[int, int]
     files: dict[str, Path]
+    prefixes: frozenset[str]
 
     @classmethod
     def open(cls, folder: Path, quantization: dict) -> Fp8Checkpoint:
@@ -106,17 +107,18 @@ class Fp8Checkpoint:
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ValueError(f"the FP8 checkpoint {folder} has weight_block_size={block!r}; psr_hf reads block-wise "
                              f"scales (two positive ints, e.g. [128, 128]); {_FALLBACK}")
-        return cls(folder, (int(block[0]), int(block[1])), _tensor_files(folder))
+        files = _tensor_files(folder)
+        prefixes = frozenset(m["prefix"] for m in map(_EXPERT_KEY.match, files) if m is not None)
+        return cls(folder, (int(block[0]), int(block[1])), files, prefixes)
 
     def experts_prefix(self, module_name: str) -> str | None:
         """The key prefix (``...experts``) of the experts module named ``module_name`` in the model: the same
         name, or the one that ends in the same ``layers.<i>...`` (a text model loaded from a composite
         checkpoint); None where the checkpoint stores no per-expert tensors for it."""
-        prefixes = {m["prefix"] for m in map(_EXPERT_KEY.match, self.files) if m is not None}
-        if module_name in prefixes:
+        if module_name in self.prefixes:
             return module_name
         tail = _LAYER_TAIL.search(module_name)
-        matches = [p for p in prefixes if tail is not None and p.endswith("." + tail.group(1))]
+        matches = [p for p in self.prefixes if tail is not None and p.endswith("." + tail.group(1))]
         return matches[0] if len(matches) == 1 else None
 
     def is_quantized(self, prefix: str) -> bool:
