@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import bench, demo, evaluation, excess_nll, free_generation, gates, models, prefetch, speculative, sweep
+from . import bench, demo, evaluation, excess_nll, free_generation, gates, models, prefetch, quantize, speculative, sweep
 from .options import check_device, check_outputs, check_rounds
 
 DESCRIPTION = (
@@ -25,7 +25,7 @@ DESCRIPTION = (
     "(owner/name; from the local cache when offline). `psr-hf COMMAND --help` describes each command."
 )
 # the order in --help
-GROUPS = (demo, models, bench, free_generation, speculative, sweep, excess_nll, prefetch, gates, evaluation)
+GROUPS = (demo, models, quantize, bench, free_generation, speculative, sweep, excess_nll, prefetch, gates, evaluation)
 
 
 def package_version() -> str:
