@@ -1,15 +1,16 @@
 """The FP8 expert store on the CPU path (``psr_hf/offload/fp8_experts.py``, its block math and checkpoint reader).
 
-A tiny model is saved in bf16, its routed experts quantized block-wise (128x128 tiles, dimensions that give a whole
-tile and a partial one), loaded with ``from_pretrained`` (which dequantizes on a CPU) and patched with
-``offload=``: the host store and the slots then hold the checkpoint's e4m3 experts and scales, copies move FP8
-bytes, and the logits are bitwise those of the same model whose experts are the checkpoint's dequantized values,
-offloaded in bf16 (``expert_format="model"``) under the same routing.
+Tiny models are saved in bf16 and written as FP8 checkpoints by ``psr-hf quantize``'s writer
+(``psr_hf.assets.quantize``), with dimensions that give whole 128x128 blocks and partial ones; loaded dequantized
+(by that module's loader, right for every block, or by transformers' own CPU load) and patched with ``offload=``:
+the host store and the slots then hold the checkpoint's e4m3 experts and scales, copies move FP8 bytes, and the
+logits are bitwise those of the same model offloaded in bf16 (``expert_format="model"``) under the same routing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
+from psr_hf.assets.quantize import (dequantize_blockwise, load_fp8_dequantized, quantize_blockwise,
+                                    quantize_checkpoint, read_dequantized)
 from psr_hf.offload.experts import OffloadedExperts
 from psr_hf.offload.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks, scale_shape
 from psr_hf.offload.fp8_experts import Fp8OffloadedExperts
@@ -38,82 +41,84 @@ PARTIAL = {"olmoe": dict(hidden_size=192, intermediate_size=160),
 WHOLE = dict(hidden_size=256, intermediate_size=128)  # olmoe with whole tiles only
 POLICIES = {"psr": RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
             "exact": RoutingConfig(policy="exact", residency=0.5)}
-QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head"]}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def _write_fp8(family: str, folder: Path, experts: bool = True, **dims) -> Path:
-    """A tiny ``family`` model saved in bf16 at ``folder`` with its routed experts (``experts``; else only its
-    attention projections) quantized block-wise, and config.json saying fine-grained FP8."""
-    tiny_model(family, dtype=torch.bfloat16, **dims).save_pretrained(folder)
-    tensors = load_file(folder / "model.safetensors")
+def _quantized(family: str, folder: Path, **dims) -> Path:
+    """A tiny ``family`` model saved in bf16 under ``folder`` and written as an FP8 checkpoint by psr-hf quantize."""
+    tiny_model(family, dtype=torch.bfloat16, **dims).save_pretrained(folder / "bf16")
+    quantize_checkpoint(folder / "bf16", folder / "fp8")
+    return folder / "fp8"
+
+
+def _bf16_experts(folder: Path) -> Path:
+    """An FP8 checkpoint (config.json says so) whose routed experts stayed bf16, as ``modules_to_not_convert``
+    keeps them: only the attention output projections are quantized."""
+    tiny_model("olmoe", dtype=torch.bfloat16, **PARTIAL["olmoe"]).save_pretrained(folder)
     out = {}
-    for name, tensor in tensors.items():
+    for name, tensor in load_file(folder / "model.safetensors").items():
         out[name] = tensor
-        if tensor.ndim == 2 and (".experts." in name if experts else ".self_attn.o_proj." in name):
+        if name.endswith("self_attn.o_proj.weight"):
             out[name], out[name + "_scale_inv"] = quantize_blocks(tensor, BLOCK)
     save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = QUANTIZATION
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK), "modules_to_not_convert": ["mlp.experts"]}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """``checkpoints(name)``: the folder of an FP8 checkpoint (family's partial tiles, "whole" or "bf16_experts"),
-    written once per module."""
+    """``checkpoints(name)``: the folder of an FP8 checkpoint (a family's, with partial tiles; "whole": OLMoE with
+    whole tiles only; "bf16_experts"), written once per module."""
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
             folder = tmp_path_factory.mktemp(name)
-            if name == "whole":
-                made[name] = _write_fp8("olmoe", folder, **WHOLE)
-            elif name == "bf16_experts":
-                made[name] = _write_fp8("olmoe", folder, experts=False, **PARTIAL["olmoe"])
-            else:
-                made[name] = _write_fp8(name, folder, **PARTIAL[name])
+            made[name] = (_bf16_experts(folder) if name == "bf16_experts" else
+                          _quantized("olmoe", folder, **WHOLE) if name == "whole" else
+                          _quantized(name, folder, **PARTIAL[name]))
         return made[name]
 
     return get
 
 
 def _load(folder: Path) -> torch.nn.Module:
+    """The checkpoint's model dequantized by psr_hf's loader (every block right); it does not remember the folder,
+    so an FP8 offload names it (:func:`_fp8`)."""
+    return load_fp8_dequantized(folder, torch.bfloat16)
+
+
+def _transformers_load(folder: Path) -> torch.nn.Module:
+    """transformers' own CPU load: dequantized (partial blocks by the grid's size), ``name_or_path`` the folder."""
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
 
-def _stored_experts(folder: Path, module: str, num_experts: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's experts of the experts module named ``module`` (a text model's ``model.layers.<i>...``
-    is stored as ``model.language_model.layers.<i>...`` by a composite one), dequantized here to bf16 in
-    transformers' fused layout."""
-    tensors = load_file(folder / "model.safetensors")
-    tail = module[module.index("layers."):]
-    prefix, = {k.rpartition(".0.gate_proj.weight")[0] for k in tensors if k.endswith(f"{tail}.0.gate_proj.weight")}
+def _fp8(folder: Path, **kwargs) -> OffloadConfig:
+    return OffloadConfig(device="cpu", checkpoint=str(folder), **kwargs)
 
-    def stacked(proj: str) -> torch.Tensor:
-        name = f"{prefix}.{{}}.{proj}.weight"
-        fp8 = torch.stack([tensors[name.format(e)] for e in range(num_experts)])
-        scales = torch.stack([tensors[name.format(e) + "_scale_inv"] for e in range(num_experts)])
-        return dequantize_blocks(fp8, scales, BLOCK, torch.bfloat16)
 
-    return {"gate_up_proj": torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1),
-            "down_proj": stacked("down_proj")}
+def _bf16(**kwargs) -> OffloadConfig:
+    return OffloadConfig(device="cpu", expert_format="model", **kwargs)
 
 
 def _experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if name.endswith("mlp.experts")}
 
 
-def _dequantized(folder: Path) -> torch.nn.Module:
-    """The model of ``folder`` whose routed experts are the checkpoint's, dequantized by tile position (where
-    transformers' loader scales partial tiles otherwise)."""
-    model = _load(folder)
+def _with_checkpoint_experts(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """``model`` (an OLMoE) with its routed experts set to the checkpoint's, dequantized by psr-hf quantize's
+    reader (by block position), in transformers' fused layout (gate rows, then up rows)."""
+    stored = read_dequantized(folder, torch.bfloat16)
     with torch.no_grad():
         for name, module in _experts_modules(model).items():
-            for weight, values in _stored_experts(folder, name, module.gate_up_proj.shape[0]).items():
-                getattr(module, weight).copy_(values)
+            E = module.gate_up_proj.shape[0]
+            proj = {p: torch.stack([stored[f"{name}.{e}.{p}.weight"] for e in range(E)])
+                    for p in ("gate_proj", "up_proj", "down_proj")}
+            module.gate_up_proj.copy_(torch.cat([proj["gate_proj"], proj["up_proj"]], dim=1))
+            module.down_proj.copy_(proj["down_proj"])
     return model
 
 
@@ -186,6 +191,17 @@ def test_dequantizing_writes_into_a_view_of_a_larger_buffer():
     assert not buffer[0].any() and not buffer[1, :160].any()
 
 
+@pytest.mark.parametrize("shape", [(160, 192), (300, 129), (128, 256)])
+def test_the_block_math_is_bitwise_psr_hf_quantizes(shape):
+    """The store's math and the checkpoint writer's, written apart, agree bit for bit (scales, e4m3 values and
+    the dequantized weights)."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).bfloat16() * 3
+    (fp8, scale_inv), (written, written_scale) = quantize_blocks(w, BLOCK), quantize_blockwise(w, BLOCK)
+    assert torch.equal(fp8.view(torch.uint8), written.view(torch.uint8)) and torch.equal(scale_inv, written_scale)
+    assert torch.equal(dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16),
+                       dequantize_blockwise(written, written_scale, BLOCK, torch.bfloat16))
+
+
 def test_block_math_refuses_bad_input_naming_the_fix():
     fp8, scale_inv = quantize_blocks(torch.randn(160, 192), BLOCK)
     with pytest.raises(ValueError, match="weight_block_size"):
@@ -207,9 +223,8 @@ def test_fp8_offload_is_bitwise_the_dequantized_model_offloaded(checkpoints, fam
     config = POLICIES[policy]
     torch.set_num_threads(threads)  # two: a block computes slot by slot (docs/offloading.md)
     try:
-        fp8 = _run(_load(folder), config, OffloadConfig(device="cpu", check_slots=True))
-        bf16 = _run(_dequantized(folder), config, OffloadConfig(device="cpu", expert_format="model",
-                                                                check_slots=True))
+        fp8 = _run(_load(folder), config, _fp8(folder, check_slots=True))
+        bf16 = _run(_load(folder), config, _bf16(check_slots=True))
     finally:
         torch.set_num_threads(1)
     assert isinstance(fp8["store"], Fp8OffloadedExperts) and type(bf16["store"]) is OffloadedExperts
@@ -218,6 +233,22 @@ def test_fp8_offload_is_bitwise_the_dequantized_model_offloaded(checkpoints, fam
     assert torch.equal(fp8["forced"], bf16["forced"])
     a, b = fp8["stats"], bf16["stats"]
     assert (a.demand, a.prefetch, a.dropped, a.warm) == (b.demand, b.prefetch, b.dropped, b.warm)
+
+
+def test_a_model_transformers_loaded_is_offloaded_in_fp8_by_default(checkpoints, caplog):
+    """transformers' CPU load drops quantization_config from the model's config; its folder's config.json still
+    says FP8, so the default offload reads the checkpoint: the checkpoint's experts (block by position), with the
+    rest of the model as transformers loaded it, and a warning that transformers' partial blocks differ."""
+    folder = checkpoints("olmoe")
+    model = _transformers_load(folder)
+    assert getattr(model.config, "quantization_config", None) is None
+    caplog.set_level(logging.WARNING, logger="psr_hf.offload")
+    fp8 = _run(model, POLICIES["psr"], OffloadConfig(device="cpu", check_slots=True))
+    assert any("partial 128x128 tiles" in r.getMessage() for r in caplog.records)
+    bf16 = _run(_with_checkpoint_experts(_transformers_load(folder), folder), POLICIES["psr"], _bf16())
+    assert isinstance(fp8["store"], Fp8OffloadedExperts)
+    for key in ("tokens", "steps", "forced"):
+        assert torch.equal(fp8[key], bf16[key]), key
 
 
 def _decode_through_the_store(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -248,9 +279,9 @@ def _decode_through_the_store(model: torch.nn.Module) -> list[torch.Tensor]:
 def test_a_decoder_reading_the_store_through_its_protocol_gets_the_dequantized_experts(checkpoints):
     folder = checkpoints("olmoe")
     runs = []
-    for model, expert_format in ((_load(folder), "auto"), (_dequantized(folder), "model")):
-        psr_hf.patch(model, POLICIES["psr"], calibration=False,
-                     offload=OffloadConfig(device="cpu", expert_format=expert_format))
+    for offload in (_fp8(folder), _bf16()):
+        model = _load(folder)
+        psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=offload)
         try:
             runs.append(_decode_through_the_store(model))
         finally:
@@ -260,7 +291,7 @@ def test_a_decoder_reading_the_store_through_its_protocol_gets_the_dequantized_e
 
 def test_copy_timing_never_changes_fp8_outputs(checkpoints):
     folder = checkpoints("olmoe")
-    runs = [_run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu", **kw))
+    runs = [_run(_load(folder), POLICIES["psr"], _fp8(folder, **kw))
             for kw in (dict(max_in_flight=4), dict(max_in_flight=1, copy_delay_ms=1.0))]
     for key in ("tokens", "steps", "forced"):
         assert torch.equal(runs[0][key], runs[1][key]), key
@@ -269,9 +300,9 @@ def test_copy_timing_never_changes_fp8_outputs(checkpoints):
 def test_the_store_holds_fp8_experts_and_copies_fp8_bytes(checkpoints):
     folder = checkpoints("olmoe")
     model = _load(folder)
-    modules = _experts_modules(model)
-    bf16_per_expert = sum(m.gate_up_proj[0].nbytes + m.down_proj[0].nbytes for m in list(modules.values())[:1])
-    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    first = next(iter(_experts_modules(model).values()))
+    bf16_per_expert = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
+    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=_fp8(folder))
     try:
         ctl = psr_hf.controller(model)
         store = ctl.expert_store
@@ -300,17 +331,16 @@ def test_the_store_holds_fp8_experts_and_copies_fp8_bytes(checkpoints):
 
 def test_offloaded_expert_parameters_hold_no_memory_and_unpatch_restores_them_dequantized(checkpoints):
     folder = checkpoints("olmoe")
-    model = _load(folder)
-    reference = _dequantized(folder)
+    model, reference = _load(folder), _load(folder)
+    expected = dict(reference.named_parameters())
     originals = {name: (m.gate_up_proj, m.down_proj) for name, m in _experts_modules(model).items()}
-    psr_hf.patch(model, POLICIES["exact"], calibration=False, offload=OffloadConfig(device="cpu"))
+    psr_hf.patch(model, POLICIES["exact"], calibration=False, offload=_fp8(folder))
     for name, module in _experts_modules(model).items():
         for weight, original in zip(("gate_up_proj", "down_proj"), originals[name]):
             held = getattr(module, weight)
-            assert held.is_meta and held.shape == original_shape(reference, name, weight)
+            assert held.is_meta and held.shape == expected[f"{name}.{weight}"].shape
             assert original.numel() == 0  # the bf16 values are not kept beside the FP8 store
     psr_hf.unpatch(model)
-    expected = dict(reference.named_parameters())
     for name, module in _experts_modules(model).items():
         for weight, original in zip(("gate_up_proj", "down_proj"), originals[name]):
             assert getattr(module, weight) is original and original.device.type == "cpu"
@@ -320,17 +350,13 @@ def test_offloaded_expert_parameters_hold_no_memory_and_unpatch_restores_them_de
         assert torch.equal(model(_ids(5, 1, 9)).logits, reference(_ids(5, 1, 9)).logits)
 
 
-def original_shape(model: torch.nn.Module, name: str, weight: str) -> torch.Size:
-    return getattr(dict(model.named_modules())[name], weight).shape
-
-
 def test_a_checkpoint_of_whole_tiles_offloads_as_transformers_loaded_it(checkpoints):
     """Where every tile is whole, transformers' dequantized weights are the checkpoint's: the FP8 store computes
     the loaded model (bitwise against it offloaded in bf16), and unpatch gives it back unchanged."""
     folder = checkpoints("whole")
-    model = _load(folder)
+    model = _transformers_load(folder)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    bf16 = _run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu", expert_format="model"))
+    bf16 = _run(_transformers_load(folder), POLICIES["psr"], _bf16())
     fp8 = _run(model, POLICIES["psr"], OffloadConfig(device="cpu", expert_format="fp8"))
     assert isinstance(fp8["store"], Fp8OffloadedExperts)
     for key in ("tokens", "steps", "forced"):
@@ -339,17 +365,18 @@ def test_a_checkpoint_of_whole_tiles_offloads_as_transformers_loaded_it(checkpoi
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-def test_an_explicit_checkpoint_serves_a_model_loaded_otherwise(checkpoints, tmp_path):
+def test_a_model_loaded_without_its_folder_offloads_in_fp8_once_the_checkpoint_is_named(checkpoints):
     folder = checkpoints("olmoe")
-    model = _dequantized(folder)
-    model.config._name_or_path = str(tmp_path)  # a folder without the checkpoint
+    model = _load(folder)  # psr_hf's loader: the model's config names no folder
     assert type(_run(model, POLICIES["exact"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
-    run = _run(model, POLICIES["exact"], OffloadConfig(device="cpu", checkpoint=str(folder)))
-    assert isinstance(run["store"], Fp8OffloadedExperts)
+    with pytest.raises(ValueError, match="not loaded from an FP8 checkpoint.*OffloadConfig\\(checkpoint="):
+        psr_hf.patch(model, POLICIES["exact"], calibration=False,
+                     offload=OffloadConfig(device="cpu", expert_format="fp8"))
+    assert isinstance(_run(model, POLICIES["exact"], _fp8(folder))["store"], Fp8OffloadedExperts)
 
 
 def test_a_model_whose_experts_differ_from_the_checkpoint_is_refused(checkpoints):
-    model = _load(checkpoints("whole"))
+    model = _transformers_load(checkpoints("whole"))
     with torch.no_grad():
         model.model.layers[1].mlp.experts.down_proj[1, 0, 0] += 1.0  # expert 1 % 16 of layer 1: the one checked
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -362,8 +389,9 @@ def test_a_model_whose_experts_differ_from_the_checkpoint_is_refused(checkpoints
 
 
 def test_weights_replaced_after_offloading_are_refused_at_the_next_forward(checkpoints):
-    model = _load(checkpoints("olmoe"))
-    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    folder = checkpoints("olmoe")
+    model = _load(folder)
+    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=_fp8(folder))
     try:
         experts = model.model.layers[0].mlp.experts
         experts.down_proj = torch.nn.Parameter(torch.zeros(experts.down_proj.shape, dtype=torch.bfloat16))
@@ -377,16 +405,18 @@ def test_weights_replaced_after_offloading_are_refused_at_the_next_forward(check
 
 def test_unquantized_experts_offload_the_models_own_weights(checkpoints):
     folder = checkpoints("bf16_experts")
-    assert type(_run(_load(folder), POLICIES["psr"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
+    model = _transformers_load(folder)
+    assert type(_run(model, POLICIES["psr"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
     with pytest.raises(ValueError, match="keeps the routed experts unquantized"):
-        psr_hf.patch(_load(folder), POLICIES["psr"], calibration=False,
+        psr_hf.patch(model, POLICIES["psr"], calibration=False,
                      offload=OffloadConfig(device="cpu", expert_format="fp8"))
 
 
 # ---------------------------------------------------------------------------------------------- refusals
 def test_an_fp8_model_without_its_files_gets_the_fix(checkpoints, tmp_path):
     model = _load(checkpoints("olmoe"))
-    model.config.quantization_config = dict(QUANTIZATION)  # as transformers keeps it where it loads FP8 modules
+    written = json.loads((checkpoints("olmoe") / "config.json").read_text())["quantization_config"]
+    model.config.quantization_config = written  # as transformers keeps it where it loads FP8 modules (a GPU)
     model.config._name_or_path = "no/such-model"
     with pytest.raises(ValueError, match=r"finds no checkpoint files.*OffloadConfig\(checkpoint="):
         psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
