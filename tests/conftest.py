@@ -43,6 +43,18 @@ def quiet_psr_hf(caplog):
     caplog.set_level(logging.ERROR, logger="psr_hf")
 
 
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton kernels run in triton's interpreter (on the CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Triton kernels compiled for the GPU (the interpreter off, whatever the environment says)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 ENGINE_TEXT = "The engine decodes one token at a time, and every step"
 
 

@@ -2,7 +2,9 @@
 checkpoint of DeepSeek-V3 and Qwen3.6, for every family: the tensor names, dtypes and scale shapes of that format,
 the kept tensors byte for byte, each weight within e4m3's rounding, and the model loaded back equal to the model
 of the dequantized weights (through transformers' own CPU load where every dimension is whole blocks or one
-block, through ``load_fp8_dequantized`` always); bad input refused with the fix, by the library and the CLI.
+block, through ``load_fp8_dequantized`` always); bad input refused with the fix, by the library and the CLI. The
+block math they use, which the offload's FP8 store shares (psr_hf.assets.fp8_blocks): values on the e4m3 grid
+come back exactly, partial tiles are scaled by their position, stacked weights as each matrix alone.
 
 The tiny models are widened (hidden 192, experts of 160) so that matrices hold full 128x128 blocks and partial
 ones; the reference dequantization here expands the scales with ``torch.kron``, independently of the library's.
@@ -20,8 +22,8 @@ from safetensors.torch import save_file
 
 from psr_hf.assets import TINY_MOE
 from psr_hf.assets.loading import byte_tokenizer
-from psr_hf.assets.quantize import (BLOCK, FP8_MAX, dequantize_blockwise, kept_reason, load_fp8_dequantized,
-                                    quantize_blockwise, quantize_checkpoint, read_dequantized)
+from psr_hf.assets.fp8_blocks import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks, scale_shape
+from psr_hf.assets.quantize import kept_reason, load_fp8_dequantized, quantize_checkpoint, read_dequantized
 from psr_hf.cli import main
 from psr_hf.testing import FAMILIES, tiny_model
 
@@ -152,7 +154,7 @@ def test_each_weight_comes_back_within_e4m3_rounding_of_its_block_scale(family, 
         padded[:rows, :cols] = weight
         amax = padded.view(scale.shape[0], 128, scale.shape[1], 128).abs().amax(dim=(1, 3))
         assert torch.equal(scale, torch.where(amax > 0, amax / FP8_MAX, 1.0)), name
-        assert torch.equal(dequantize_blockwise(after[name], scale), back), name
+        assert torch.equal(dequantize_blocks(after[name], scale), back), name
 
 
 def test_zero_blocks_and_values_on_the_fp8_grid_come_back_exactly():
@@ -164,28 +166,70 @@ def test_zero_blocks_and_values_on_the_fp8_grid_come_back_exactly():
     for row, col in ((0, 128), (0, 256), (128, 0), (129, 200), (130, 256)):  # each block's largest magnitude
         weight[row, col] = -FP8_MAX * 2.0**-9
     weight[:128, :128] = 0
-    fp8, scale = quantize_blockwise(weight)
+    fp8, scale = quantize_blocks(weight)
     assert scale.shape == (2, 3) and scale[0, 0] == 1 and (scale.flatten()[1:] == 2.0**-9).all()
-    assert torch.equal(dequantize_blockwise(fp8, scale), weight)
+    assert torch.equal(dequantize_blocks(fp8, scale), weight)
     assert torch.equal(fp8[:128, :128].float(), torch.zeros(128, 128))
 
 
 def test_a_scale_grid_of_another_block_size_is_refused():
-    fp8, scale = quantize_blockwise(torch.randn(200, 300))
+    fp8, scale = quantize_blocks(torch.randn(200, 300))
     with pytest.raises(ValueError, match=r"needs scales of shape \(4, 5\), not \(2, 3\)"):
-        dequantize_blockwise(fp8, scale, block=(64, 64))
+        dequantize_blocks(fp8, scale, block=(64, 64))
 
 
-def test_the_offload_store_reads_the_blocks_as_they_are_written():
-    """psr_hf.offload keeps its own copy of the block arithmetic (it reads FP8 checkpoints into its store): the two
-    agree bit for bit, partial blocks included."""
-    from psr_hf.offload.fp8_blocks import dequantize_blocks, quantize_blocks
+def _representable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random e4m3 values, each 128x128 tile times its own power of two, with 448 in every tile (so its scale is
+    that power of two and every value comes back exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(shape, generator=g) * 40).to(FP8_DTYPE).float()
+    rows, cols = shape[-2:]
+    values[..., ::BLOCK[0], ::BLOCK[1]] = FP8_MAX
+    powers = torch.randint(-6, 4, scale_shape(shape, BLOCK), generator=g).float().exp2()
+    tile = powers.repeat_interleave(BLOCK[0], -2)[..., :rows, :].repeat_interleave(BLOCK[1], -1)[..., :cols]
+    return values * tile
 
-    weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    fp8, scale = quantize_blockwise(weight)
-    theirs, their_scale = quantize_blocks(weight)
-    assert torch.equal(fp8.view(torch.uint8), theirs.view(torch.uint8)) and torch.equal(scale, their_scale)
-    assert torch.equal(dequantize_blockwise(fp8, scale, dtype=torch.bfloat16), dequantize_blocks(fp8, scale))
+
+@pytest.mark.parametrize("shape", [(128, 128), (192, 160), (3, 300, 129), (2, 64, 32)])
+def test_exactly_representable_tiles_come_back_exactly(shape):
+    w = _representable(shape, seed=len(shape))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    assert fp8.dtype == FP8_DTYPE and fp8.shape == w.shape
+    assert scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == scale_shape(shape, BLOCK)
+    assert torch.equal(dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32), w)
+
+
+def test_partial_tiles_are_scaled_by_their_position():
+    w = torch.randn(2, 300, 200, generator=torch.Generator().manual_seed(3))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    got = dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32)
+    rows = torch.arange(300) // 128
+    cols = torch.arange(200) // 128
+    expected = fp8.float() * scale_inv[:, rows][:, :, cols]  # element (r, c) takes tile (r // 128, c // 128)'s scale
+    assert torch.equal(got, expected)
+    assert torch.equal(dequantize_blocks(fp8[1], scale_inv[1], BLOCK, torch.float32), got[1])  # stacked = 2-D
+    assert (got - w).abs().max() <= w.abs().max() / 8  # e4m3 keeps 3 mantissa bits
+
+
+def test_dequantizing_writes_into_a_view_of_a_larger_buffer():
+    w = torch.randn(160, 192, generator=torch.Generator().manual_seed(4))
+    fp8, scale_inv = quantize_blocks(w, BLOCK)
+    buffer = torch.zeros(2, 320, 192, dtype=torch.bfloat16)
+    dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16, out=buffer[1, 160:])
+    assert torch.equal(buffer[1, 160:], dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16))
+    assert not buffer[0].any() and not buffer[1, :160].any()
+
+
+def test_block_math_refuses_bad_input_naming_the_fix():
+    fp8, scale_inv = quantize_blocks(torch.randn(160, 192), BLOCK)
+    with pytest.raises(ValueError, match="weight_block_size"):
+        dequantize_blocks(fp8, scale_inv, (64, 64))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_blocks(fp8.float(), scale_inv)
+    with pytest.raises(ValueError, match="block="):
+        quantize_blocks(torch.randn(4, 4), (0, 128))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        quantize_blocks(torch.randn(4), BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------- loading back

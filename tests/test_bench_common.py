@@ -12,12 +12,14 @@ import pytest
 
 from psr_hf.bench.common import (
     UNCALIBRATED_LOGGERS,
+    graph_replay,
     machine,
     paired_ratio,
     paired_summary,
     quiet_uncalibrated,
     rotated,
     summarize,
+    timed_us,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +36,15 @@ def test_summaries_keep_the_records_keys():
     assert list(paired_summary([2.0, 3.0], [1.0, 1.0])) == ["ratio", "ci95", "rounds", "p"]
     one = summarize([5.0])
     assert one["mean"] == one["median"] == 5.0 and all(v != v for v in one["ci95"])  # nan with one round
+
+
+def test_on_the_cpu_a_call_is_replayed_as_it_is_and_timed_by_the_clock():
+    import torch
+
+    calls = []
+    run = graph_replay(lambda: calls.append(1), torch.device("cpu"))
+    assert len(calls) == 1  # the warm-up call
+    assert timed_us(run, 5, torch.device("cpu")) > 0 and len(calls) == 6
 
 
 def test_machine_describes_the_host_and_with_a_device_the_torch_stack():

@@ -338,16 +338,6 @@ def _strided_inputs_match(device):
     assert big[:, 0].eq(0).all() and big[:, 2].eq(0).all()
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
 @needs_triton
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

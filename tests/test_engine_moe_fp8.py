@@ -1,10 +1,11 @@
 """The engine's batch-1 MoE over FP8 expert slots (``psr_hf/engine/moe_fp8.py``).
 
-Test weights are quantized here, one 2-D matrix at a time as a checkpoint holds them (gate, up and down of each
-expert apart, one scale per 128 x 128 block, partial blocks at the edges), and each block is scaled by its own
-power of two first, so that a scale read from the wrong block changes the output by a factor, never by noise.
-The torch reference is held bitwise to :func:`~psr_hf.engine.moe.moe_slots_reference` on weights dequantized
-here, independently of the module (so the fused scale layout is checked, not assumed). The Triton kernels are
+Test weights are quantized by ``psr-hf quantize``'s block math (:mod:`psr_hf.assets.fp8_blocks`), one matrix per
+expert and projection as a checkpoint holds them (gate, up and down of each expert apart, one scale per 128 x 128
+block, partial blocks at the edges), and each block is scaled by its own power of two first, so that a scale read
+from the wrong block changes the output by a factor, never by noise. The torch reference is held bitwise to
+:func:`~psr_hf.engine.moe.moe_slots_reference` on weights dequantized by that module, per matrix, independently of
+the engine's fused layout (so the fused scale layout is checked, not assumed). The Triton kernels are
 checked against the reference in triton's interpreter on the CPU and, in copies marked ``cuda``, on a GPU.
 
 Tolerances (``|a - b| <= atol + rtol * |b|`` elementwise, ``atol`` scaled by ``max|b|``, as in
@@ -35,6 +36,7 @@ import pytest
 import torch
 from test_engine_moe import _close, needs_triton
 
+from psr_hf.assets.fp8_blocks import dequantize_blocks, quantize_blocks
 from psr_hf.engine import moe
 from psr_hf.engine.moe import moe_slots_reference, new_workspace
 from psr_hf.engine.moe_fp8 import (
@@ -54,24 +56,6 @@ BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------- test weights
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [E, R, S]`` float as the checkpoints store each 2-D matrix: e4m3 values and a float32 ``scale_inv``
-    ``[E, ceil(R/128), ceil(S/128)]`` (the block's largest magnitude over e4m3's largest, 448)."""
-    E, R, S = w.shape
-    rb, sb = -(-R // BLOCK), -(-S // BLOCK)
-    padded = torch.zeros(E, rb * BLOCK, sb * BLOCK, device=w.device)
-    padded[:, :R, :S] = w
-    blocks = padded.view(E, rb, BLOCK, sb, BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / torch.finfo(FP8).max
-    q = (blocks / scale[:, :, None, :, None]).view(E, rb * BLOCK, sb * BLOCK)[:, :R, :S]
-    return q.to(FP8), scale.float()
-
-
-def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    R, S = q.shape[1:]
-    return q.float() * scale.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :R, :S]
-
-
 def _matrix(E, R, S, g, device):
     """Random ``[E, R, S]`` of variance 1/S, each 128 x 128 block times its own power of two (1/8 to 8)."""
     w = torch.randn(E, R, S, generator=g) / S**0.5
@@ -81,12 +65,13 @@ def _matrix(E, R, S, g, device):
 
 
 def _fp8_slots(H, I, C, device="cpu", seed=0):
-    """Slot buffers in the engine's fused layout, and the same weights dequantized here (float32)."""
+    """Slot buffers in the engine's fused layout, and the same weights dequantized per matrix (float32)."""
     g = torch.Generator().manual_seed(seed)
-    (gq, gs), (uq, us), (dq, ds) = (_quantize(_matrix(C, *size, g, device)) for size in ((I, H), (I, H), (H, I)))
+    (gq, gs), (uq, us), (dq, ds) = (quantize_blocks(_matrix(C, *size, g, device)) for size in ((I, H), (I, H), (H, I)))
     return SimpleNamespace(
         gate_up=torch.cat((gq, uq), 1), gate_up_scale=torch.cat((gs, us), 1), down=dq, down_scale=ds,
-        gate_up_deq=torch.cat((_dequantize(gq, gs), _dequantize(uq, us)), 1), down_deq=_dequantize(dq, ds))
+        gate_up_deq=torch.cat((dequantize_blocks(gq, gs), dequantize_blocks(uq, us)), 1),
+        down_deq=dequantize_blocks(dq, ds))
 
 
 def _inputs(H, C, K, dtype=torch.float32, device="cpu", seed=0, slots=None):
@@ -258,16 +243,6 @@ def _strided_inputs_match(device):
     want = moe_slots_fp8_reference(x, slots, weights, *_args(w), torch.empty(128, device=device))
     _close(big[:, 1], want, rtol=1e-5, atol=5e-6)
     assert big[:, 0].eq(0).all() and big[:, 2].eq(0).all()
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 @needs_triton

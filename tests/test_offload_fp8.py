@@ -1,4 +1,4 @@
-"""The FP8 expert store on the CPU path (``psr_hf/offload/fp8_experts.py``, its block math and checkpoint reader).
+"""The FP8 expert store on the CPU path (``psr_hf/offload/fp8_experts.py`` and its checkpoint reader).
 
 Tiny models are saved in bf16 and written as FP8 checkpoints by ``psr-hf quantize``'s writer
 (``psr_hf.assets.quantize``), with dimensions that give whole 128x128 blocks and partial ones; loaded dequantized
@@ -23,10 +23,9 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
-from psr_hf.assets.quantize import (dequantize_blockwise, load_fp8_dequantized, quantize_blockwise,
-                                    quantize_checkpoint, read_dequantized)
+from psr_hf.assets.fp8_blocks import FP8_DTYPE, quantize_blocks
+from psr_hf.assets.quantize import load_fp8_dequantized, quantize_checkpoint, read_dequantized
 from psr_hf.offload.experts import OffloadedExperts
-from psr_hf.offload.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks, scale_shape
 from psr_hf.offload.fp8_experts import Fp8OffloadedExperts
 from psr_hf.testing import tiny_model
 
@@ -86,8 +85,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _load(folder: Path) -> torch.nn.Module:
-    """The checkpoint's model dequantized by psr_hf's loader (every block right); it does not remember the folder,
-    so an FP8 offload names it (:func:`_fp8`)."""
+    """The checkpoint's model dequantized by psr_hf's loader (every block right), ``name_or_path`` the folder (so
+    the default offload finds it; the tests name it all the same, :func:`_fp8`)."""
     return load_fp8_dequantized(folder, torch.bfloat16)
 
 
@@ -146,72 +145,6 @@ def _run(model, config, offload, new=6):
     finally:
         psr_hf.unpatch(model)
     return result
-
-
-# ---------------------------------------------------------------------------------------------- block math
-def _representable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Random e4m3 values, each 128x128 tile times its own power of two, with 448 in every tile (so its scale is
-    that power of two and every value comes back exactly)."""
-    g = torch.Generator().manual_seed(seed)
-    values = (torch.randn(shape, generator=g) * 40).to(FP8_DTYPE).float()
-    rows, cols = shape[-2:]
-    values[..., ::BLOCK[0], ::BLOCK[1]] = FP8_MAX
-    powers = torch.randint(-6, 4, scale_shape(shape, BLOCK), generator=g).float().exp2()
-    tile = powers.repeat_interleave(BLOCK[0], -2)[..., :rows, :].repeat_interleave(BLOCK[1], -1)[..., :cols]
-    return values * tile
-
-
-@pytest.mark.parametrize("shape", [(128, 128), (192, 160), (3, 300, 129), (2, 64, 32)])
-def test_exactly_representable_tiles_come_back_exactly(shape):
-    w = _representable(shape, seed=len(shape))
-    fp8, scale_inv = quantize_blocks(w, BLOCK)
-    assert fp8.dtype == FP8_DTYPE and fp8.shape == w.shape
-    assert scale_inv.dtype == torch.float32 and tuple(scale_inv.shape) == scale_shape(shape, BLOCK)
-    assert torch.equal(dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32), w)
-
-
-def test_partial_tiles_are_scaled_by_their_position():
-    w = torch.randn(2, 300, 200, generator=torch.Generator().manual_seed(3))
-    fp8, scale_inv = quantize_blocks(w, BLOCK)
-    got = dequantize_blocks(fp8, scale_inv, BLOCK, torch.float32)
-    rows = torch.arange(300) // 128
-    cols = torch.arange(200) // 128
-    expected = fp8.float() * scale_inv[:, rows][:, :, cols]  # element (r, c) takes tile (r // 128, c // 128)'s scale
-    assert torch.equal(got, expected)
-    assert torch.equal(dequantize_blocks(fp8[1], scale_inv[1], BLOCK, torch.float32), got[1])  # stacked = 2-D
-    assert (got - w).abs().max() <= w.abs().max() / 8  # e4m3 keeps 3 mantissa bits
-
-
-def test_dequantizing_writes_into_a_view_of_a_larger_buffer():
-    w = torch.randn(160, 192, generator=torch.Generator().manual_seed(4))
-    fp8, scale_inv = quantize_blocks(w, BLOCK)
-    buffer = torch.zeros(2, 320, 192, dtype=torch.bfloat16)
-    dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16, out=buffer[1, 160:])
-    assert torch.equal(buffer[1, 160:], dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16))
-    assert not buffer[0].any() and not buffer[1, :160].any()
-
-
-@pytest.mark.parametrize("shape", [(160, 192), (300, 129), (128, 256)])
-def test_the_block_math_is_bitwise_psr_hf_quantizes(shape):
-    """The store's math and the checkpoint writer's, written apart, agree bit for bit (scales, e4m3 values and
-    the dequantized weights)."""
-    w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).bfloat16() * 3
-    (fp8, scale_inv), (written, written_scale) = quantize_blocks(w, BLOCK), quantize_blockwise(w, BLOCK)
-    assert torch.equal(fp8.view(torch.uint8), written.view(torch.uint8)) and torch.equal(scale_inv, written_scale)
-    assert torch.equal(dequantize_blocks(fp8, scale_inv, BLOCK, torch.bfloat16),
-                       dequantize_blockwise(written, written_scale, BLOCK, torch.bfloat16))
-
-
-def test_block_math_refuses_bad_input_naming_the_fix():
-    fp8, scale_inv = quantize_blocks(torch.randn(160, 192), BLOCK)
-    with pytest.raises(ValueError, match="weight_block_size"):
-        dequantize_blocks(fp8, scale_inv, (64, 64))
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        dequantize_blocks(fp8.float(), scale_inv)
-    with pytest.raises(ValueError, match="block="):
-        quantize_blocks(torch.randn(4, 4), (0, 128))
-    with pytest.raises(ValueError, match="at least 2 dimensions"):
-        quantize_blocks(torch.randn(4), BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------- the store
@@ -365,9 +298,26 @@ def test_a_checkpoint_of_whole_tiles_offloads_as_transformers_loaded_it(checkpoi
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_a_model_psr_hf_loaded_dequantized_is_offloaded_in_fp8_by_default(checkpoints):
+    """load_fp8_dequantized names the folder as from_pretrained does, so ``expert_format="auto"`` (the default)
+    finds the FP8 checkpoint: the host store holds its e4m3 experts, not the loaded model's bf16 ones."""
+    folder = checkpoints("olmoe")
+    model = _load(folder)
+    assert model.name_or_path == model.config._name_or_path == str(folder)
+    psr_hf.patch(model, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    try:
+        store = psr_hf.controller(model).expert_store
+        host = store.expert_weights(0)
+    finally:
+        psr_hf.unpatch(model)
+    assert isinstance(store, Fp8OffloadedExperts)
+    assert host["gate_up_proj"].dtype == FP8_DTYPE and host["down_proj"].dtype == FP8_DTYPE
+
+
 def test_a_model_loaded_without_its_folder_offloads_in_fp8_once_the_checkpoint_is_named(checkpoints):
     folder = checkpoints("olmoe")
-    model = _load(folder)  # psr_hf's loader: the model's config names no folder
+    model = _load(folder)
+    model.name_or_path = model.config.name_or_path = ""  # as if loaded some other way: its config names no folder
     assert type(_run(model, POLICIES["exact"], OffloadConfig(device="cpu"))["store"]) is OffloadedExperts
     with pytest.raises(ValueError, match="not loaded from an FP8 checkpoint.*OffloadConfig\\(checkpoint="):
         psr_hf.patch(model, POLICIES["exact"], calibration=False,

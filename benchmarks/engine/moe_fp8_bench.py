@@ -22,12 +22,11 @@ import argparse
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
-from psr_hf.bench.common import machine, paired_ratio, rotated, summarize, versions
+from psr_hf.bench.common import graph_replay, machine, paired_ratio, rotated, summarize, timed_us, versions
 from psr_hf.engine.moe import MoeShape, moe_slots, new_workspace
 from psr_hf.engine.moe_fp8 import (
     FP8_DTYPE,
@@ -100,43 +99,7 @@ def _tiles(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# ---------------------------------------------------------------------------------------------- timing
-def _replayable(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """``run`` captured as a CUDA graph (its replay), after warm-up calls on a side stream (they compile); on the
-    CPU ``run`` itself."""
-    if device.type != "cuda":
-        run()
-        return run
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
-def _timed_us(replay: Callable[[], None], replays: int, device: torch.device) -> float:
-    """Microseconds for ``replays`` calls of ``replay`` back to back (CUDA events on the GPU)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            replay()
-        return (time.perf_counter() - t0) * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
-
-
+# ---------------------------------------------------------------------------------------------- agreement
 def _agreement(layer: dict[str, torch.Tensor]) -> dict[str, float]:
     """The FP8 kernels against the FP8 torch reference on one layer: float32 out against the reference in
     float32 (x upcast), bf16 out against the reference in bf16; largest |difference| / largest |reference|."""
@@ -175,11 +138,11 @@ def _bench_shape(shape: MoeShape, args: argparse.Namespace, device: torch.device
         if name == FP8:
             agreement = _agreement(layers[0])
         call = _call(name, blocks)
-        replays[name] = (_replayable(lambda layers=layers, call=call: [call(a) for a in layers], device), layers)
+        replays[name] = (graph_replay(lambda layers=layers, call=call: [call(a) for a in layers], device), layers)
     per_layer = {name: [] for name in variants}
     for r in range(args.rounds):
         for name in rotated(list(variants), r):
-            per_layer[name].append(_timed_us(replays[name][0], args.replays, device) / (args.replays * args.layers))
+            per_layer[name].append(timed_us(replays[name][0], args.replays, device) / (args.replays * args.layers))
     moved = selected_bytes(shape)
     rows = {}
     for name in variants:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
-from psr_hf.bench.common import machine, paired_ratio, rotated, summarize, versions
+from psr_hf.bench.common import graph_replay, machine, paired_ratio, rotated, summarize, timed_us, versions
 from psr_hf.engine.gated_delta_kernel import Shape, gated_delta_step, gated_delta_step_reference, step_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,42 +59,6 @@ def _steps(layers: list[dict], step: Callable[..., torch.Tensor]) -> Callable[[]
         for layer in layers:
             step(**layer)
     return run
-
-
-def _replayable(run: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """``run`` captured as a CUDA graph (its replay), after warm-up calls on a side stream (they compile the
-    kernel); on the CPU ``run`` itself."""
-    if device.type != "cuda":
-        run()
-        return run
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
-def _timed_us(call: Callable[[], None], replays: int, device: torch.device) -> float:
-    """Microseconds for ``replays`` calls of ``call`` back to back (CUDA events on the GPU)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            call()
-        return (time.perf_counter() - t0) * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
 
 
 def _agreement(shape: Shape, dtype: torch.dtype, device: torch.device, names: list[str]) -> dict[str, dict]:
@@ -149,11 +112,11 @@ def main(argv: list[str] | None = None) -> dict:
     calls = {}
     for name in names:  # every variant its own layers, so that none reads another's state
         steps = [_layer(shape, dtype, device, g) for _ in range(layers)]
-        calls[name] = _replayable(_steps(steps, _step(name)), device)
+        calls[name] = graph_replay(_steps(steps, _step(name)), device)
     per_layer = {name: [] for name in names}
     for r in range(args.rounds):
         for name in rotated(names, r):
-            per_layer[name].append(_timed_us(calls[name], replays, device) / (replays * layers))
+            per_layer[name].append(timed_us(calls[name], replays, device) / (replays * layers))
 
     moved = step_bytes(shape, dtype)
     rows = {}

@@ -3,7 +3,8 @@ read one back dequantized (docs/quantized.md).
 
 Each quantized ``X.weight`` ([out, in]) becomes ``float8_e4m3fn`` beside ``X.weight_scale_inv`` (float32,
 [ceil(out/128), ceil(in/128)]): the multiplier of its 128x128 block, ``amax(|block|) / 448``, so that
-``w ~= fp8.float() * scale_inv`` expanded over the block (an all-zero block gets 1 and dequantizes to exact zeros).
+``w ~= fp8.float() * scale_inv`` expanded over the block (an all-zero block gets 1 and dequantizes to exact zeros);
+the arithmetic is in :mod:`.fp8_blocks`, which the offload's FP8 store shares.
 The tensor names are the source's: transformers' ``save_pretrained`` writes one 2-D matrix per expert
 (``mlp.experts.{e}.gate_proj.weight``), as the official releases store them. What stays in its own dtype, as those
 releases keep it: :func:`kept_reason`. ``config.json`` gains the ``quantization_config`` transformers reads.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,13 +30,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .fp8_blocks import BLOCK, dequantize_blocks, quantize_blocks
 from .grow import _usual_modes
 
 logger = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3fn value
-BLOCK = (128, 128)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # the dtypes a source tensor may have (safetensors' names); anything else is refused before a byte is written
@@ -89,41 +87,6 @@ def scale_name(name: str) -> str:
     return name + "_scale_inv"
 
 
-def quantize_blockwise(weight: torch.Tensor, block: Sequence[int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8, scale_inv)`` of a 2-D ``weight``: e4m3fn values of its shape and float32 multipliers, one per
-    ``block`` (a partial block at the right or bottom edge counts as one), ``amax / 448`` or 1 for an all-zero
-    block; ``fp8.float() * scale_inv`` expanded is within e4m3's rounding of ``weight``."""
-    if weight.ndim != 2:
-        raise ValueError(f"a weight of shape {tuple(weight.shape)}: quantize_blockwise takes one 2-D matrix; "
-                         "quantize each expert's matrix on its own")
-    rows, cols = weight.shape
-    br, bc = block
-    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
-    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
-    padded[:rows, :cols] = weight
-    tiles = padded.view(nr, br, nc, bc)
-    scale_inv = tiles.abs().amax(dim=(1, 3)) / FP8_MAX  # [nr, nc]
-    scale_inv = torch.where(scale_inv > 0, scale_inv, torch.ones_like(scale_inv))
-    scaled = (tiles / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    fp8 = scaled.to(FP8_DTYPE).view(nr * br, nc * bc)[:rows, :cols].contiguous()
-    return fp8, scale_inv
-
-
-def dequantize_blockwise(fp8: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] = BLOCK,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``fp8.float() * scale_inv`` with each scale expanded over its ``block`` (cut at the matrix's edge), in
-    ``dtype``; ``ValueError`` where the scale's shape is not the block grid of the weight's."""
-    rows, cols = fp8.shape[-2:]
-    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    if tuple(scale_inv.shape[-2:]) != grid:
-        raise ValueError(f"a weight of shape {tuple(fp8.shape)} with {block[0]}x{block[1]} blocks needs scales of "
-                         f"shape {grid}, not {tuple(scale_inv.shape)}: the checkpoint's weight_block_size is not "
-                         "the block size its scales were written with")
-    scale = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], -1)[..., :cols]
-    return (fp8.float() * scale).to(dtype)
-
-
 # ---------------------------------------------------------------------------------------------------- the source
 def weight_shards(folder: Path) -> list[str]:
     """The safetensors files of a model folder's weights (from its index where it has one); ``ValueError`` saying
@@ -172,7 +135,7 @@ def _quantize_shard(path: Path, block: Sequence[int], report: dict[str, Any]) ->
             if reason is None:
                 if not torch.isfinite(tensor).all():
                     raise ValueError(f"{path}: tensor {name} holds inf or NaN; FP8 cannot hold it: fix the model")
-                out[name], out[scale_name(name)] = quantize_blockwise(tensor, block)
+                out[name], out[scale_name(name)] = quantize_blocks(tensor, block)
                 report["quantized"] += 1
             else:
                 out[name] = tensor
@@ -280,15 +243,17 @@ def read_dequantized(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
         if name.endswith("_scale_inv"):
             continue
         scale = tensors.get(scale_name(name))
-        out[name] = tensor if scale is None else dequantize_blockwise(tensor, scale, block, dtype)
+        out[name] = tensor if scale is None else dequantize_blocks(tensor, scale, block, dtype)
     return out
 
 
 def load_fp8_dequantized(folder: str | Path, dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> Any:
     """The model ``AutoModelForCausalLM.from_pretrained(folder)`` gives (the text model of a composite config), with
     every weight of the FP8 checkpoint ``folder`` dequantized (:func:`read_dequantized`) and held in ``dtype``, in
-    eval mode, with the folder's generation config; ``kwargs`` go to ``from_pretrained``. Right for every block,
-    where transformers' own CPU load misplaces the scales of partial blocks."""
+    eval mode, with the folder's generation config and the folder as its ``name_or_path`` (as ``from_pretrained``
+    sets it, so that an offload finds the checkpoint: ``OffloadConfig(expert_format="auto")`` keeps the experts in
+    FP8); ``kwargs`` go to ``from_pretrained``. Right for every block, where transformers' own CPU load misplaces
+    the scales of partial blocks."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, GenerationConfig
 
     folder = Path(folder).expanduser()
@@ -302,6 +267,7 @@ def load_fp8_dequantized(folder: str | Path, dtype: torch.dtype = torch.bfloat16
     if getattr(cls, "config_class", None) is config.sub_configs.get("text_config"):
         config = config.get_text_config()  # what AutoModelForCausalLM hands the text class of a composite model
     model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **kwargs)
+    model.name_or_path = model.config.name_or_path = str(folder)  # from_pretrained(None) leaves "None"
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()

@@ -1,5 +1,6 @@
 """What the benchmarks share: interleaved rounds and their summaries, the quiet patching log, device synchronisation,
-and the description of the model, the machine and the package versions that every record carries.
+a call captured as a CUDA graph and timed between events, and the description of the model, the machine and the
+package versions that every record carries.
 
 Summaries are JSON-ready dicts (the records' keys) around :mod:`psr_hf.eval.stats`, where the intervals are
 computed. Importing this module imports neither torch nor transformers (the policy benchmark runs without them);
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -104,6 +106,47 @@ def device_sync(device: Any) -> Callable[[], None]:
 
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def graph_replay(run: Callable[[], None], device: Any) -> Callable[[], None]:
+    """``run`` captured as one CUDA graph on the torch ``device``, after two warm-up calls on a side stream (they
+    compile its kernels), returned as the graph's replay; on the CPU ``run`` itself, called once."""
+    if device.type != "cuda":
+        run()
+        return run
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def timed_us(call: Callable[[], None], replays: int, device: Any) -> float:
+    """Microseconds for ``replays`` calls of ``call`` back to back on the torch ``device``: between two CUDA events
+    on a GPU, by the wall clock on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            call()
+        return (time.perf_counter() - t0) * 1e6
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
 
 
 # ---------------------------------------------------------------------------------------------------- records

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .fp8_blocks import BLOCK, FP8_DTYPE, scale_shape
+from ..assets.fp8_blocks import BLOCK, FP8_DTYPE, scale_shape
 
 if TYPE_CHECKING:
     from torch import nn

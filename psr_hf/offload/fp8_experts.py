@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..assets.fp8_blocks import FP8_DTYPE, dequantize_blocks
 from .config import OffloadConfig
 from .experts import OffloadedExperts
-from .fp8_blocks import FP8_DTYPE, dequantize_blocks
 from .fp8_checkpoint import Fp8Checkpoint, fp8_checkpoint_for, fused_parts, fused_shapes
 from .placement import (Placement, _check_device_fit, expert_weights, host_store, move_non_experts,
                         non_expert_tensors)

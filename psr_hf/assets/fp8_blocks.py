@@ -2,11 +2,13 @@
 ``[..., out, in]`` is float8_e4m3fn with one float32 ``scale_inv`` per ``block`` (128x128) tile, the tile's
 dequantization multiplier (``w ~ fp8.float() * scale_inv`` over the tile; edge tiles may be partial).
 
-Quantization is the releases' arithmetic (``scale_inv = amax / 448``, ``w / scale_inv`` rounded to e4m3), as
-``psr-hf quantize`` writes it. Dequantization is the float32 product, then one cast, as transformers' loader
-computes it, so a weight dequantized here equals, bit for bit, the one transformers loads from the same tensors
-where the tiles are whole; partial edge tiles are dequantized by their position (tile ``i`` covers rows
-``bm * i`` to ``bm * i + bm - 1``), as the releases' own kernels do.
+The one copy of this arithmetic: ``psr-hf quantize`` writes checkpoints with it and reads them back
+(:mod:`.quantize`), and the offload's FP8 store dequantizes its slots with it (``psr_hf.offload.fp8_experts``).
+Quantization is the releases' arithmetic (``scale_inv = amax / 448``, ``w / scale_inv`` rounded to e4m3).
+Dequantization is the float32 product, then one cast, as transformers' loader computes it, so a weight dequantized
+here equals, bit for bit, the one transformers loads from the same tensors where the tiles are whole; partial edge
+tiles are dequantized by their position (tile ``i`` covers rows ``bm * i`` to ``bm * i + bm - 1``), as the
+releases' own kernels do.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[to
 
 
 def dequantize_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
-                      dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8`` ``[..., out, in]`` times its tiles' ``scale_inv`` ``[..., ceil(out/bm), ceil(in/bn)]``, computed in
     float32 and cast once to ``dtype``. ``out``: a tensor of ``fp8``'s shape and ``dtype`` to write into (a
     view of a larger buffer, say); returned."""
@@ -69,8 +71,9 @@ def dequantize_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         raise ValueError(f"dequantize_blocks reads float8_e4m3fn weights; got {fp8.dtype}")
     expected = scale_shape(fp8.shape, block)
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}; a weight of shape {tuple(fp8.shape)} in "
-                         f"{block[0]}x{block[1]} tiles has {expected}: check weight_block_size")
+        raise ValueError(f"a weight of shape {tuple(fp8.shape)} in {block[0]}x{block[1]} tiles needs scales of shape "
+                         f"{expected}, not {tuple(scale_inv.shape)}: the checkpoint's weight_block_size is not the "
+                         "block size its scales were written with")
     rows, cols = fp8.shape[-2:]
     tiles = _tiles(fp8.to(torch.float32), block)  # [..., ob, bm, ib, bn]
     product = tiles * scale_inv.to(torch.float32)[..., :, None, :, None]
