@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import psr_hf
+from psr_hf.engine.slot_moe import slot_moe
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.assets.fp8_blocks import FP8_DTYPE, quantize_blocks
 from psr_hf.assets.quantize import load_fp8_dequantized, quantize_checkpoint, read_dequantized
@@ -185,12 +186,13 @@ def test_a_model_transformers_loaded_is_offloaded_in_fp8_by_default(checkpoints,
 
 
 def _decode_through_the_store(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Each token-layer's MoE output of four decode steps with seeded router scores, computed as an external
-    decoder does (the engine): the slots :meth:`decode_slots` gives, over :meth:`experts_module`."""
+    """Each token-layer's MoE output of four decode steps with seeded router scores, computed as the engine's
+    decoders do: the slots :meth:`decode_slots` gives, through the layer's :func:`~psr_hf.engine.slot_moe.slot_moe`
+    (the FP8 kernel's reference form on an FP8 store, the model-weights one otherwise)."""
     ctl = psr_hf.controller(model)
     handle, store = ctl.decode_handle(), ctl.expert_store
     rng = np.random.default_rng(0)
-    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     outputs = []
     for position, token in enumerate((5, 9, 11, 5)):
         with handle.step(token, position):
@@ -200,16 +202,16 @@ def _decode_through_the_store(model: torch.nn.Module) -> list[torch.Tensor]:
                 selection = handle.select(layer, scores, None if last else pregate)
                 if not last:
                     handle.prefetch(layer + 1)
-                slots = torch.from_numpy(store.decode_slots(layer, selection.experts.reshape(1, -1)))
-                weights = torch.linspace(0.1, 0.9, slots.numel(), dtype=hidden.dtype).reshape(1, -1)
-                module = store.experts_module(layer)
-                assert module.gate_up_proj is store.slot_weights(layer)["gate_up_proj"]
-                outputs.append(ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden, slots, weights))
+                slots = torch.from_numpy(store.decode_slots(layer, selection.experts.reshape(-1)))
+                weights = torch.linspace(0.1, 0.9, slots.numel(), dtype=hidden.dtype)
+                moe = slot_moe(store, layer, hidden.device)
+                assert moe.fp8 == (store.weight_format == "fp8")
+                outputs.append(moe(hidden, slots, weights, torch.empty_like(hidden), backend="torch"))
                 store.decode_done(layer)
     return outputs
 
 
-def test_a_decoder_reading_the_store_through_its_protocol_gets_the_dequantized_experts(checkpoints):
+def test_the_engines_slot_moe_on_the_fp8_store_is_bitwise_the_dequantized_experts(checkpoints):
     folder = checkpoints("olmoe")
     runs = []
     for offload in (_fp8(folder), _bf16()):

@@ -22,7 +22,8 @@ from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.engine.speculative import ExpertSlots
 from psr_hf.offload.experts import OffloadedExperts
 from psr_hf.offload.links import CopyLink, CudaLink, RuntimeLink, ThreadLink, new_link
-from psr_hf.offload.store import ExpertStore, PatchedExpertStore, ResidentExperts
+from psr_hf.offload.fp8_experts import Fp8OffloadedExperts
+from psr_hf.offload.store import ExpertStore, Fp8ExpertStore, PatchedExpertStore, ResidentExperts
 from psr_hf.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
@@ -194,10 +195,12 @@ def test_every_copy_link_has_the_protocols_members_and_the_cpu_gets_the_thread()
 
 
 def test_every_store_has_the_protocols_members():
-    for protocol, classes in ((PatchedExpertStore, (ResidentExperts, OffloadedExperts)),
-                              (ExpertStore, (ExpertSlots,))):
-        members = _members(protocol) - {"offloaded", "capacity"}
+    for protocol, classes in ((PatchedExpertStore, (ResidentExperts, OffloadedExperts, Fp8OffloadedExperts)),
+                              (ExpertStore, (ExpertSlots,)), (Fp8ExpertStore, (Fp8OffloadedExperts,))):
+        members = _members(protocol) - {"offloaded", "capacity", "weight_format"}
         for cls in classes:
             missing = {m for m in members if not callable(getattr(cls, m, None))}
             assert not missing, (cls.__name__, missing)
             assert isinstance(cls.offloaded, bool)
+            assert cls.weight_format == ("fp8" if protocol is Fp8ExpertStore or cls is Fp8OffloadedExperts
+                                         else "model"), cls.__name__

@@ -23,7 +23,8 @@ from psr_hf.hf.patching import controller as _controller
 from .families import build_layers
 from .layers import DecodeLayers
 from .prefill import prefill_block
-from .moe import check_experts_module, check_shapes, moe_slots
+from .moe import check_experts_module
+from .slot_moe import SlotMoe, slot_moe
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
@@ -52,16 +53,6 @@ def _token_list(input_ids: TokenIds) -> list[int]:
         ids = ids[0]
     return [int(t) for t in ids.reshape(-1).tolist()]
 
-
-
-def slot_tensors(store: PatchedExpertStore, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gate_up_proj, down_proj)``: the slots MoE layer ``layer``'s computation reads (the model's own fused
-    weights where the store is resident), checked to be on the engine's ``device``."""
-    weights = store.slot_weights(layer)
-    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
-    if gate_up.device != device:
-        raise ValueError(f"MoE layer {layer}: the experts are on {gate_up.device}, the model on {device}")
-    return gate_up, down
 
 
 def moe_layers_of(L: DecodeLayers, ctl: Controller) -> list[int]:
@@ -208,9 +199,8 @@ class Decoder(DecoderBase):
         b = L.buffers
         for m, d in enumerate(self.moe_layers):
             check_experts_module(ctl.layers[m].block.experts)  # the layout the slot MoE reads
-            gate_up, down = slot_tensors(ctl.expert_store, m, L.device)
-            check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
-                         residual=b.hidden[0], hidden_act=self.layers.config)
+            slot_moe(ctl.expert_store, m, L.device).check(b.normed[0], b.expert_ids[0], b.expert_weights[0],
+                                                          b.hidden[0], b.hidden[0], self.layers.config)
         self.position = 0  # the next position to decode
 
     # ------------------------------------------------------------------ sequences
@@ -273,17 +263,15 @@ class Decoder(DecoderBase):
         # inside graph B; resident, graph B reads the expert ids themselves
         store = self.controller.expert_store
         slots = torch.from_numpy(store.decode_slots(m, selection.experts)).to(L.device)
-        weights = store.slot_weights(m)
-        self._moe(slots, weights["gate_up_proj"], weights["down_proj"], out, residual)  # GRAPH: graph B
+        self._moe(slot_moe(store, m, L.device), slots, out, residual)  # GRAPH: graph B
         store.decode_done(m)  # the slots may be overwritten after this; GRAPH: after graph B's replay is enqueued
         if shared:  # transformers: routed + shared, then the residual
             L.shared_expert(d, b.normed, b.shared_out)
             b.mlp_out.add_(b.shared_out)
             b.hidden.add_(b.mlp_out)
 
-    def _moe(self, slots: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
-             residual: torch.Tensor | None) -> None:
+    def _moe(self, moe: SlotMoe, slots: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
         b = self.layers.buffers
-        moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
-                  None if residual is None else residual[0], backend=self.backend)
+        moe(b.normed[0], slots, b.expert_weights[0], out[0], None if residual is None else residual[0],
+            backend=self.backend)
 

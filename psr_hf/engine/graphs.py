@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from psr_hf.hf.patching import controller as _controller
-from .decoder import DecoderBase, moe_layers_of, slot_tensors
+from .decoder import DecoderBase, moe_layers_of
 from .families import build_layers
 from .layers import DecodeLayers
 from psr_hf.offload import cuda_runtime
 from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
-from .moe import check_experts_module, check_shapes, choose_backend, moe_slots, new_workspace, triton_available
+from .moe import check_experts_module, choose_backend, new_workspace, triton_available
+from .slot_moe import SlotMoe, slot_moe
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +72,20 @@ class GraphDecoder(DecoderBase):
         K = L.top_k
         # offloaded: graph B maps the expert ids to slots (else slot = expert id, and it reads the ids themselves)
         self.offloaded = ctl.expert_store.offloaded
-        # the slot buffers each graph B reads (bound at capture), per MoE layer
-        self._slot_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the slot buffers each graph B reads (bound at capture) and the kernel that reads them, per MoE layer
+        self._slot_moes: list[SlotMoe] = []
         for m, d in enumerate(self.moe_layers):
             check_experts_module(ctl.layers[m].block.experts)  # the layout the slot MoE reads
-            gate_up, down = slot_tensors(ctl.expert_store, m, self.device)
-            check_shapes(b.normed[0], b.expert_ids[0], b.expert_weights[0], gate_up, down, b.hidden[0],
-                         residual=b.hidden[0], hidden_act=L.config)
-            self._slot_buffers.append((gate_up, down))
+            moe = slot_moe(ctl.expert_store, m, self.device)
+            moe.check(b.normed[0], b.expert_ids[0], b.expert_weights[0], b.hidden[0], b.hidden[0], L.config)
+            self._slot_moes.append(moe)
         self._slot_addresses = self._addresses()
         # workspaces of the Triton path ([K, I] float32, one per intermediate size)
         self._workspaces: dict[int, torch.Tensor] = {}
         if self.backend == "triton":
-            for gate_up, _ in self._slot_buffers:
-                I = gate_up.shape[1] // 2
-                if I not in self._workspaces:
-                    self._workspaces[I] = new_workspace(K, I, self.device)
+            for moe in self._slot_moes:
+                if moe.intermediate not in self._workspaces:
+                    self._workspaces[moe.intermediate] = new_workspace(K, moe.intermediate, self.device)
         # host <-> device round trips: pinned host buffers on CUDA (fixed addresses, captured), CPU tensors else
         pin = self.cuda
         self._widths = [L.router_width(d) for d in self.moe_layers]
@@ -163,12 +162,12 @@ class GraphDecoder(DecoderBase):
         L, b = self.layers, self.layers.buffers
         width = self._widths[m]
         logits = b.router_logits[:, :width]
-        gate_up, down = self._slot_buffers[m]
+        moe = self._slot_moes[m]
         shared = L.has_shared_experts(d)
         out, residual = (b.mlp_out, None) if shared else (b.hidden, b.hidden)
         host_ids, host_slots = self._host_ids[m], self._host_slots[m]
         slots = self._slot_ids if self.offloaded else b.expert_ids[0]
-        workspace = self._workspaces.get(gate_up.shape[1] // 2)
+        workspace = self._workspaces.get(moe.intermediate)
         backend = self.backend
 
         def body() -> None:
@@ -177,8 +176,8 @@ class GraphDecoder(DecoderBase):
                 if self.offloaded:
                     self._slot_ids.copy_(host_slots, non_blocking=True)
             L.execution_weights(d, logits, b.expert_ids, b.expert_weights)
-            moe_slots(b.normed[0], slots, b.expert_weights[0], gate_up, down, out[0],
-                      None if residual is None else residual[0], workspace=workspace, backend=backend)
+            moe(b.normed[0], slots, b.expert_weights[0], out[0], None if residual is None else residual[0],
+                workspace=workspace, backend=backend)
             if shared:
                 L.shared_expert(d, b.normed, b.shared_out)
                 b.mlp_out.add_(b.shared_out)
@@ -197,12 +196,11 @@ class GraphDecoder(DecoderBase):
         return body
 
     # ------------------------------------------------------------------ capture
-    def _addresses(self) -> list[tuple[int, int]]:
+    def _addresses(self) -> list[tuple[int, ...]]:
         """The addresses of the slot buffers the controller's expert store holds now (the graphs read those of
         construction)."""
         store = self.controller.expert_store
-        return [(w["gate_up_proj"].data_ptr(), w["down_proj"].data_ptr())
-                for w in (store.slot_weights(m) for m in range(len(self.moe_layers)))]
+        return [slot_moe(store, m, self.device).addresses() for m in range(len(self.moe_layers))]
 
     def _dummy_inputs(self) -> None:
         """Valid dummy inputs for warm-up and capture: token 0, position 0, expert ids 0..K-1, slots 0..K-1 mod C."""
@@ -211,7 +209,7 @@ class GraphDecoder(DecoderBase):
         b.position.fill_(0)
         for m in range(len(self.moe_layers)):
             self._host_ids[m].copy_(torch.arange(K, dtype=torch.int64).view(1, K))
-            capacity = self._slot_buffers[m][0].shape[0]
+            capacity = self._slot_moes[m].capacity
             self._host_slots[m].copy_(torch.arange(K, dtype=torch.int64) % capacity)
 
     def _unit_bodies(self, unit: int) -> list[str]:

@@ -69,6 +69,7 @@ class ExpertSlots:
     block selection decides what is loaded (:meth:`load`, :meth:`keep`)."""
 
     offloaded = True
+    weight_format = "model"
 
     def __init__(self, experts_modules: list[torch.nn.Module], slots: int, device: torch.device, copy: bool = True):
         self.device, self.copy = torch.device(device), bool(copy)

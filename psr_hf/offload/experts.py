@@ -116,6 +116,7 @@ class OffloadedExperts:
     :class:`~psr_hf.offload.store.PatchedExpertStore` whose slots follow the logical cache."""
 
     offloaded = True
+    weight_format = "model"
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], num_experts: int, capacity: int,
                  config: OffloadConfig):

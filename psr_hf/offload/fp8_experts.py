@@ -231,7 +231,10 @@ class Fp8OffloadedExperts(OffloadedExperts):
     (:meth:`expert_weights` and :meth:`fp8_slot_weights`: e4m3 ``gate_up_proj`` and ``down_proj`` with their
     float32 ``..._scale_inv``, as transformers' FP8 experts modules name them) and whose layers compute on their
     slots dequantized into one scratch in the module's own dtype (:meth:`slot_weights`: ``gate_up_proj``,
-    ``down_proj``), shared by the layers, which run in turn."""
+    ``down_proj``), shared by the layers, which run in turn. The engine computes on the FP8 slots themselves
+    (``weight_format``; :mod:`psr_hf.engine.slot_moe`)."""
+
+    weight_format = "fp8"
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], num_experts: int, capacity: int,
                  config: OffloadConfig, checkpoint: Fp8Checkpoint):
@@ -265,16 +268,10 @@ class Fp8OffloadedExperts(OffloadedExperts):
         self._dequantize(layer, torch.unique(slots).tolist())  # the slots this call reads
         return super()._execute(layer, hidden, slots, weights)
 
-    def decode_slots(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """As :meth:`OffloadedExperts.decode_slots`; the returned slots are dequantized into the scratch, which
-        :meth:`slot_weights` and :meth:`experts_module` give, until the next layer's call."""
-        slots = super().decode_slots(layer, experts)
-        self._dequantize(layer, np.unique(slots).tolist())
-        return slots
-
     def slot_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        """What ``layer``'s computation reads: the scratch ``gate_up_proj`` ``[C, 2I, H]`` and ``down_proj``
-        ``[C, H, I]`` (in the model's dtype), holding the slots of the latest :meth:`decode_slots` dequantized."""
+        """What transformers' experts function reads (:meth:`experts_module`): the scratch ``gate_up_proj``
+        ``[C, 2I, H]`` and ``down_proj`` ``[C, H, I]`` in the model's dtype, holding the slots of the latest
+        transformers-path call dequantized. A decoder reads :meth:`fp8_slot_weights` instead."""
         return self._scratch
 
     def fp8_slot_weights(self, layer: int) -> dict[str, torch.Tensor]:
@@ -285,7 +282,7 @@ class Fp8OffloadedExperts(OffloadedExperts):
         return self.slots[layer]
 
     def unsupported_on_device(self) -> str | None:
-        return "FP8 experts are dequantized on the host path (the engine's FP8 kernels do not exist yet)"
+        return "the token graph's device copies move an expert's two weight tensors, FP8 experts have four"
 
     def _remember_weights(self) -> None:
         self._seen = [(module._parameters, name, placeholder, placeholder.dtype, placeholder._version)

@@ -94,10 +94,12 @@ class ExpertStore(Protocol):
       slots through :meth:`decode_slots`); False where every expert has a slot of its own (slot = expert id) and
       nothing is copied;
     - ``capacity``: slots per layer (the number of experts where ``offloaded`` is False);
+    - ``weight_format``: ``"model"`` where the slots hold the experts module's own weights, ``"fp8"`` where they
+      hold FP8 experts with block scales (:class:`Fp8ExpertStore`), which the engine computes on with its FP8
+      kernel (:mod:`psr_hf.engine.slot_moe`);
     - :meth:`expert_weights` and :meth:`slot_weights`: every expert where the store keeps it, and the slots the
       computation reads, by the experts module's weight names (``gate_up_proj``, ``down_proj``, ...) in the
-      module's layout; a store of another layout (FP8 weights with scales) names its own tensors and registers
-      how a layer computes on them;
+      module's layout;
     - :meth:`experts_module`: the layer's experts module over the slots, for transformers' experts functions;
     - :meth:`decode_slots` and :meth:`decode_done`: the slots of the experts a computation reads, once their
       copies are waited for, and the moment that computation is issued (the slots may be overwritten after it).
@@ -105,6 +107,7 @@ class ExpertStore(Protocol):
 
     offloaded: bool
     capacity: int
+    weight_format: str
 
     def expert_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Every expert of ``layer`` where the store keeps it: ``[E, ...]`` per weight name."""
@@ -124,6 +127,17 @@ class ExpertStore(Protocol):
 
 
 @runtime_checkable
+@runtime_checkable
+class Fp8ExpertStore(ExpertStore, Protocol):
+    """A store whose slots hold FP8 experts (``weight_format == "fp8"``,
+    :class:`~psr_hf.offload.fp8_experts.Fp8OffloadedExperts`)."""
+
+    def fp8_slot_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """``layer``'s FP8 slots as the copies fill them: float8_e4m3fn ``gate_up_proj`` ``[C, 2I, H]`` and
+        ``down_proj`` ``[C, H, I]`` with float32 ``gate_up_proj_scale_inv`` and ``down_proj_scale_inv`` (one per
+        128 x 128 block; gate's block rows, then up's)."""
+
+
 class PatchedExpertStore(ExpertStore, Protocol):
     """The expert store of a model patched by :func:`psr_hf.patch`, which its controller holds (never None) and
     tells what happens: the slots follow the logical cache (:meth:`route`, :meth:`prefetch`, :meth:`new_sequence`),
@@ -194,6 +208,7 @@ class ResidentExperts:
     layer; their weights are read at each call, so a replaced parameter is the one read."""
 
     offloaded = False
+    weight_format = "model"
 
     def __init__(self, modules: list[nn.Module], num_experts: int):
         self.modules = modules
