@@ -81,3 +81,41 @@ def test_the_token_graph_refuses_the_fp8_store_saying_why(folder):
     with psr_hf.patched(model, PSR, calibration=False, offload=offload):
         why = psr_hf.controller(model).expert_store.unsupported_on_device()
     assert "FP8" in why and "four" in why
+
+
+# ------------------------------------------------------------------------------------- CUDA
+def _graph_run(model, ids, graphs: bool):
+    """Greedy tokens, step logits and selections of a GraphDecoder on ``model`` (patched)."""
+    from psr_hf.engine.graphs import GraphDecoder
+
+    ctl = psr_hf.controller(model)
+    ctl.reset()
+    ctl.reset_stats()
+    with ctl.record() as recorder:
+        sequences, logits = GraphDecoder(model, 48, graphs=graphs).generate_greedy(ids, NEW, return_logits=True)
+    return sequences, logits, recorder.recordings[0].selected, ctl.stats()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_fp8_graphs_are_bitwise_eager_and_independent_of_copy_timing(folder):
+    """On the GPU the FP8 slot MoE runs its Triton kernels inside the CUDA graphs: graphs against the same step
+    eagerly, and several copy timings, give bitwise the same tokens, logits and selections; the copies move FP8."""
+    model = load_fp8_dequantized(folder, torch.bfloat16).to("cuda")
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5, 23]])
+    runs = []
+    for graphs, setting in ((False, dict()), (True, dict(max_in_flight=1)), (True, dict(max_in_flight=4)),
+                            (True, dict(max_in_flight=2, copy_delay_ms=1.0))):
+        with psr_hf.patched(model, PSR, calibration=False, offload=OffloadConfig(device="cuda", **setting)):
+            store = psr_hf.controller(model).expert_store
+            assert store.weight_format == "fp8"
+            per_expert = store.memory().bytes_per_expert
+            runs.append(_graph_run(model, ids, graphs))
+    for run in runs[1:]:
+        torch.testing.assert_close(run[0], runs[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(run[1], runs[0][1], rtol=0, atol=0)
+        np.testing.assert_array_equal(run[2], runs[0][2])
+    bf16_per_expert = 3 * 160 * 192 * 2
+    assert per_expert < 0.6 * bf16_per_expert
+    stats = runs[1][3].offload
+    assert stats.bytes > 0 and stats.bytes % per_expert == 0
