@@ -437,3 +437,27 @@ def test_bad_expert_formats_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         OffloadConfig(device="cpu", **kwargs)
 
+
+
+def test_the_bench_loads_an_fp8_folder_dequantized_and_drops_its_fp8_copies_without_dequantizing(checkpoints):
+    """``--model <FP8 folder>``: every weight dequantized with the checkpoint's block size and the folder as its
+    name, so an offload reads the experts in FP8; a bench copy offloaded in FP8 and thrown away gets the source's
+    tensors back (nothing dequantized, no second copy of the experts), and the source is unchanged."""
+    from psr_hf.assets.loading import load_model
+    from psr_hf.bench.runners import drop_offloaded_copy, weight_sharing_copy
+
+    folder = checkpoints("olmoe")
+    source, _, info = load_model(str(folder), "cpu")
+    assert source.name_or_path == str(folder)
+    expected = _load(folder)  # bf16, the checkpoint's dtype, as "auto" loads a folder
+    for (name, p), (_, q) in zip(source.named_parameters(), expected.named_parameters()):
+        assert p.dtype == q.dtype == torch.bfloat16 and torch.equal(p, q), name
+    before = {name: (p, p.data_ptr()) for name, p in source.named_parameters()}
+    copied = weight_sharing_copy(source)
+    psr_hf.patch(copied, POLICIES["psr"], calibration=False, offload=OffloadConfig(device="cpu"))
+    assert isinstance(psr_hf.controller(copied).offload, Fp8OffloadedExperts)
+    drop_offloaded_copy(copied, source)
+    for name, p in copied.named_parameters():
+        assert p.data_ptr() == before[name][1], name
+    for name, p in source.named_parameters():
+        assert p is before[name][0] and p.data_ptr() == before[name][1], name

@@ -138,11 +138,19 @@ def build_random_model(config: Any, device: str | torch.device = "cuda", dtype: 
 def load_pretrained(source: ModelSource, device: Any, dtype: Any, **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a resolved model, its weights in ``dtype`` on ``device``, eval mode; ``kwargs``
     go to ``AutoModelForCausalLM.from_pretrained``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .quantize import is_fp8_checkpoint, load_fp8_dequantized
+
     tokenizer = AutoTokenizer.from_pretrained(source.location, **source.from_pretrained_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **kwargs,
-                                                 **source.from_pretrained_kwargs)
+    if source.directory is not None and is_fp8_checkpoint(source.directory):
+        # every weight dequantized with the checkpoint's block size (on a GPU transformers' FP8 layers would fetch
+        # a kernel from the hub); an offload still reads the experts in FP8 from the folder (docs/quantized.md)
+        model = load_fp8_dequantized(source.directory, torch.bfloat16 if dtype == "auto" else dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **kwargs,
+                                                     **source.from_pretrained_kwargs)
     return model.to(device).eval(), tokenizer
 
 

@@ -224,6 +224,15 @@ def quantize_checkpoint(src_dir: str | Path, dst_dir: str | Path, block: Sequenc
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+def is_fp8_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder``'s config.json says fine-grained FP8 (``quantization_config.quant_method == "fp8"``)."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        return False
+    quantization = json.loads(path.read_text()).get("quantization_config") or {}
+    return quantization.get("quant_method") == "fp8"
+
+
 def read_dequantized(folder: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of the FP8 checkpoint ``folder`` by its checkpoint name: the quantized weights dequantized to
     ``dtype`` with the config's ``weight_block_size``, the scales dropped, the kept tensors as stored."""

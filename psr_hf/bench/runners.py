@@ -73,11 +73,7 @@ def drop_offloaded_copy(model: torch.nn.Module, source: torch.nn.Module) -> None
     tensors first, so that restoring them does not make a second device copy of every expert."""
     ctl = controller(model)
     if ctl.expert_store.offloaded:
-        originals = dict(source.named_parameters(remove_duplicate=False))
-        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        for layer in ctl.offload.placement.expert_params:
-            for _, param, _ in layer:
-                param.data = originals[names[id(param)]].data
+        ctl.offload.placement.point_at(model, source)
     unpatch(model)
 
 

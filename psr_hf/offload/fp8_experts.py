@@ -95,6 +95,16 @@ class Fp8Placement(Placement):
         # per layer: (module, name, the placeholder in the module) beside expert_params' (name, original, device)
         self.placeholders: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
 
+    def point_at(self, model: nn.Module, source: nn.Module) -> None:
+        """As :meth:`Placement.point_at`: the original parameters, pointed at ``source``'s tensors, go back into
+        their modules now, so that :meth:`restore` dequantizes nothing."""
+        originals = dict(source.named_parameters(remove_duplicate=False))
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        for params, held in zip(self.expert_params, self.placeholders):
+            for (_, original, _), (module, name, placeholder) in zip(params, held):
+                original.data = originals[names[id(placeholder)]].data
+                module._parameters[name] = original
+
     def restore(self) -> None:
         """Give every layer's original expert parameters back, dequantized from the store on their devices (where
         the module still holds the placeholder; a parameter the user put there stays), then the rest as

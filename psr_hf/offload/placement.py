@@ -142,6 +142,15 @@ class Placement:
         self.expert_params[layer] = [(name, t, devices[name]) for name, t in current]
         return retyped
 
+    def point_at(self, model: nn.Module, source: nn.Module) -> None:
+        """Point ``model``'s offloaded expert parameters at ``source``'s tensors of the same names (a copy of
+        ``source`` that is thrown away), so that :meth:`restore` gives them back without a copy of every expert."""
+        originals = dict(source.named_parameters(remove_duplicate=False))
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        for layer in self.expert_params:
+            for _, param, _ in layer:
+                param.data = originals[names[id(param)]].data
+
     def restore(self) -> None:
         """Put every tensor back on its original device (values unchanged) and release the host store."""
         for layer, layer_params in enumerate(self.expert_params):
