@@ -6,7 +6,8 @@
 #   runtime's), the tail under $OUT/cuda_tests.txt.
 # STAGE=ab: the controller's host path alone (controller_host_path.py) old/new alternating, then psr-hf bench --engine
 #   on grown-olmoe-routing (exact_lru and psr_lam0.3_n1 at 50% with their copies-skipped twins, 3 interleaved rounds
-#   of 2 windows x 64 tokens) by the old build (_old/) and the new one in alternating processes, old new new old ...
+#   of 2 windows x 64 tokens; the host decides per layer, --device-routing off: the old build's token graph has a
+#   capture fault fixed since) by the old build (_old/) and the new one in alternating processes, old new new old ...
 #   (so neither build is always the first or the last process), until AB_S seconds are spent; the records are tarred
 #   into $OUT/house_round3_bench.tar.gz and compared by benchmarks/engine/old_vs_new.py.
 set -uo pipefail
@@ -40,7 +41,7 @@ else
     [ $((SECONDS - START)) -lt "${AB_S:-520}" ] || break
     if [ $build = old ]; then DIR=_old; else DIR=.; fi
     (cd $DIR && PYTHONPATH=$PWD timeout 120 python3 -m psr_hf.cli bench --model grown-olmoe-routing --engine \
-        --hf-configs '' --configs exact_lru,psr_lam0.3_n1 --capacities 0.5 --no-accelerate \
+        --hf-configs '' --configs exact_lru,psr_lam0.3_n1 --capacities 0.5 --no-accelerate --device-routing off \
         --rounds 3 --windows 2 --tokens 64 --warmup 1 --json "/tmp/ab/bench_${build}_$N.json" \
         > "/tmp/ab/bench_${build}_$N.txt" 2>&1)
     echo "$build $N exit $? at $((SECONDS - START)) s"
