@@ -47,6 +47,30 @@ def test_on_the_cpu_a_call_is_replayed_as_it_is_and_timed_by_the_clock():
     assert timed_us(run, 5, torch.device("cpu")) > 0 and len(calls) == 6
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_captured_graph_keeps_the_tensors_it_reads_alive():
+    """The graph reads the memory of the tensors ``run`` closes over: the replay keeps them, so that memory is not
+    freed and reused under it (replays then read the right values after other allocations)."""
+    import gc
+    import weakref
+
+    import torch
+
+    device = torch.device("cuda")
+    x = torch.arange(4, dtype=torch.float32, device=device)
+    out = torch.zeros(4, device=device)
+    kept = weakref.ref(x)
+    replay = graph_replay(lambda: out.copy_(x * 2), device)
+    del x
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = torch.full((1 << 20,), 7.0, device=device)  # would take the freed memory
+    replay()
+    torch.cuda.synchronize()
+    assert kept() is not None and torch.equal(out.cpu(), torch.arange(4, dtype=torch.float32) * 2), junk.shape
+
+
 def test_machine_describes_the_host_and_with_a_device_the_torch_stack():
     import torch
 

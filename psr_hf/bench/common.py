@@ -110,7 +110,9 @@ def device_sync(device: Any) -> Callable[[], None]:
 
 def graph_replay(run: Callable[[], None], device: Any) -> Callable[[], None]:
     """``run`` captured as one CUDA graph on the torch ``device``, after two warm-up calls on a side stream (they
-    compile its kernels), returned as the graph's replay; on the CPU ``run`` itself, called once."""
+    compile its kernels), returned as the graph's replay, which keeps ``run`` and so the tensors it reads alive (the
+    graph reads their memory, which must not be freed and reused while it can replay); on the CPU ``run`` itself,
+    called once."""
     if device.type != "cuda":
         run()
         return run
@@ -126,7 +128,12 @@ def graph_replay(run: Callable[[], None], device: Any) -> Callable[[], None]:
     with torch.cuda.graph(graph):
         run()
     torch.cuda.synchronize()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.captured = run  # type: ignore[attr-defined]
+    return replay
 
 
 def timed_us(call: Callable[[], None], replays: int, device: Any) -> float:
