@@ -291,6 +291,28 @@ def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
                 BLOCK_I2=min(1024, _pow2(I)), num_warps=4)
 
 
+def triton_prologue(what: str, fallback: str, x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor,
+                    out: torch.Tensor, residual: torch.Tensor | None, workspace: torch.Tensor | None
+                    ) -> tuple[bool, int, int, int, torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
+    """What both slot MoEs' Triton launches check and set up: ``(interpret, H, I, K, h, res, guard)``, where ``h``
+    is the ``[K, I]`` float32 scratch (``workspace`` or a new one), ``res`` the residual or ``out`` (not read
+    without one) and ``guard`` makes the tensors' CUDA device current (triton launches on the current one).
+    ``ImportError`` without triton, ``ValueError`` for CPU tensors outside the interpreter, naming ``fallback``."""
+    ok, why = triton_available()
+    if not ok:
+        raise ImportError(f"{what}: {why}; install triton or use {fallback}")
+    interpret = _interpreting()
+    if not (x.is_cuda or interpret):
+        raise ValueError(f"{what}: the Triton kernels need CUDA tensors (got {x.device}; on the CPU they run only in "
+                         f"triton's interpreter, TRITON_INTERPRET=1); use {fallback}")
+    _, two_i, H = gate_up.shape
+    I, K = two_i // 2, slots.shape[0]
+    h = workspace if workspace is not None else new_workspace(K, I, x.device)
+    res = residual if residual is not None else out
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    return interpret, H, I, K, h, res, guard
+
+
 def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,21 +322,10 @@ def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``:
     the float32 ``[K, I]`` scratch (:func:`new_workspace`; allocated per call when None). Writes and returns
     ``out``. ``ImportError`` when triton is not installed."""
-    ok, why = triton_available()
-    if not ok:
-        raise ImportError(f"psr_hf engine MoE: {why}; install triton or use moe_slots_reference")
-    interpret = _interpreting()
-    if not (x.is_cuda or interpret):
-        raise ValueError(f"psr_hf engine MoE: the Triton kernels need CUDA tensors (got {x.device}; on the CPU they "
-                         "run only in triton's interpreter, TRITON_INTERPRET=1); use moe_slots_reference")
+    interpret, H, I, K, h, res, guard = triton_prologue("psr_hf engine MoE", "moe_slots_reference", x, slots,
+                                                         gate_up, out, residual, workspace)
     gate_up_kernel, down_kernel = _kernels(interpret)
-    C, two_i, H = gate_up.shape
-    I, K = two_i // 2, slots.shape[0]
-    h = workspace if workspace is not None else new_workspace(K, I, x.device)
     b = triton_blocks(H, I)
-    res = residual if residual is not None else out  # not read when HAS_RESIDUAL is False
-    # triton launches on the current CUDA device: make it the tensors' (no-op on CPU and on the current device)
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         gate_up_kernel[(K, _cdiv(I, b["BLOCK_I1"]))](
             x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),

@@ -20,7 +20,6 @@ CUDA tensors when triton imports, the reference otherwise, by :func:`~psr_hf.eng
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -30,14 +29,12 @@ from .moe import (
     FLOAT_DTYPES,
     MoeShape,
     _cdiv,
-    _interpreting,
     _pow2,
     _shape,
     check_shapes,
     choose_backend,
     moe_slots_reference,
-    new_workspace,
-    triton_available,
+    triton_prologue,
 )
 
 #: the weight dtype of the FP8 checkpoints (``e4m3``; the ``e5m2`` variant is not a checkpoint format)
@@ -262,20 +259,10 @@ def moe_slots_fp8_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Te
     CPU tensors under ``TRITON_INTERPRET=1``. ``workspace``: the float32 ``[K, I]`` scratch
     (:func:`~psr_hf.engine.moe.new_workspace`; allocated per call when None); ``blocks``: tile sizes other than
     :func:`fp8_triton_blocks`' (:func:`check_blocks`; for benchmarks). Writes and returns ``out``."""
-    ok, why = triton_available()
-    if not ok:
-        raise ImportError(f"psr_hf engine FP8 MoE: {why}; install triton or use moe_slots_fp8_reference")
-    interpret = _interpreting()
-    if not (x.is_cuda or interpret):
-        raise ValueError(f"psr_hf engine FP8 MoE: the Triton kernels need CUDA tensors (got {x.device}; on the CPU "
-                         "they run only in triton's interpreter, TRITON_INTERPRET=1); use moe_slots_fp8_reference")
+    interpret, H, I, K, h, res, guard = triton_prologue("psr_hf engine FP8 MoE", "moe_slots_fp8_reference", x,
+                                                         slots, gate_up, out, residual, workspace)
     gate_up_kernel, down_kernel = _kernels(interpret)
-    _, two_i, H = gate_up.shape
-    I, K = two_i // 2, slots.shape[0]
-    h = workspace if workspace is not None else new_workspace(K, I, x.device)
     b = check_blocks(blocks) if blocks is not None else fp8_triton_blocks(H, I)
-    res = residual if residual is not None else out  # not read when HAS_RESIDUAL is False
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         gate_up_kernel[(K, _cdiv(I, b["BLOCK_I1"]))](
             x, slots, weights, gate_up, gate_up_scale, h, H, I, _cdiv(I, SCALE_BLOCK), x.stride(0), slots.stride(0),
