@@ -184,3 +184,44 @@ def test_copy_timing_changes_no_token_graph_output():
         torch.testing.assert_close(run[0], runs[0][0], rtol=0, atol=0)
         torch.testing.assert_close(run[1], runs[0][1], rtol=0, atol=0)
         assert run[2].offload.prefetch == runs[0][2].offload.prefetch
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_step_inputs_keep_every_steps_token_while_the_host_runs_ahead_of_the_gpu():
+    from psr_hf.engine.step_inputs import StepInputs
+    from psr_hf.offload.cuda_runtime import Runtime, raw_current_stream
+
+    pair = torch.zeros(2, dtype=torch.int64, device="cuda")
+    inputs = StepInputs(pair[0:1], pair[1:2], Runtime(torch.device("cuda")), rows=4)
+    seen = torch.zeros(40, 2, dtype=torch.int64, device="cuda")
+    for i in range(40):  # the GPU is held back by a sleep per step, so the host is far ahead
+        torch.cuda._sleep(200_000)
+        inputs.write(1000 + i, i, raw_current_stream(torch.device("cuda")))
+        seen[i].copy_(pair)
+    expected = torch.tensor([[1000 + i, i] for i in range(40)], dtype=torch.int64)
+    torch.testing.assert_close(seen.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_a_prompt_stepped_token_by_token_on_the_device_equals_the_host_path(offloaded):
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = [5, 9, 13, 17, 21, 25, 29, 33]
+    offload = psr_hf.OffloadConfig(device="cuda") if offloaded else None
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=offload):
+        ctl = psr_hf.controller(model)
+        results = []
+        for decoder in (GraphDecoder(model, MAX_LEN), TokenGraphDecoder(model, MAX_LEN)):
+            ctl.reset()
+            ctl.reset_stats()
+            decoder.reset()
+            steps = [decoder.step(t).clone() for t in ids]  # no host read between steps: the host runs ahead
+            results.append((torch.stack(steps).cpu(), ctl.stats()))
+    (host, host_stats), (device, device_stats) = results
+    torch.testing.assert_close(device, host, rtol=0, atol=0)
+    for field in STAT_FIELDS:
+        np.testing.assert_array_equal(getattr(device_stats, field), getattr(host_stats, field), err_msg=field)

@@ -12,6 +12,7 @@ writes a JSON record.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--residency", type=float, default=0.5)
+    ap.add_argument("--decide-warps", type=int, nargs="+", default=[1],
+                    help="the decision kernel's warps; each value profiles every row again")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     source, tokenizer, info_model = load_model(args.model, "cuda")
@@ -119,11 +122,13 @@ def main() -> None:
     cases = {"resident_exact": (dict(policy="exact", capacity=info["num_experts"]), None),
              f"psr_lam0.3_n1@{args.residency}": (dict(policy="psr", lam=0.3, budget=1, residency=args.residency),
                                                  psr_hf.OffloadConfig())}
-    for row, (kw, offload) in cases.items():
+    runs = [(f"{row}" + ("" if len(args.decide_warps) == 1 else f"_w{w}"), kw, offload, w)
+            for w in args.decide_warps for row, (kw, offload) in cases.items()]
+    for row, kw, offload, warps in runs:
         model = weight_sharing_copy(source)
         psr_hf.patch(model, psr_hf.RoutingConfig(**kw), calibration=calibration, offload=offload)
         max_len = len(prompt) + args.steps * (args.rounds + 3) + 160
-        decoder = TokenGraphDecoder(model, max_len)
+        decoder = TokenGraphDecoder(model, max_len, decide_warps=warps)
         decoder.prefill(prompt, batched=False)
         token = prompt[-1]
         _back_to_back(decoder, token, 8)  # warm
@@ -134,7 +139,7 @@ def main() -> None:
         kernels = _kernels(decoder, token, 16, args.top)
         host_profile = _host_profile(decoder, token, 64, args.top)
         floor = statistics.median(floors)
-        out = {"gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
+        out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
                **kernels, "host_profile": host_profile}
         if offload is None:
@@ -153,8 +158,11 @@ def main() -> None:
             print(f"   {h['own_us_per_step']:8.1f} {h['cumulative_us_per_step']:8.1f}  x{h['calls_per_step']:.0f}  "
                   f"{h['function']}")
         del decoder
+        gc.collect()  # the decoder's graphs and buffers, before unpatch copies the experts back to the GPU
+        torch.cuda.empty_cache()
         psr_hf.unpatch(model)
         del model
+        gc.collect()
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ Rows: all resident (exact), and psr lam0.3 n1 / cp lam0.2 / exact lru at the giv
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -47,15 +48,16 @@ def _greedy(decoder, prompt: list[int], n: int) -> tuple[list[int], list[torch.T
     return tokens, seen
 
 
-def _time(decoder, prompt: list[int], n: int) -> float:
+def _time(decoder, prompt: list[int], tokens: list[int]) -> float:
+    """ms/token of stepping ``tokens`` (the greedy continuation, teacher-forced: the host never waits for a token)
+    after the prompt."""
     decoder.prefill(prompt, batched=False)
     torch.cuda.synchronize()
-    token = prompt[-1]
     start = time.perf_counter()
-    for _ in range(n):
+    for token in tokens:
         decoder.step(token)
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / n
+    return (time.perf_counter() - start) * 1e3 / len(tokens)
 
 
 def _ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -107,8 +109,8 @@ def main() -> None:
         same_logits = all(torch.equal(a, b) for a, b in zip(host_logits, dev_logits))
         host_ms, dev_ms = [], []
         for _ in range(args.rounds):  # interleaved rounds
-            host_ms.append(_time(host, prompt, args.tokens))
-            dev_ms.append(_time(device, prompt, args.tokens))
+            host_ms.append(_time(host, prompt, host_tokens))
+            dev_ms.append(_time(device, prompt, host_tokens))
         ratio = _ratio_interval(host_ms, dev_ms)
         record = {
             "row": name, "same_tokens": same_tokens, "same_logits": same_logits,
@@ -122,9 +124,12 @@ def main() -> None:
               f"[{ratio[1]:.2f}, {ratio[2]:.2f}]", flush=True)
         print("   host  ", host_stats, flush=True)
         print("   device", dev_stats, flush=True)
-        del host, device
+        del host, device, ctl
+        gc.collect()  # the decoders' graphs and buffers, before unpatch copies the experts back to the GPU
+        torch.cuda.empty_cache()
         psr_hf.unpatch(model)
         del model
+        gc.collect()
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -165,11 +165,10 @@ def decide_kernel(
     in_sel = (sel_rank < K) & emask
 
     plan = tl.full((BW,), -1, tl.int64)
-    ids_out = tl.full((BW,), 0, tl.int64)
-    for i in tl.static_range(K):
-        e = tl.reduce(tl.where(sel_rank == i, offs, 0), 0, tl.standard._sum_combine)
-        plan = tl.where(pw == i, e.to(tl.int64), plan)
-        ids_out = tl.where(pw == i, e.to(tl.int64), ids_out)
+    # the selection in rank order: lane i of the plan holds the expert ranked i (i < K)
+    ranked = tl.reduce(tl.where(sel_rank[None, :] == pw[:, None], offs[None, :], 0), 1, tl.standard._sum_combine)
+    ids_out = tl.where(pw < K, ranked.to(tl.int64), 0)
+    plan = tl.where(pw < K, ids_out, plan)
 
     priority = _priority(0, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
                          fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
@@ -183,28 +182,29 @@ def decide_kernel(
 
     # step 5: demand insertions in ascending expert order, evicting from R - (S u B), else R - S
     n_resident = tl.reduce(resident.to(tl.int32), 0, tl.standard._sum_combine)
-    remaining = in_sel
+    # only the selected experts not resident are inserted, and an insertion evicts only unselected experts, so
+    # the loop visits just those (usually none) in ascending order
+    remaining = in_sel & (resident == 0)
     n_demand = 0
-    for i in tl.static_range(K):
-        e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
+    e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
+    while e < E:
         remaining = remaining & (offs != e)
-        held = tl.reduce((resident & (offs == e)).to(tl.int32), 0, tl.standard._sum_combine) > 0
-        do = (e < E) & (held == 0)
         full = n_resident == C
         v1 = _evict(priority, resident & (in_sel == 0) & (protected == 0), offs, BIG)
         v2 = _evict(priority, resident & (in_sel == 0), offs, BIG)
         victim = tl.where(full, tl.where(v1 >= 0, v1, v2), -1)
-        resident = tl.where(do & (offs == victim), 0, resident) != 0
-        resident = resident | (do & (offs == e))
-        n_resident = n_resident + tl.where(do & (victim < 0), 1, 0)
-        plan = tl.where(do & (pw == DEMAND + n_demand), e.to(tl.int64), plan)
-        plan = tl.where(do & (pw == DEMAND_EVICTED + n_demand), victim.to(tl.int64), plan)
+        resident = tl.where(offs == victim, 0, resident) != 0
+        resident = resident | (offs == e)
+        n_resident = n_resident + tl.where(victim < 0, 1, 0)
+        plan = tl.where(pw == DEMAND + n_demand, e.to(tl.int64), plan)
+        plan = tl.where(pw == DEMAND_EVICTED + n_demand, victim.to(tl.int64), plan)
         if OFFLOADED:
-            slot, slot_of, expert_of = _take_slot(do, e, victim, slot_of, expert_of, offs, cidx, C, BIG)
-            error = tl.where((error == 0) & do & (slot >= C), 3, error)
-            copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand), e, copies)
-            copies = tl.where(do & (cw == C_DEMAND + 2 * n_demand + 1), slot, copies)
-        n_demand = n_demand + do.to(tl.int32)
+            slot, slot_of, expert_of = _take_slot(e >= 0, e, victim, slot_of, expert_of, offs, cidx, C, BIG)
+            error = tl.where((error == 0) & (slot >= C), 3, error)
+            copies = tl.where(cw == C_DEMAND + 2 * n_demand, e, copies)
+            copies = tl.where(cw == C_DEMAND + 2 * n_demand + 1, slot, copies)
+        n_demand = n_demand + 1
+        e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
 
     # step 7: statistics from the router's own top-K
     part1_here = INSERTS & (layer >= 1)
@@ -239,11 +239,9 @@ def decide_kernel(
     tl.store(plans_ptr + layer * W + pw, plan, mask=pw < W)
     tl.store(ids_ptr + pw, ids_out, mask=pw < K)
     if OFFLOADED:
-        slots_out = tl.full((BW,), 0, tl.int64)
-        for i in tl.static_range(K):
-            e = tl.reduce(tl.where(sel_rank == i, offs, 0), 0, tl.standard._sum_combine)
-            s = tl.reduce(tl.where(offs == e, slot_of, 0), 0, tl.standard._sum_combine)
-            slots_out = tl.where(pw == i, s.to(tl.int64), slots_out)
+        held_in = tl.reduce(tl.where(ids_out[:, None] == offs[None, :], slot_of[None, :], 0), 1,
+                            tl.standard._sum_combine)
+        slots_out = tl.where(pw < K, held_in.to(tl.int64), 0)
         tl.store(slot_ids_ptr + pw, slots_out, mask=pw < K)
         tl.store(slot_of_ptr + layer * E + offs, slot_of, mask=(emask & ok) != 0)
         tl.store(expert_of_ptr + layer * C + cidx, expert_of, mask=((cidx < C) & ok) != 0)
@@ -286,17 +284,19 @@ def decide_kernel(
                 nslot_of = tl.load(slot_of_ptr + nxt * E + offs, mask=emask, other=-1)
                 nexpert_of = tl.load(expert_of_ptr + nxt * C + cidx, mask=cidx < C, other=-2)
                 ncopies = tl.load(copies_ptr + nxt * CW + cw, mask=cw < CW, other=-1)
+            # the window in rank order until the budget is spent or an insertion finds no victim; after the budget
+            # the rest of the window only protects what it holds, which the insertions no longer change
             stopped = n_ins != 0  # False
-            for i in tl.static_range(WINDOW):
+            i = 0
+            while (i < WINDOW) & (n_ins < BUDGET) & (stopped == 0):
                 e = tl.reduce(tl.where(grank == i, offs, 0), 0, tl.standard._sum_combine)
                 held = tl.reduce((nres & (offs == e)).to(tl.int32), 0, tl.standard._sum_combine) > 0
-                nprot = nprot | ((stopped == 0) & held & (offs == e))
-                try_ins = (stopped == 0) & (held == 0) & (n_ins < BUDGET)
+                nprot = nprot | (held & (offs == e))
                 full = n_res_next == C
                 v = _evict(npri, nres & (nprot == 0), offs, BIG)
-                stop_now = try_ins & full & (v < 0)
+                stop_now = (held == 0) & full & (v < 0)
                 stopped = stopped | stop_now
-                do = try_ins & (stop_now == 0)
+                do = (held == 0) & (stop_now == 0)
                 victim = tl.where(full, v, -1)
                 nres = tl.where(do & (offs == victim), 0, nres) != 0
                 n_res_next = n_res_next + tl.where(do & (victim < 0), 1, 0)
@@ -312,6 +312,8 @@ def decide_kernel(
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins), e, ncopies)
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins + 1), slot, ncopies)
                 n_ins = n_ins + do.to(tl.int32)
+                i = i + 1
+            nprot = nprot | ((stopped == 0) & nres & (grank >= i) & (grank < WINDOW))
             ok = error == 0
             pplan = tl.where(pw == N_PREFETCH, n_ins.to(tl.int64), pplan)
             pplan = tl.where(pw == N_DEMAND, 0, pplan)

@@ -89,5 +89,6 @@ def decide_layer(layer: int, tensors: Any, settings: dict[str, Any]) -> None:
         layer, t.scores, t.token, t.position, t.state, t.counters, t.saved, t.delta, t.seen, t.indptr, t.prior_experts,
         t.prior_values, t.fallback, t.ids, t.slot_ids, t.slot_of, t.expert_of, t.copies, t.plans, t.pplans, t.record,
         t.record_plans, t.error, settings["vocab"], settings["lam"], settings["decay_fast"], settings["decay_slow"], settings["flush"],
-        **settings["constexprs"], num_warps=4, **({} if interpreting() else {"enable_fp_fusion": False}),
+        **settings["constexprs"], num_warps=settings["num_warps"],
+        **({} if interpreting() else {"enable_fp_fusion": False}),
     )

@@ -23,11 +23,12 @@ class DeviceState:
     kernels' config the decisions follow), on ``device``. ``scores``, ``token``, ``position``: the buffers the
     decision kernel reads (``[>= E]`` float32 joint scores ``z | g_next``, int64 token and position; default: own
     buffers, filled by the caller). ``offloaded``: keep slot maps of ``capacity`` slots and write copy lists.
-    ``max_positions``: positions the score record holds (0: no record)."""
+    ``max_positions``: positions the score record holds (0: no record). ``num_warps``: the decision kernel's warps
+    (one keeps its many small reductions inside a warp, without barriers)."""
 
     def __init__(self, cache: Any, device: torch.device | str, *, scores: torch.Tensor | None = None,
                  token: torch.Tensor | None = None, position: torch.Tensor | None = None, offloaded: bool = False,
-                 max_positions: int = 0):
+                 max_positions: int = 0, num_warps: int = 1):
         device = torch.device(device)
         self.device = device
         self.cache = cache
@@ -73,7 +74,7 @@ class DeviceState:
         self.error = new((1,), i32)
         self._settings = {
             "vocab": vocab, "lam": ks.lam, "decay_fast": ks.decay_fast, "decay_slow": ks.decay_slow,
-            "flush": ks.flush,
+            "flush": ks.flush, "num_warps": int(num_warps),
             "constexprs": dict(
                 E=E, BE=D._pow2(E), L=L, K=K, C=C, BC=D._pow2(C), BUDGET=budget, BP=D._pow2(max(budget, 1)),
                 WINDOW=window, TOP_J=ks.top_j, W=W, BW=D._pow2(W), CW=self.copy_width,

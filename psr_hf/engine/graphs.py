@@ -29,6 +29,7 @@ from psr_hf.offload import cuda_runtime
 from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
 from .moe import check_experts_module, choose_backend, new_workspace, triton_available
 from .slot_moe import SlotMoe, slot_moe
+from .step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +101,10 @@ class GraphDecoder(DecoderBase):
         self._host_slots_np = [t.numpy() for t in self._host_slots]
         # the host's wait for graph A: a raw event when cuda-python imports (0.5 us to record, against 5.2)
         self._runtime = Runtime(self.device) if self.cuda and cuda_runtime.available()[0] else None
-        # the step's token and position, written by one raw copy from pinned memory (a torch fill_ costs a
-        # launch of 13-16 us on the host path before graph A_0); safe to rewrite at the next step: every step
-        # waits for graph A_0's event, which follows the copy
-        self._host_inputs = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
-        self._host_inputs_np = self._host_inputs.numpy()
+        # the step's token and position, written by one raw copy from a ring of pinned rows (a torch fill_ costs a
+        # launch of 13-16 us on the host path before graph A_0)
+        b = self.layers.buffers
+        self._inputs = StepInputs(b.token.view(-1), b.position.view(-1), self._runtime) if self._runtime else None
         self._event = HostEvent(self.device, self._runtime) if self.cuda else None
         # the graph bodies: A_0, B_0, A_1, B_1, ..., C
         self._bodies: dict[str, Callable[[], None]] = {}
@@ -407,14 +407,7 @@ class GraphDecoder(DecoderBase):
                 b.token.fill_(token)
             b.position.fill_(position)
             return
-        host = self._host_inputs_np
-        host[1] = position
-        stream = raw_current_stream(self.device)
-        if token is None:
-            self._runtime.copy_h2d(b.position.data_ptr(), self._host_inputs.data_ptr() + 8, 8, stream)
-        else:
-            host[0] = token
-            self._runtime.copy_h2d(b.token.data_ptr(), self._host_inputs.data_ptr(), 16, stream)
+        self._inputs.write(token, position, raw_current_stream(self.device))
 
     @staticmethod
     def _one_token(token: OneToken) -> int:

@@ -72,10 +72,11 @@ def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, 
 class TokenGraphDecoder(GraphDecoder):
     """:class:`GraphDecoder` with device routing for decode steps (CUDA, ``graphs=True``). ``prefetch_programs``:
     the programs of a layer's prefetch copies, beside the compute; ``demand_programs``: of its demand copies
-    (default: the device's SM count). Other arguments: :class:`GraphDecoder`'s."""
+    (default: the device's SM count); ``decide_warps``: the decision kernel's warps. Other arguments:
+    :class:`GraphDecoder`'s."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, prefetch_programs: int = 8,
-                 demand_programs: int | None = None, **kwargs: Any):
+                 demand_programs: int | None = None, decide_warps: int = 1, **kwargs: Any):
         super().__init__(model, max_len, **kwargs)
         if not self.graphs:
             raise ValueError("TokenGraphDecoder needs graphs=True (a CUDA device)")
@@ -86,6 +87,7 @@ class TokenGraphDecoder(GraphDecoder):
         self.prefetch_programs = int(prefetch_programs)
         self.demand_programs = int(demand_programs or torch.cuda.get_device_properties(self.device).multi_processor_count)
         self._max_len = int(max_len)
+        self.decide_warps = int(decide_warps)
         self._lent_from = 0  # the first position decided on the device in the lent stretch
         self._decided_to = 0  # the position after the last one decided on the device
         self._bind()
@@ -97,7 +99,7 @@ class TokenGraphDecoder(GraphDecoder):
         self._token_graph = None
         self.dstate = DeviceState(ctl.cache, self.device, scores=self._scores_f32[0], token=b.token.view(-1),
                                   position=b.position.view(-1), offloaded=self.offloaded,
-                                  max_positions=self._max_len)
+                                  max_positions=self._max_len, num_warps=self.decide_warps)
         self.dstate.ids = b.expert_ids[0]
         self.dstate.slot_ids = self._slot_ids if self.offloaded else b.expert_ids[0]
         self._copies: list[LayerCopies] = []
