@@ -192,12 +192,13 @@ def test_step_inputs_keep_every_steps_token_while_the_host_runs_ahead_of_the_gpu
     from psr_hf.engine.step_inputs import StepInputs
     from psr_hf.offload.cuda_runtime import Runtime, raw_current_stream
 
-    pair = torch.zeros(2, dtype=torch.int64, device="cuda")
-    inputs = StepInputs(pair[0:1], pair[1:2], Runtime(torch.device("cuda")), rows=4)
+    device = torch.device("cuda", torch.cuda.current_device())
+    pair = torch.zeros(2, dtype=torch.int64, device=device)
+    inputs = StepInputs(pair[0:1], pair[1:2], Runtime(device), rows=4)
     seen = torch.zeros(40, 2, dtype=torch.int64, device="cuda")
     for i in range(40):  # the GPU is held back by a sleep per step, so the host is far ahead
         torch.cuda._sleep(200_000)
-        inputs.write(1000 + i, i, raw_current_stream(torch.device("cuda")))
+        inputs.write(1000 + i, i, raw_current_stream(device))
         seen[i].copy_(pair)
     expected = torch.tensor([[1000 + i, i] for i in range(40)], dtype=torch.int64)
     torch.testing.assert_close(seen.cpu(), expected, rtol=0, atol=0)

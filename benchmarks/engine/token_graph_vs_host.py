@@ -1,6 +1,8 @@
 """The token graph (device routing, one CUDA graph per token) against the host-routed GraphDecoder on the same model,
 side by side in one process: greedy tokens and every step's logits compared bitwise, the routing statistics and
-copy counts compared, then ms/token in interleaved rounds (median and a 95% interval of the per-round ratio).
+copy counts compared, then ms/token of the greedy tokens teacher-forced, in interleaved rounds (median and a 95%
+interval of the per-round ratio host/device). ``--prefetch-programs`` compares token graphs whose prefetch copies run
+on that many programs.
 
     python benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing --tokens 64 --rounds 5 --json OUT
 
@@ -78,6 +80,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--residency", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. psr_lam0.3_n1@0.5)")
+    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[8],
+                    help="the token graph's programs for a layer's prefetch copies; one device decoder per value")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     source, tokenizer, info = load_model(args.model, "cuda")
@@ -88,6 +93,8 @@ def main() -> None:
     cases = [("resident_exact", dict(policy="exact"), None)]
     for r in args.residency:
         cases += [(f"{name}@{r}", dict(kw, residency=r), r) for name, kw in ROWS.items()]
+    if args.rows:
+        cases = [c for c in cases if c[0] in args.rows]
     for name, kw, residency in cases:
         model = weight_sharing_copy(source)
         if residency is None:  # every expert cached: nothing offloaded
@@ -96,35 +103,39 @@ def main() -> None:
         offload = psr_hf.OffloadConfig() if residency is not None else None
         psr_hf.patch(model, config, calibration=calibration, offload=offload)
         ctl = psr_hf.controller(model)
-        host = GraphDecoder(model, max_len)
-        device = TokenGraphDecoder(model, max_len)
-        ctl.reset_stats()
-        host_tokens, host_logits = _greedy(host, prompt, args.tokens)
-        host_stats = ctl.stats()
-        ctl.reset()
-        ctl.reset_stats()
-        dev_tokens, dev_logits = _greedy(device, prompt, args.tokens)
-        dev_stats = ctl.stats()
-        same_tokens = host_tokens == dev_tokens
-        same_logits = all(torch.equal(a, b) for a, b in zip(host_logits, dev_logits))
-        host_ms, dev_ms = [], []
-        for _ in range(args.rounds):  # interleaved rounds
-            host_ms.append(_time(host, prompt, host_tokens))
-            dev_ms.append(_time(device, prompt, host_tokens))
-        ratio = _ratio_interval(host_ms, dev_ms)
-        record = {
-            "row": name, "same_tokens": same_tokens, "same_logits": same_logits,
-            "host_stats": repr(host_stats), "device_stats": repr(dev_stats),
-            "host_ms_median": statistics.median(host_ms), "device_ms_median": statistics.median(dev_ms),
-            "host_ms": host_ms, "device_ms": dev_ms, "host_over_device": ratio,
-        }
+        decoders = {"host": GraphDecoder(model, max_len)}
+        for programs in args.prefetch_programs:
+            label = "device" if len(args.prefetch_programs) == 1 else f"device_p{programs}"
+            decoders[label] = TokenGraphDecoder(model, max_len, prefetch_programs=programs)
+        greedy = {}
+        for label, decoder in decoders.items():
+            ctl.reset()
+            ctl.reset_stats()
+            tokens, logits = _greedy(decoder, prompt, args.tokens)
+            greedy[label] = (tokens, logits, ctl.stats())
+        host_tokens, host_logits, host_stats = greedy["host"]
+        times: dict[str, list[float]] = {label: [] for label in decoders}
+        for r in range(args.rounds):  # interleaved rounds, the order turned each round
+            order = list(decoders.items())
+            for label, decoder in (order if r % 2 == 0 else order[::-1]):
+                times[label].append(_time(decoder, prompt, host_tokens))
+        record = {"row": name, "host_stats": repr(host_stats), "host_ms": times["host"],
+                  "host_ms_median": statistics.median(times["host"]), "devices": {}}
+        print(f"{name:22s} host {record['host_ms_median']:.3f} ms/token   {host_stats}", flush=True)
+        for label in list(decoders)[1:]:
+            tokens, logits, stats = greedy[label]
+            same_tokens = tokens == host_tokens
+            same_logits = all(torch.equal(a, b) for a, b in zip(host_logits, logits))
+            ratio = _ratio_interval(times["host"], times[label])
+            record["devices"][label] = {
+                "same_tokens": same_tokens, "same_logits": same_logits, "stats": repr(stats),
+                "same_stats": repr(stats) == repr(host_stats), "ms": times[label],
+                "ms_median": statistics.median(times[label]), "host_over_device": ratio}
+            print(f"   {label:12s} tokens equal {same_tokens} logits equal {same_logits} stats equal "
+                  f"{repr(stats) == repr(host_stats)}  {statistics.median(times[label]):.3f} ms/token  host/device "
+                  f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]", flush=True)
         records.append(record)
-        print(f"{name:22s} tokens equal {same_tokens} logits equal {same_logits}  host {record['host_ms_median']:.3f} "
-              f"ms/token  device {record['device_ms_median']:.3f}  host/device {ratio[0]:.2f} "
-              f"[{ratio[1]:.2f}, {ratio[2]:.2f}]", flush=True)
-        print("   host  ", host_stats, flush=True)
-        print("   device", dev_stats, flush=True)
-        del host, device, ctl
+        del decoders, ctl
         gc.collect()  # the decoders' graphs and buffers, before unpatch copies the experts back to the GPU
         torch.cuda.empty_cache()
         psr_hf.unpatch(model)

@@ -24,11 +24,11 @@ class DeviceState:
     decision kernel reads (``[>= E]`` float32 joint scores ``z | g_next``, int64 token and position; default: own
     buffers, filled by the caller). ``offloaded``: keep slot maps of ``capacity`` slots and write copy lists.
     ``max_positions``: positions the score record holds (0: no record). ``num_warps``: the decision kernel's warps
-    (one keeps its many small reductions inside a warp, without barriers)."""
+    (4: 24 us per layer on an H100 for psr offloaded at 50%, against 40 with one warp)."""
 
     def __init__(self, cache: Any, device: torch.device | str, *, scores: torch.Tensor | None = None,
                  token: torch.Tensor | None = None, position: torch.Tensor | None = None, offloaded: bool = False,
-                 max_positions: int = 0, num_warps: int = 1):
+                 max_positions: int = 0, num_warps: int = 4):
         device = torch.device(device)
         self.device = device
         self.cache = cache

@@ -76,7 +76,7 @@ class TokenGraphDecoder(GraphDecoder):
     :class:`GraphDecoder`'s."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, prefetch_programs: int = 8,
-                 demand_programs: int | None = None, decide_warps: int = 1, **kwargs: Any):
+                 demand_programs: int | None = None, decide_warps: int = 4, **kwargs: Any):
         super().__init__(model, max_len, **kwargs)
         if not self.graphs:
             raise ValueError("TokenGraphDecoder needs graphs=True (a CUDA device)")
