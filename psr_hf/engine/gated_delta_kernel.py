@@ -2,11 +2,12 @@
 kernel: the ~30 small torch ops of the step are ~30 launches per layer inside the decode graph, which cost more
 than the memory the step reads.
 
-:func:`gated_delta_step` launches the kernel, :func:`gated_delta_step_reference` is the same step in torch (the
-engine's PyTorch path, op for op). Both take the projections' outputs (the convolution's input ``mixed``
-``[conv_dim]``: q of every key head, then k, then v of every value head; the output gate ``z [Hv, Dv]``; ``b`` and
-``g_in`` ``[Hv]``), update the convolution window ``conv [conv_dim, kernel]`` (newest input last) and the float32
-recurrent state ``[Hv, Dk, Dv]`` in place, and return the gated RMSNorm of the output ``[1, Hv * Dv]`` in
+:func:`gated_delta_step` launches the kernel (the engine's hybrid families run it on CUDA: their
+``gated_delta_kernel`` option, :mod:`psr_hf.engine.families.qwen3_5_moe`), :func:`gated_delta_step_reference` is the
+same step in torch (their PyTorch path, op for op). Both take the projections' outputs (the convolution's input
+``mixed`` ``[conv_dim]``: q of every key head, then k, then v of every value head; the output gate ``z [Hv, Dv]``;
+``b`` and ``g_in`` ``[Hv]``), update the convolution window ``conv [conv_dim, kernel]`` (newest input last) and the
+float32 recurrent state ``[Hv, Dk, Dv]`` in place, and return the gated RMSNorm of the output ``[1, Hv * Dv]`` in
 ``mixed``'s dtype, ready for the output projection.
 
 The kernel runs one program per key head: the short convolution (and window update) of its q and k channels and
@@ -21,6 +22,7 @@ mode (:func:`~psr_hf.engine.device_decisions.triton_module`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +38,8 @@ except ImportError:
 
 #: the largest ``[Dk, Dv]`` state slice (padded to powers of two) one program holds in registers
 MAX_STATE_TILE = 128 * 128
+#: warps per program unless told (:func:`gated_delta_step`): 4 was faster than 8 at 128 x 128 on an H100
+DEFAULT_WARPS = 4
 
 
 class Shape(NamedTuple):
@@ -124,53 +128,70 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def unsupported(device: torch.device, k_dim: int, v_dim: int, dtype: torch.dtype,
+                norm_dtype: torch.dtype) -> str | None:
+    """Why :func:`gated_delta_step` cannot run, on ``device`` now, a layer whose heads' state is ``[k_dim, v_dim]``,
+    whose projections' outputs are ``dtype`` and whose gated norm's weight is ``norm_dtype`` (None: it can): triton
+    does not import, the device is not CUDA (CPU tensors run in triton's interpreter only, ``TRITON_INTERPRET=1``),
+    the state tile does not fit one program's registers, or the norm's product has neither dtype."""
+    if triton is None:
+        return "gated_delta_step needs triton, which does not import (the dev extra, or the GPU machine's)"
+    if device.type != ("cpu" if interpreting() else "cuda"):
+        return (f"tensors on {device}: the kernel takes CUDA tensors, or CPU tensors in triton's interpreter "
+                f"(TRITON_INTERPRET=1)")
+    block_dk, block_dv = _pow2(k_dim), _pow2(v_dim)
+    if block_dk * block_dv > MAX_STATE_TILE:
+        return (f"a head's state [{k_dim}, {v_dim}] (padded to [{block_dk}, {block_dv}]) is larger than the "
+                f"{MAX_STATE_TILE} elements one program holds in registers")
+    if torch.promote_types(norm_dtype, dtype) not in (norm_dtype, dtype):
+        return f"norm_weight {norm_dtype} times a {dtype} output: a product dtype of neither"
+    return None
+
+
 def gated_delta_step(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, g_in: torch.Tensor, conv: torch.Tensor,
                      recurrent: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, *,
                      num_warps: int | None = None) -> torch.Tensor:
     """The step as one kernel launch (see the module docstring for the arguments); capturable in a CUDA graph
     (the first call compiles: make it before capture). CUDA tensors, or CPU tensors in Triton's interpreter
-    (``TRITON_INTERPRET=1``). ``num_warps``: per program (4 for small heads, 8 from 64 x 128 state elements)."""
+    (``TRITON_INTERPRET=1``); :func:`unsupported` says beforehand whether a layer can run here. Returns a new
+    ``[1, Hv * Dv]`` tensor. ``num_warps``: per program, default 4 for every state tile it takes (up to
+    :data:`MAX_STATE_TILE`): at Qwen3.6's 128 x 128 heads 4 warps took 12.9 us per layer on an H100 against 15.9
+    with 8 (``benchmarks/qwen36/h100/gated_delta.txt``)."""
     s = step_shape(mixed, z, b, g_in, conv, recurrent, conv_weight, conv_bias, A_log, dt_bias, norm_weight)
-    if triton is None:
-        raise ValueError("gated_delta_step needs triton (the dev extra, or the GPU machine's); "
-                         "gated_delta_step_reference is the same step in torch")
     tensors = [mixed, z, b, g_in, conv, recurrent, conv_weight, A_log, dt_bias, norm_weight]
     tensors += [conv_bias] if conv_bias is not None else []
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"the step's tensors are on several devices: {sorted(map(str, devices))}")
     device = devices.pop()
-    interpret = interpreting()
-    if device.type != ("cpu" if interpret else "cuda"):
-        raise ValueError(f"tensors on {device}: the kernel takes CUDA tensors, or CPU tensors in triton's interpreter "
-                         f"(TRITON_INTERPRET=1); use gated_delta_step_reference")
+    why = unsupported(device, s.k_dim, s.v_dim, mixed.dtype, norm_weight.dtype)
+    if why is not None:
+        raise ValueError(f"{why}; gated_delta_step_reference is the same step in torch")
     if not (conv.is_contiguous() and recurrent.is_contiguous()):
         raise ValueError("conv and recurrent are updated in place and must be contiguous")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
         if t.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
+    interpret = interpreting()
     block_dk, block_dv = _pow2(s.k_dim), _pow2(s.v_dim)
-    if block_dk * block_dv > MAX_STATE_TILE:
-        raise ValueError(f"a head's state [{s.k_dim}, {s.v_dim}] (padded to [{block_dk}, {block_dv}]) is larger than "
-                         f"the {MAX_STATE_TILE} elements one program holds in registers")
     dtype = mixed.dtype
     norm_dtype = torch.promote_types(norm_weight.dtype, dtype)
-    if norm_dtype not in (norm_weight.dtype, dtype):
-        raise ValueError(f"norm_weight {norm_weight.dtype} times a {dtype} output: a product dtype of neither")
     act = torch.empty(mixed.shape[0], dtype=dtype, device=device)  # the convolution's activated output
     out = torch.empty(1, s.v_heads * s.v_dim, dtype=dtype, device=device)
     if num_warps is None:
-        num_warps = 4 if block_dk * block_dv < 64 * 128 else 8
+        num_warps = DEFAULT_WARPS
     bias = conv_bias if conv_bias is not None else conv_weight
     kernel = triton_module("gated_delta_kernel.py", interpret).gated_delta_kernel
-    kernel[(s.k_heads,)](
-        mixed, z, b, g_in, conv, recurrent, conv_weight, bias, A_log, dt_bias, norm_weight, act, out,
-        mixed.stride(0), z.stride(0), z.stride(1), b.stride(0), g_in.stride(0), conv_weight.stride(0),
-        conv_weight.stride(1), bias.stride(0), float(norm_eps), float(s.k_dim ** 0.5),
-        KEY_DIM=s.k_heads * s.k_dim, DK=s.k_dim, DV=s.v_dim, REPEAT=s.v_heads // s.k_heads, KERNEL=s.kernel,
-        HAS_BIAS=conv_bias is not None, PRODUCT_IN_NORM_DTYPE=norm_dtype != dtype, BLOCK_DK=block_dk,
-        BLOCK_DV=block_dv, BLOCK_C=max(block_dk, block_dv), BLOCK_K=_pow2(s.kernel), num_warps=num_warps)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:  # triton launches on the current device
+        kernel[(s.k_heads,)](
+            mixed, z, b, g_in, conv, recurrent, conv_weight, bias, A_log, dt_bias, norm_weight, act, out,
+            mixed.stride(0), z.stride(0), z.stride(1), b.stride(0), g_in.stride(0), conv_weight.stride(0),
+            conv_weight.stride(1), bias.stride(0), float(norm_eps), float(s.k_dim ** 0.5),
+            KEY_DIM=s.k_heads * s.k_dim, DK=s.k_dim, DV=s.v_dim, REPEAT=s.v_heads // s.k_heads, KERNEL=s.kernel,
+            HAS_BIAS=conv_bias is not None, PRODUCT_IN_NORM_DTYPE=norm_dtype != dtype, BLOCK_DK=block_dk,
+            BLOCK_DV=block_dv, BLOCK_C=max(block_dk, block_dv), BLOCK_K=_pow2(s.kernel), num_warps=num_warps)
     return out
 
 

@@ -45,14 +45,17 @@ class GraphDecoder(DecoderBase):
     ``compile``: the attention blocks through ``torch.compile`` (:meth:`DecodeLayers.compile_blocks`: the
     norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
     (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
-    layer; False: one graph per body, the same kernels in the same order)."""
+    layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``:
+    the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the Gated DeltaNet kernel
+    compiles in the warm-up, before capture)."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
-                 backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True):
+                 backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True,
+                 gated_delta_kernel: bool | None = None):
         self.model = model
         self.controller = ctl = _controller(model)
         self.decode_handle = ctl.decode_handle()
-        L = build_layers(model, max_len, absorb_mla=absorb_mla)
+        L = build_layers(model, max_len, absorb_mla=absorb_mla, gated_delta_kernel=gated_delta_kernel)
         self.layers: DecodeLayers = L
         self.device = L.device
         self.graphs = bool(graphs)
@@ -247,6 +250,8 @@ class GraphDecoder(DecoderBase):
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            # at least one eager run of every body: the Triton kernels they launch (the slot MoE's, the Gated DeltaNet
+            # step's) and the compiled attention blocks compile here, never inside a capture
             for _ in range(warmup):
                 for unit in self._units:
                     unit(0)

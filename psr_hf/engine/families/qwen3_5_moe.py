@@ -11,6 +11,14 @@ State layout, all static and written in place (no allocation, no host synchronis
   (model dtype), and ``recurrent`` ``[num_value_heads, key_head_dim, value_head_dim]`` float32, as transformers
   keeps them. Both are cleared at a sequence's first position (:meth:`Qwen35MoeLayers.begin_sequence`).
 
+A Gated DeltaNet layer's step after its input projections is one Triton kernel on CUDA
+(:func:`~psr_hf.engine.gated_delta_kernel.gated_delta_step`, which updates these two buffers in place) or the same
+step in torch (:func:`~psr_hf.engine.gated_delta_kernel.gated_delta_step_reference`): the family's option
+``gated_delta_kernel`` (:class:`Qwen35MoeLayers`), chosen once when the layers are built. The kernel runs as the
+custom op ``torch.ops.psr_hf.gated_delta_step``, so that the compiled attention blocks
+(:meth:`~psr_hf.engine.layers.DecodeLayers.compile_blocks`, ``fullgraph=True``) call it as one opaque op that
+mutates the two buffers, not a graph break.
+
 A prompt runs as one block through the model's own forward (:mod:`psr_hf.engine.prefill`): transformers' cache
 holds the same tensors after it (the keys after the k-norm and RoPE, the values, the last ``kernel`` convolution
 inputs and the final recurrent state), and they are copied into this state.
@@ -18,16 +26,20 @@ inputs and the final recurrent state), and they are copied into this state.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..attention import apply_rope, cos_sin, write_kv, zero_centred_rms_norm
-from ..gated_delta_kernel import gated_delta_step_reference
+from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
 from . import register_layers
+
+logger = logging.getLogger(__name__)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -81,7 +93,14 @@ class HybridState:
 @register_layers("qwen3_5_moe", "qwen3_5_moe_text")
 class Qwen35MoeLayers(DecodeLayers):
     """Qwen3.5/3.6 MoE: Gated DeltaNet and gated full-attention layers in ``config.layer_types``' pattern,
-    zero-centred RMSNorms, the gated shared expert (:meth:`DecodeLayers.shared_expert`)."""
+    zero-centred RMSNorms, the gated shared expert (:meth:`DecodeLayers.shared_expert`).
+
+    ``gated_delta_kernel``, the family's option: the Gated DeltaNet step after the input projections as one Triton
+    kernel per layer (:func:`~psr_hf.engine.gated_delta_kernel.gated_delta_step`) or in torch. None (default): the
+    kernel where the model is on CUDA and it can run there (triton imports, the heads fit), else the torch step;
+    True: the kernel, ``ValueError`` saying why it cannot run (also on the CPU inside triton's interpreter,
+    ``TRITON_INTERPRET=1``, for tests); False: the torch step. Built, ``gated_delta_kernel`` is what runs (a
+    bool). The two agree within float32 rounding, not bitwise (``tests/test_engine_gated_delta_kernel.py``)."""
 
     listing_order = 3
     norm_fn = staticmethod(zero_centred_rms_norm)
@@ -89,6 +108,15 @@ class Qwen35MoeLayers(DecodeLayers):
     #: ``in_proj_a``), or fused per key head (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``)
     fused_projections = False
     projection_names: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def __init__(self, model: nn.Module, max_len: int, *, gated_delta_kernel: bool | None = None):
+        # the family's one option (DecodeLayers.family_options), passed on by build_layers; decided in
+        # _build_attention, once the heads are known
+        if gated_delta_kernel not in (None, True, False):
+            raise ValueError(f"gated_delta_kernel must be None (the kernel on CUDA where it runs), True or False, got "
+                             f"{gated_delta_kernel!r}")
+        self._kernel_option = gated_delta_kernel
+        super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
         c = self.config
@@ -122,7 +150,28 @@ class Qwen35MoeLayers(DecodeLayers):
                 self._attn.append(self._linear_refs(i, layer.linear_attn))
         self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
                                  self.head_dim ** -0.5, self.rope_scaling)
-        self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.fused_projections)
+        self.gated_delta_kernel = self._choose_gated_delta_step()
+        self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.fused_projections,
+                                     self.gated_delta_kernel)
+
+    def _choose_gated_delta_step(self) -> bool:
+        """Whether the Gated DeltaNet layers run the one-kernel step (the ``gated_delta_kernel`` option)."""
+        option = self._kernel_option
+        if option is False:
+            return False
+        norm_dtype = next(a["norm"][0].dtype for t, a in zip(self.layer_types, self._attn) if t == LINEAR)
+        why = unsupported(self.device, self.k_dim, self.v_dim, self.dtype, norm_dtype)
+        if option is True:
+            if why is not None:
+                raise ValueError(f"gated_delta_kernel=True: the Gated DeltaNet kernel cannot run here: {why}; pass "
+                                 "gated_delta_kernel=None (the kernel where it can run, else the torch step) or False "
+                                 "(the torch step)")
+            return True
+        if self.device.type != "cuda":
+            return False  # off CUDA the torch step (the interpreter only when asked for, with True)
+        if why is not None:
+            logger.info("psr_hf engine: the Gated DeltaNet layers run the torch step: %s", why)
+        return why is None
 
     def _full_refs(self, i: int, a: torch.nn.Module) -> dict:
         refs = {**self._projections(i, a, ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -201,6 +250,7 @@ class _LinearStatic:
     k_dim: int
     v_dim: int
     fused: bool  # Qwen3-Next's projections fused per key head (in_proj_qkvz, in_proj_ba)
+    kernel: bool = False  # the step after the projections as one Triton kernel (else in torch)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -252,9 +302,29 @@ def _gated_delta_net(s: _LinearStatic, a: dict, x: torch.Tensor, position: torch
     """One token of a Gated DeltaNet layer, updating its convolution window and recurrent state in place:
     the short causal convolution (silu) over q, k and v, the L2-normalised q and k, the gated delta rule in
     float32 (decay ``exp(g)``, write strength ``beta``), the gated RMSNorm of the output and its projection. The
-    step after the input projections is :mod:`~psr_hf.engine.gated_delta_kernel`'s torch step, the reference its
-    one-kernel step is tested against."""
+    step after the input projections is :mod:`~psr_hf.engine.gated_delta_kernel`'s: one Triton kernel where
+    ``s.kernel`` (through its custom op), else its torch step, the reference the kernel is tested against."""
     mixed, z, b, g_in = _linear_inputs(s, a, x)
-    h = gated_delta_step_reference(mixed, z, b, g_in, conv, recurrent, a["conv_weight"], a["conv_bias"],
-                                   a["A_log"], a["dt_bias"], *a["norm"])
+    step = torch.ops.psr_hf.gated_delta_step if s.kernel else gated_delta_step_reference
+    h = step(mixed, z, b, g_in, conv, recurrent, a["conv_weight"], a["conv_bias"], a["A_log"], a["dt_bias"],
+             *a["norm"])
     return F.linear(h, *a["out_proj"])
+
+
+# The kernel as a custom op: torch.compile (the engine's compiled attention blocks, fullgraph) cannot trace into a
+# Triton launch behind a Python wrapper; as an op that declares the two states it mutates, inductor calls it on the
+# engine's own state buffers (no copies) and the CUDA graph captures its launch. Its first call compiles the kernel:
+# the decoders make it before any capture, in GraphDecoder's warm-up (graphs.py, _capture: at least one eager run
+# of every graph body, warmup >= 1) and TokenGraphDecoder's (_capture_token: one eager run of the token body).
+@torch.library.custom_op("psr_hf::gated_delta_step", mutates_args=("conv", "recurrent"))
+def _gated_delta_step_op(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, g_in: torch.Tensor,
+                         conv: torch.Tensor, recurrent: torch.Tensor, conv_weight: torch.Tensor,
+                         conv_bias: Optional[torch.Tensor], A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    return gated_delta_step(mixed, z, b, g_in, conv, recurrent, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
+                            norm_eps)
+
+
+@_gated_delta_step_op.register_fake
+def _(mixed: torch.Tensor, z: torch.Tensor, *args: Any) -> torch.Tensor:
+    return mixed.new_empty(1, z.shape[0] * z.shape[1])  # [1, Hv * Dv], a new tensor as the kernel returns
