@@ -47,8 +47,25 @@ PROMPT_TEXT = ("The history of the printing press begins in the fifteenth centur
                "books were made and read across Europe. ")
 
 
+def _random_slice(layers: int, device: torch.device) -> tuple[torch.nn.Module, list[int], dict]:
+    """Qwen3.6-35B-A3B's full-size layers (transformers' Qwen3_5MoeTextConfig defaults), ``layers`` of them in its
+    layer pattern, random bf16 weights: the shape's speed where the grown model is not at hand or does not fit."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    defaults = Qwen3_5MoeTextConfig()
+    config = Qwen3_5MoeTextConfig(num_hidden_layers=layers, layer_types=list(defaults.layer_types[:layers]))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(3, 1000, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, ids, {"name": f"qwen3.6-shape-{layers}-layers", "weights": "random bf16, seed 0"}
+
+
 def _load(name: str, device: torch.device) -> tuple[torch.nn.Module, list[int], dict]:
     """The model, a prompt's ids (``--prompt`` tokens taken later) and its description."""
+    if name.startswith("qwen3.6-shape-"):
+        return _random_slice(int(name.rsplit("-", 1)[1]), device)
     if name == TINY:
         from psr_hf.testing import tiny_model
 
@@ -110,7 +127,8 @@ def _ms_per_token(decoder: Any, prompt: list[int], tokens: list[int], sync: Any)
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=MODEL, help=f"{MODEL} (default) or {TINY} (the CPU smoke test)")
+    p.add_argument("--model", default=MODEL, help=f"{MODEL} (default), qwen3.6-shape-N (N full-size layers of "
+                   f"Qwen3.6-35B-A3B, random bf16 weights) or {TINY} (the CPU smoke test)")
     p.add_argument("--device", default=None, help="default cuda (cpu for the tiny model)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared between the two decoders")
