@@ -184,6 +184,25 @@ def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(progr
     assert slots[0][1].eq(0).all()
 
 
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("count", [3, 4])
+def test_the_copy_kernel_moves_every_tensor_of_an_expert_when_it_has_more_than_two(count):
+    from psr_hf.engine.device_copies import LayerCopies
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(5, 8), (2, 2), (8, 4), (1, 2)][:count]
+    host = [torch.randn(6, *shape, generator=gen).to(torch.float8_e4m3fn if i % 2 == 0 else torch.float32)
+            for i, shape in enumerate(shapes)]
+    slots = [torch.zeros(3, *t.shape[1:], dtype=t.dtype) for t in host]
+    copies = torch.full((1, 5), -1, dtype=torch.int32)
+    copies[0] = torch.tensor([2, 5, 1, 0, 2], dtype=torch.int32)  # expert 5 -> slot 1, expert 0 -> slot 2
+    LayerCopies(host, slots).launch(copies, layer=0, count_column=0, programs=2)
+    for h, s in zip(host, slots):
+        assert torch.equal(s[1].view(torch.uint8), h[5].view(torch.uint8))
+        assert torch.equal(s[2].view(torch.uint8), h[0].view(torch.uint8))
+        assert s[0].view(torch.uint8).eq(0).all()
+
+
 def _trace(rng: np.random.Generator, tokens: int, ties: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     joint = np.stack([np.stack([_scores(rng, ties) for _ in range(L)]) for _ in range(tokens)])  # [T, L, 2E]
     pregate = joint[:, :, E:].copy()

@@ -1,7 +1,8 @@
 """The engine over FP8 experts (CPU, float32, eager): a model loaded from an FP8 checkpoint and offloaded with its
 e4m3 experts and block scales is decoded by the engine's slot MoE in FP8 (:mod:`psr_hf.engine.slot_moe`, the
 kernel's reference form here), with the tokens, logits and routing of the transformers path on the same store,
-and of the engine on the same weights offloaded in float32; the token graph refuses the FP8 store, saying why.
+and of the engine on the same weights offloaded in float32; the token graph takes the FP8 store (its device copies
+move the four tensors of an FP8 expert) and, on a GPU, decides and computes as the host path does, bitwise.
 """
 
 from __future__ import annotations
@@ -75,12 +76,19 @@ def test_the_engine_in_fp8_decodes_what_the_transformers_path_and_the_dequantize
     assert fp8[2].offload.bytes < dense[2].offload.bytes * 0.6  # the copies moved FP8 bytes
 
 
-def test_the_token_graph_refuses_the_fp8_store_saying_why(folder):
+def test_the_token_graph_takes_the_fp8_store_and_copies_its_four_tensors(folder):
+    from psr_hf.engine.slot_moe import filled_slots
+    from psr_hf.engine.token_graph import device_routing_unsupported
+
     model = load_fp8_dequantized(folder, torch.float32)
     offload = OffloadConfig(device="cpu")
     with psr_hf.patched(model, PSR, calibration=False, offload=offload):
-        why = psr_hf.controller(model).expert_store.unsupported_on_device()
-    assert "FP8" in why and "four" in why
+        ctl = psr_hf.controller(model)
+        assert ctl.expert_store.weight_format == "fp8"
+        assert device_routing_unsupported(ctl) is None
+        slots = filled_slots(ctl.expert_store, 0)
+        assert set(slots) == set(ctl.expert_store.expert_weights(0))  # what the device copies move, by name
+        assert {t.dtype for t in slots.values()} == {torch.float8_e4m3fn, torch.float32}
 
 
 # ------------------------------------------------------------------------------------- CUDA
@@ -119,3 +127,25 @@ def test_cuda_fp8_graphs_are_bitwise_eager_and_independent_of_copy_timing(folder
     assert per_expert < 0.6 * bf16_per_expert
     stats = runs[1][3].offload
     assert stats.bytes > 0 and stats.bytes % per_expert == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_the_token_graph_on_fp8_experts_equals_the_host_path_bitwise(folder):
+    from psr_hf.engine.graphs import GraphDecoder
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = load_fp8_dequantized(folder, torch.bfloat16).to("cuda")
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5, 23]])
+    with psr_hf.patched(model, PSR, calibration=False, offload=OffloadConfig(device="cuda")):
+        ctl = psr_hf.controller(model)
+        runs = []
+        for decoder in (GraphDecoder(model, 48), TokenGraphDecoder(model, 48)):
+            ctl.reset()
+            ctl.reset_stats()
+            runs.append((*decoder.generate_greedy(ids, NEW, return_logits=True), ctl.stats()))
+    (host_ids, host_logits, host_stats), (dev_ids, dev_logits, dev_stats) = runs
+    torch.testing.assert_close(dev_ids, host_ids, rtol=0, atol=0)
+    torch.testing.assert_close(dev_logits, host_logits, rtol=0, atol=0)
+    assert dev_stats.offload.bytes == host_stats.offload.bytes > 0
+    np.testing.assert_array_equal(dev_stats.copies_per_token, host_stats.copies_per_token)

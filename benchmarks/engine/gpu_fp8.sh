@@ -6,7 +6,8 @@
 # 3. olmoe-routing grown to OLMoE-1B-7B's dimensions (psr-hf grow, bf16), written as an FP8 checkpoint
 #    (psr-hf quantize), and psr-hf bench --engine on both folders in alternating processes (bf16 fp8 fp8 bf16 ...):
 #    ms/token all resident and at 50% (exact_lru, cp_lam0.2, psr_lam0.3_n1 with their copies-skipped twins), the
-#    copies' bytes and wait per token, until TOTAL_S seconds are spent. Records under $OUT.
+#    copies' bytes and wait per token, until TOTAL_S seconds are spent (CONFIGS: the routed rows; KERNEL_S=0 skips
+#    step 2). Records under $OUT.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -14,7 +15,7 @@ HBM=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 4
 timeout "${TEST_S:-120}" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_moe_fp8.py \
     tests/test_engine_fp8.py 2>&1 | tail -30 > "$OUT/fp8_cuda_tests.txt"
 tail -6 "$OUT/fp8_cuda_tests.txt"
-timeout "${KERNEL_S:-100}" python3 benchmarks/engine/moe_fp8_bench.py --json "$OUT/moe_fp8.json" --hbm-gbps "$HBM" \
+[ "${KERNEL_S:-100}" = 0 ] || timeout "${KERNEL_S:-100}" python3 benchmarks/engine/moe_fp8_bench.py --json "$OUT/moe_fp8.json" --hbm-gbps "$HBM" \
     > "$OUT/moe_fp8.txt" 2>&1
 tail -12 "$OUT/moe_fp8.txt"
 timeout 240 python3 -m psr_hf.cli grow --model olmoe-routing --target olmoe-1b-7b --dtype bf16 --device cuda \
@@ -26,7 +27,7 @@ N=0
 for format in bf16 fp8 fp8 bf16 bf16 fp8 fp8 bf16; do
   [ $((SECONDS - START)) -lt "${TOTAL_S:-450}" ] || break
   timeout 130 python3 -m psr_hf.cli bench --model /tmp/olmoe-$format --engine --hf-configs '' \
-      --configs exact_lru,cp_lam0.2,psr_lam0.3_n1 --capacities 0.5 --no-accelerate --rounds 3 --windows 2 \
+      --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1}" --capacities 0.5 --no-accelerate --rounds 3 --windows 2 \
       --tokens 64 --warmup 1 --json "/tmp/fp8/bench_${format}_$N.json" > "/tmp/fp8/bench_${format}_$N.txt" 2>&1
   echo "$format $N exit $? at $((SECONDS - START)) s"
   grep "^engine" "/tmp/fp8/bench_${format}_$N.txt" | cut -c1-160

@@ -34,22 +34,28 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 class LayerCopies:
     """The copy launches of one MoE layer: ``host`` (pinned ``[E, ...]`` tensors per weight) into ``slots``
-    (device ``[C, ...]`` tensors, the same names in the same order)."""
+    (device ``[C, ...]`` tensors, the same names in the same order). The kernel moves two tensors per launch, so a
+    layer of more tensors (an FP8 expert's weights and their block scales) takes a launch per pair."""
 
     def __init__(self, host: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]):
-        if len(host) != 2 or len(slots) != 2:
-            raise ValueError("expert copies move two weights per expert (gate_up_proj, down_proj)")
-        self.src = [words(t) for t in host]
-        self.dst = [words(t) for t in slots]
-        for s, d in zip(self.src, self.dst):
+        if not host or len(host) != len(slots):
+            raise ValueError(f"expert copies need one slot tensor per host tensor (got {len(host)} host, "
+                             f"{len(slots)} slot tensors)")
+        src = [words(t) for t in host]
+        dst = [words(t) for t in slots]
+        for s, d in zip(src, dst):
             if s.shape[1] != d.shape[1]:
                 raise ValueError("a host expert and its slot differ in size")
+        if len(src) % 2:  # the last launch's second tensor moves nothing
+            src.append(src[-1][:, :0])
+            dst.append(dst[-1][:, :0])
+        self.pairs = [(src[i], dst[i], src[i + 1], dst[i + 1]) for i in range(0, len(src), 2)]
 
     def launch(self, copies: torch.Tensor, layer: int, count_column: int, programs: int) -> None:
         """Copy the pairs of ``copies[layer]`` (int32 ``[L, CW]``) counted at ``count_column`` (pairs follow it)
         with ``programs`` programs. Capturable: the count and the pairs are read on the device."""
-        (src_a, src_b), (dst_a, dst_b) = self.src, self.dst
-        n_a, n_b = src_a.shape[1], src_b.shape[1]
-        kernel(interpreting())[(programs,)](
-            copies, layer * copies.shape[1] + count_column, src_a, dst_a, src_b, dst_b, n_a, n_b,
-            PROGRAMS=programs, BLOCK=BLOCK, num_warps=8)
+        launch = kernel(interpreting())
+        for src_a, dst_a, src_b, dst_b in self.pairs:
+            launch[(programs,)](
+                copies, layer * copies.shape[1] + count_column, src_a, dst_a, src_b, dst_b, src_a.shape[1],
+                src_b.shape[1], PROGRAMS=programs, BLOCK=BLOCK, num_warps=8)

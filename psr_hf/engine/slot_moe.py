@@ -66,14 +66,21 @@ class SlotMoe:
                          backend=backend)
 
 
+def filled_slots(store: ExpertStore, layer: int) -> dict[str, torch.Tensor]:
+    """The slot buffers ``store``'s copies fill for MoE layer ``layer`` (what the engine computes on): the FP8
+    weights and their scales of an FP8 store, else its slot weights."""
+    if store.weight_format == "fp8":
+        return cast("Fp8ExpertStore", store).fp8_slot_weights(layer)
+    return store.slot_weights(layer)
+
+
 def slot_moe(store: ExpertStore, layer: int, device: torch.device) -> SlotMoe:
     """MoE layer ``layer``'s slot computation over ``store``'s buffers (the model's own fused weights where the
     store is resident), checked to be on the engine's ``device``."""
+    w = filled_slots(store, layer)
     if store.weight_format == "fp8":
-        w = cast("Fp8ExpertStore", store).fp8_slot_weights(layer)
         moe = SlotMoe(w["gate_up_proj"], w["down_proj"], w["gate_up_proj_scale_inv"], w["down_proj_scale_inv"])
     else:
-        w = store.slot_weights(layer)
         moe = SlotMoe(w["gate_up_proj"], w["down_proj"])
     if moe.gate_up.device != device:
         raise ValueError(f"MoE layer {layer}: the experts are on {moe.gate_up.device}, the model on {device}")

@@ -29,6 +29,7 @@ from .device_copies import LayerCopies
 from .device_state import DeviceState
 from .graphs import GraphDecoder
 from .moe import triton_available
+from .slot_moe import filled_slots
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
@@ -106,9 +107,8 @@ class TokenGraphDecoder(GraphDecoder):
         if self.offloaded:  # the device copies experts into the slots itself
             store = ctl.expert_store
             for m in range(len(self.moe_layers)):
-                host, slots = store.expert_weights(m), store.slot_weights(m)
-                self._copies.append(LayerCopies([host["gate_up_proj"], host["down_proj"]],
-                                                [slots["gate_up_proj"], slots["down_proj"]]))
+                host, slots = store.expert_weights(m), filled_slots(store, m)
+                self._copies.append(LayerCopies([host[name] for name in slots], list(slots.values())))
         self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
         self._capture_token()
 
@@ -192,9 +192,9 @@ class TokenGraphDecoder(GraphDecoder):
                 slot = spare.pop(0)
                 holder = np.flatnonzero(slots[m] == slot)
                 slots[m, holder] = -1
-                slot_weights = store.slot_weights(m)
-                for name, host in store.expert_weights(m).items():
-                    slot_weights[name][slot].copy_(host[e], non_blocking=True)
+                host_weights = store.expert_weights(m)
+                for name, slot_weight in filled_slots(store, m).items():
+                    slot_weight[slot].copy_(host_weights[name][e], non_blocking=True)
                 slots[m, e] = slot
             for e in np.flatnonzero((slots[m] >= 0) & ~keep):  # anything else is not mapped
                 slots[m, e] = -1

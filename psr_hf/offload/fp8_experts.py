@@ -291,9 +291,6 @@ class Fp8OffloadedExperts(OffloadedExperts):
         ``down_proj_scale_inv`` ``[C, ceil(H/128), ceil(I/128)]``."""
         return self.slots[layer]
 
-    def unsupported_on_device(self) -> str | None:
-        return "the token graph's device copies move an expert's two weight tensors, FP8 experts have four"
-
     def _remember_weights(self) -> None:
         self._seen = [(module._parameters, name, placeholder, placeholder.dtype, placeholder._version)
                       for layer in self.placement.placeholders for module, name, placeholder in layer]
