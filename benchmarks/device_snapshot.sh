@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Here, from the repository root: packs HEAD's code (the package without its shipped model folders, patches/, the
-# tests named as arguments or every test, benchmarks/*.sh and the scripts of benchmarks/engine and benchmarks/qwen36)
-# into .gpu/snap.tar.xz (ignored), a few hundred kB. A device call carries .gpu and unpacks it beside the shipped
+# Here, from the repository root: packs HEAD's code (the package without its shipped model folders, patches/, every
+# test, since a test module may import another, benchmarks/*.sh and the scripts of benchmarks/engine and
+# benchmarks/qwen36) into .gpu/snap.tar.xz (ignored), a few hundred kB. A device call carries .gpu and unpacks it beside the shipped
 # models of the tree it was sent, so the code it runs is exactly HEAD's whatever the working tree holds, and the tree
 # plus the carry stays under the device's 64 MiB:
 #   run(carry=[".gpu"], command='bash .gpu/unpack.sh && cd /tmp/snap && bash benchmarks/engine/gpu_token_graph.sh')
@@ -9,8 +9,8 @@
 # the build a refactor is compared with (benchmarks/engine/gpu_house_round3.sh).
 set -euo pipefail
 commit=$(git rev-parse HEAD)
-tests=("$@")
-[ ${#tests[@]} -gt 0 ] || tests=(tests)
+[ $# -eq 0 ] || { echo "device_snapshot: takes no arguments (every test travels, about 240 kB)" >&2; exit 2; }
+tests=(tests)
 mkdir -p .gpu
 files=$( { git ls-tree -r --name-only "$commit" -- psr_hf patches pyproject.toml tests/conftest.py tests/slow_tests.txt \
              "${tests[@]}" | grep -v '^psr_hf/assets/tiny_moe/\|^psr_hf/assets/olmoe_routing/'

@@ -411,10 +411,18 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
         assert c["source"] == h["source"] == "offload scheduler"
         for r in row["rounds"]:
             assert r["stats"]["tokens"] == tokens  # decode positions only: position 0 left out
-        # the same routing decisions on the same tokens: the same copies, demand and prefetch, round by round
-        for key in ("copies_per_token", "demand_per_token", "prefetch_per_token", "logical_copies_per_token",
-                    "bytes_per_token"):  # not warm_copies_per_window: the start copies depend on what the copy held
+        # the same routing decisions on the same tokens: the same logical copies, demand and prefetch (not
+        # warm_copies_per_window: the start copies depend on what the copy held); the physical ones are those less
+        # the prefetches dropped, which depends on copy timing (a thread here)
+        for key in ("logical_copies_per_token", "logical_demand_per_token", "logical_prefetch_per_token"):
             assert c[key] == pytest.approx(h[key]), (name, key)
+        for x in (c, h):
+            assert x["copies_per_token"] <= x["logical_copies_per_token"] + 1e-9, name
+            assert x["copies_per_token"] + x["dropped_per_token"] >= x["logical_copies_per_token"] - 1e-9, name
+            assert x["demand_per_token"] == pytest.approx(x["logical_demand_per_token"]), name
+        if h["copies_per_token"] > 0:  # every copy moves one expert's bytes
+            assert c["bytes_per_token"] * h["copies_per_token"] == pytest.approx(
+                h["bytes_per_token"] * c["copies_per_token"]), name
     assert rows["engine_exact_lru_res25"]["copies"]["demand_per_token"] > 0
     goals = [g for g in record["goals"] if "engine" in g["goal"]]
     # ms/token (3), exact_lru / psr (2), cp / psr (2), host time per layer and per copy for each copies-skipped twin
@@ -533,3 +541,18 @@ def test_a_cpu_run_judges_no_goal():
     on_cpu = goals.evaluate_goals(rows, cuda=False)
     assert on_cpu and {g["status"] for g in on_cpu} == {goals.NEEDS_GPU}
     assert "not met" in {g["status"] for g in goals.evaluate_goals(rows, cuda=True)}
+
+
+def test_a_device_decided_row_leaves_prefetch_timing_unmeasured_not_zero():
+    from psr_hf.bench.rows import ENGINE
+    from psr_hf.bench.summary import OFFLOAD_KEYS, PREFETCH_TIMING_KEYS, _copies
+
+    offload = {key: 0.0 for key in OFFLOAD_KEYS} | {"copies_per_token": 3.0, "prefetch_per_token": 2.0,
+                                                    "demand_per_token": 1.0, "prefetch_in_time_per_token": 0.0}
+    rounds = [{"tokens": 8, "routing": {"copies_per_token": 3.0}, "offload": offload}]
+    info = {"moe_layers": 2, "top_k": 2}
+    host = _copies(ENGINE, rounds, info, decided_on="host")
+    device = _copies(ENGINE, rounds, info, decided_on="device")
+    assert all(host[key] == 0.0 for key in PREFETCH_TIMING_KEYS) and "ready_recall" in host
+    assert all(device[key] is None for key in PREFETCH_TIMING_KEYS) and "ready_recall" not in device
+    assert device["copies_per_token"] == 3.0 and "GPU" in device["prefetch_timing"]

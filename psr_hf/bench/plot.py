@@ -145,7 +145,8 @@ def _copies_panel(ax: Axes, rows: _PlotRows) -> None:
     """Panel (b): each routed row's copies per token stacked by kind, ms/token as dots on a second axis."""
     routed, resident = rows.routed, rows.resident
     x = np.arange(len(routed), dtype=float)
-    physical = bool(routed) and all(row["copies"]["source"] == "offload scheduler" for row in routed)
+    physical = bool(routed) and all(row["copies"]["source"] == "offload scheduler"
+                                    and row["copies"].get("prefetch_late_per_token") is not None for row in routed)
     if physical:
         categories = _CATEGORIES
     else:

@@ -45,9 +45,16 @@ def _round_stats(runs: list[WindowRun]) -> dict[str, Any] | None:
     return {"tokens": int(sum(weights)), "routing": routing, "offload": offload}
 
 
-def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[str, Any]) -> dict[str, Any]:
+#: the prefetch timing categories the host sees only where it issues the copies itself
+PREFETCH_TIMING_KEYS = ("prefetch_in_time_per_token", "prefetch_late_per_token", "prefetch_unused_per_token")
+
+
+def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[str, Any],
+            decided_on: str | None = None) -> dict[str, Any]:
     """Copies per token of a row (means over rounds), in the table's categories; ``source`` says where they come
-    from: the offload scheduler, the logical cache only, or the row's construction (resident, accelerate)."""
+    from: the offload scheduler, the logical cache only, or the row's construction (resident, accelerate).
+    ``decided_on="device"`` (the engine's token graph): the GPU issued the copies, so whether a prefetch arrived in
+    time was not observed and those categories are None, not 0."""
     if kind in (RESIDENT, ENGINE_RESIDENT):
         return {"source": "all experts resident: nothing is copied", "copies_per_token": 0.0,
                 "demand_per_token": 0.0, "prefetch_per_token": 0.0, "prefetch_in_time_per_token": 0.0,
@@ -76,8 +83,12 @@ def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[
         for key in (*OFFLOAD_KEYS, "warm_copies_per_window"):
             if all(key in r for r in offload):
                 out[key] = float(np.mean([r[key] for r in offload]))
+        if decided_on == "device":
+            for key in PREFETCH_TIMING_KEYS:
+                out[key] = None
+            out["prefetch_timing"] = "not observed: the GPU decided and issued the copies (token graph)"
         executed = float(model_info["moe_layers"] * model_info["top_k"])  # experts executed per token
-        if executed and "demand_per_token" in out and "prefetch_late_per_token" in out:
+        if executed and "demand_per_token" in out and out.get("prefetch_late_per_token") is not None:
             # SpecPrefetch's ReadyRecall (exact routing: the executed experts are the router's own top-K): the share
             # of executed experts already on the device when their layer started, neither loaded on demand nor a
             # prefetch still in flight
@@ -144,7 +155,7 @@ def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]
             "p99_ms": float(np.percentile(every, 99)),
             "ratio_to_resident": ratio,
             "reference": None if row.name == RESIDENT else reference,
-            "copies": _copies(row.kind, round_stats, model_info),
+            "copies": _copies(row.kind, round_stats, model_info, (decided_on or {}).get(row.name)),
             "memory": memory.get(row.name),
             "decided_on": (decided_on or {}).get(row.name),
             "rounds": [{"ms_per_token": mean, "ms": run, "stats": stats}
