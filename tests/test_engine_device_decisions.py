@@ -253,3 +253,20 @@ def test_replay_on_device_names_what_is_missing():
     with pytest.raises(ValueError, match="tokens must have shape"):
         replay_on_device(CONFIGS["psr_score"], scores=np.zeros((2, L, E), np.float32), tokens=[1], top_k=K,
                          device="cpu")
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_the_decision_kernel_bench_runs_every_variant_on_the_cpu(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "engine" / "decide_kernel_bench.py"
+    spec = importlib.util.spec_from_file_location("decide_kernel_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decide.json"
+    record = bench.main(["--device", "cpu", "--layers", "2", "--experts", "16", "--top-k", "4", "--vocab", "32",
+                         "--warps", "4", "--json", str(out)])
+    assert [r["variant"] for r in record["rows"]] == list(bench.VARIANTS)
+    assert json.loads(out.read_text())["rows"][0]["warps"] == 4

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The token graph's GPU run, as one device command: its cuda tests (device decisions compiled vs numba, the token
+# The token graph's GPU run, as one device command: benchmarks/engine/decide_kernel_bench.py (the decision kernel
+# alone, by feature and warps), its cuda tests (device decisions compiled vs numba, the token
 # graph vs the host-routed GraphDecoder on tiny models), benchmarks/engine/token_graph_profile.py (the GPU's time per
 # token, host time per step, kernels), benchmarks/engine/token_graph_vs_host.py on grown-olmoe-routing (bitwise
 # tokens/logits, statistics, ms/token in interleaved rounds) and benchmarks/engine/device_decisions_record.py
@@ -7,6 +8,8 @@
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
+PYTHONUNBUFFERED=1 timeout "${DECIDE_S:-90}" python3 benchmarks/engine/decide_kernel_bench.py \
+    --json "$OUT/decide_kernel.json" 2>&1 | tee "$OUT/decide_kernel.txt" | tail -30
 timeout "${TEST_S:-240}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_engine_device_decisions.py \
     tests/test_engine_token_graph.py 2>&1 | tail -40 > "$OUT/token_graph_cuda_tests.txt"
 tail -25 "$OUT/token_graph_cuda_tests.txt"
