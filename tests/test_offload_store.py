@@ -197,10 +197,24 @@ def test_every_copy_link_has_the_protocols_members_and_the_cpu_gets_the_thread()
 def test_every_store_has_the_protocols_members():
     for protocol, classes in ((PatchedExpertStore, (ResidentExperts, OffloadedExperts, Fp8OffloadedExperts)),
                               (ExpertStore, (ExpertSlots,)), (Fp8ExpertStore, (Fp8OffloadedExperts,))):
-        members = _members(protocol) - {"offloaded", "capacity", "weight_format"}
+        members = _members(protocol) - {"offloaded", "capacity", "weight_format", "slot_generation"}
         for cls in classes:
             missing = {m for m in members if not callable(getattr(cls, m, None))}
             assert not missing, (cls.__name__, missing)
             assert isinstance(cls.offloaded, bool)
+            assert cls is OffloadedExperts or cls is Fp8OffloadedExperts or isinstance(cls.slot_generation, int)
             assert cls.weight_format == ("fp8" if protocol is Fp8ExpertStore or cls is Fp8OffloadedExperts
                                          else "model"), cls.__name__
+
+
+def test_an_offloaded_stores_slot_generation_changes_exactly_when_its_slots_are_allocated_again():
+    model = tiny_model("olmoe", dtype=torch.float32)
+    with psr_hf.patched(model, RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5),
+                        offload=psr_hf.OffloadConfig(device="cpu")):
+        ctl = psr_hf.controller(model)
+        store = ctl.expert_store
+        first = store.slot_generation
+        ctl.reconfigure(RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.5))  # same capacity
+        assert store.slot_generation == first
+        ctl.reconfigure(RoutingConfig(policy="psr", lam=0.2, budget=1, residency=0.25))  # fewer slots
+        assert store.slot_generation == first + 1

@@ -84,6 +84,7 @@ class GraphDecoder(DecoderBase):
             moe.check(b.normed[0], b.expert_ids[0], b.expert_weights[0], b.hidden[0], b.hidden[0], L.config)
             self._slot_moes.append(moe)
         self._slot_addresses = self._addresses()
+        self._slot_store = (ctl.expert_store, ctl.expert_store.slot_generation)  # checked when either changes
         # workspaces of the Triton path ([K, I] float32, one per intermediate size)
         self._workspaces: dict[int, torch.Tensor] = {}
         if self.backend == "triton":
@@ -333,9 +334,15 @@ class GraphDecoder(DecoderBase):
         self.position = 0
 
     def _check_slot_buffers(self) -> None:
-        if self.offloaded and self._addresses() != self._slot_addresses:
+        if not self.offloaded:
+            return
+        store = self.controller.expert_store
+        if self._slot_store == (store, store.slot_generation):  # the buffers were not allocated again
+            return
+        if self._addresses() != self._slot_addresses:
             raise RuntimeError("GraphDecoder: the offload's slot buffers were reallocated (the expert weights "
                                "changed dtype or device); build a new GraphDecoder")
+        self._slot_store = (store, store.slot_generation)  # allocated again at the same addresses
 
     def check_sequence_start(self) -> None:
         self._check_slot_buffers()

@@ -79,13 +79,19 @@ class _Router:
     source: tuple = ()  # the router weights' versions and addresses when ``stacked`` was built (see sync_routers)
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight`` without ``Module.__getattr__`` (about 1 us a call, and this is read before every step)."""
+    weight = module._parameters.get("weight")
+    return module.weight if weight is None else weight
+
+
 def _router_source(router: nn.Module, following: nn.Module | None) -> tuple:
     """What an in-place change (``_version``) or a replacement or conversion (``data_ptr``) of the router weights
     that ``stacked`` is built from changes (read before every step: two attributes per weight)."""
-    a = router.weight
+    a = _weight(router)
     if following is None:
         return a._version, a.data_ptr()
-    b = following.weight
+    b = _weight(following)
     return a._version, a.data_ptr(), b._version, b.data_ptr()
 
 

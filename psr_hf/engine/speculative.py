@@ -70,6 +70,7 @@ class ExpertSlots:
 
     offloaded = True
     weight_format = "model"
+    slot_generation = 0  # the slot buffers are allocated once, here
 
     def __init__(self, experts_modules: list[torch.nn.Module], slots: int, device: torch.device, copy: bool = True):
         self.device, self.copy = torch.device(device), bool(copy)

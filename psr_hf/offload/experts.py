@@ -154,6 +154,7 @@ class OffloadedExperts:
         return place(model, self.modules, self.num_experts, capacity, self.device, self.config.pin_memory)
 
     def _allocate(self, capacity: int) -> None:
+        self.slot_generation = getattr(self, "slot_generation", 0) + 1
         self.capacity = C = int(capacity)
         store = self.placement.store
         self.slots = [{name: torch.empty((C, *t.shape[1:]), dtype=t.dtype, device=self.device)

@@ -102,12 +102,15 @@ class ExpertStore(Protocol):
       module's layout;
     - :meth:`experts_module`: the layer's experts module over the slots, for transformers' experts functions;
     - :meth:`decode_slots` and :meth:`decode_done`: the slots of the experts a computation reads, once their
-      copies are waited for, and the moment that computation is issued (the slots may be overwritten after it).
+      copies are waited for, and the moment that computation is issued (the slots may be overwritten after it);
+    - ``slot_generation``: a number that changes whenever the slot buffers are allocated again, so that a decoder
+      whose graphs read their addresses checks them only then (once per step is one comparison).
     """
 
     offloaded: bool
     capacity: int
     weight_format: str
+    slot_generation: int
 
     def expert_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Every expert of ``layer`` where the store keeps it: ``[E, ...]`` per weight name."""
@@ -209,6 +212,7 @@ class ResidentExperts:
 
     offloaded = False
     weight_format = "model"
+    slot_generation = 0  # the model's own weights: a decoder reads them where they are (not offloaded)
 
     def __init__(self, modules: list[nn.Module], num_experts: int):
         self.modules = modules
