@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import numpy as np
 import torch
+
+from psr_hf.bench.common import graph_replay, timed_us
 
 #: name -> (routing config keywords, offloaded, token prior)
 VARIANTS = {
@@ -69,29 +70,6 @@ def _token(state, scores: torch.Tensor, decide: bool) -> None:
             state.decide(m)
 
 
-def _graph(state, scores: torch.Tensor, decide: bool) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _token(state, scores, decide)  # compiles the kernel before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        _token(state, scores, decide)
-    torch.cuda.synchronize()
-    return graph
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / replays
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -115,13 +93,12 @@ def main(argv: list[str] | None = None) -> dict:
         for warps in args.warps:
             state, scores = _state(name, args, device, warps)
             if cuda:
-                with_decide, copies_only = _graph(state, scores, True), _graph(state, scores, False)
-                rounds = [(_replay_us(with_decide, args.replays) - _replay_us(copies_only, args.replays))
-                          / args.layers for _ in range(args.rounds)]
+                with_decide = graph_replay(lambda: _token(state, scores, True), device)
+                copies_only = graph_replay(lambda: _token(state, scores, False), device)
+                rounds = [(timed_us(with_decide, args.replays, device) - timed_us(copies_only, args.replays, device))
+                          / args.replays / args.layers for _ in range(args.rounds)]
             else:
-                start = time.perf_counter()
-                _token(state, scores, True)
-                rounds = [(time.perf_counter() - start) * 1e6 / args.layers]
+                rounds = [timed_us(lambda: _token(state, scores, True), 1, device) / args.layers]
             state.check()
             row = {"variant": name, "warps": warps, "us_per_layer_rounds": rounds,
                    "us_per_layer_median": statistics.median(rounds)}

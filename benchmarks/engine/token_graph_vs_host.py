@@ -15,13 +15,13 @@ import argparse
 import gc
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
 
 import psr_hf
 from psr_hf.assets.loading import load_model
+from psr_hf.bench.common import teacher_forced_ms
 from psr_hf.bench.runners import weight_sharing_copy
 from psr_hf.engine.graphs import GraphDecoder
 from psr_hf.engine.token_graph import TokenGraphDecoder
@@ -48,18 +48,6 @@ def _greedy(decoder, prompt: list[int], n: int) -> tuple[list[int], list[torch.T
         tokens.append(token)
         logits = decoder.step(token)
     return tokens, seen
-
-
-def _time(decoder, prompt: list[int], tokens: list[int]) -> float:
-    """ms/token of stepping ``tokens`` (the greedy continuation, teacher-forced: the host never waits for a token)
-    after the prompt."""
-    decoder.prefill(prompt, batched=False)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for token in tokens:
-        decoder.step(token)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / len(tokens)
 
 
 def _ratio_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -118,7 +106,7 @@ def main() -> None:
         for r in range(args.rounds):  # interleaved rounds, the order turned each round
             order = list(decoders.items())
             for label, decoder in (order if r % 2 == 0 else order[::-1]):
-                times[label].append(_time(decoder, prompt, host_tokens))
+                times[label].append(teacher_forced_ms(decoder, prompt, host_tokens, torch.cuda.synchronize, batched=False))
         record = {"row": name, "host_stats": repr(host_stats), "host_ms": times["host"],
                   "host_ms_median": statistics.median(times["host"]), "devices": {}}
         print(f"{name:22s} host {record['host_ms_median']:.3f} ms/token   {host_stats}", flush=True)

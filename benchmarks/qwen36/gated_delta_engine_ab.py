@@ -114,17 +114,6 @@ def _greedy(decoder: Any, prompt: list[int], n: int) -> tuple[list[int], list[to
     return tokens, seen
 
 
-def _ms_per_token(decoder: Any, prompt: list[int], tokens: list[int], sync: Any) -> float:
-    """ms/token of stepping ``tokens`` teacher-forced after the prompt (the host never waits for a token)."""
-    decoder.prefill(prompt, batched=False)
-    sync()
-    start = time.perf_counter()
-    for token in tokens:
-        decoder.step(token)
-    sync()
-    return (time.perf_counter() - start) * 1e3 / len(tokens)
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=MODEL, help=f"{MODEL} (default), qwen3.6-shape-N (N full-size layers of "
@@ -144,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # the kernel runs in Triton's interpreter (CPU tensors)
 
-    from psr_hf.bench.common import device_sync, machine, paired_ratio, quiet_uncalibrated, summarize, versions
+    from psr_hf.bench.common import (device_sync, machine, paired_ratio, quiet_uncalibrated, summarize,
+                                     teacher_forced_ms, versions)
     from psr_hf.engine.gated_delta_kernel import Shape, step_bytes
 
     sync = device_sync(device)
@@ -180,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     ms: dict[str, list[float]] = {name: [] for name in NAMES}
     for r in range(args.rounds):  # interleaved, the first one alternating
         for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
-            ms[name].append(_ms_per_token(decoders[name], prompt, continuation[:args.tokens], sync))
+            ms[name].append(teacher_forced_ms(decoders[name], prompt, continuation[:args.tokens], sync,
+                                              batched=False))
     say("timed")
 
     rows = {name: summarize(ms[name]) for name in NAMES}

@@ -108,6 +108,20 @@ def device_sync(device: Any) -> Callable[[], None]:
     return lambda: None
 
 
+def teacher_forced_ms(decoder: Any, prompt: list[int], tokens: Sequence[int], sync: Callable[[], None], *,
+                      batched: bool | None = None) -> float:
+    """Mean ms of an engine decoder's step over ``tokens`` fed in turn (teacher-forced: the host never waits for a
+    token), after an untimed prefill of ``prompt`` (``batched``: :meth:`prefill`'s); ``sync`` waits for the device
+    (:func:`device_sync`)."""
+    decoder.prefill(prompt, batched=batched)
+    sync()
+    start = time.perf_counter()
+    for token in tokens:
+        decoder.step(token)
+    sync()
+    return (time.perf_counter() - start) * 1e3 / len(tokens)
+
+
 def graph_replay(run: Callable[[], None], device: Any) -> Callable[[], None]:
     """``run`` captured as one CUDA graph on the torch ``device``, after two warm-up calls on a side stream (they
     compile its kernels), returned as the graph's replay, which keeps ``run`` and so the tensors it reads alive (the

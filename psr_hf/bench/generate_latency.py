@@ -34,7 +34,8 @@ from ..eval.grid import routing_from_name
 from ..hf.installation import CONTROLLER_ATTRIBUTE
 from ..hf.patching import controller, patch, unpatch
 from ..policy.config import RoutingConfig
-from .common import describe_model, device_sync, machine, paired_summary, rotated, summarize, versions
+from .common import (describe_model, device_sync, machine, paired_summary, rotated, summarize, teacher_forced_ms,
+                     versions)
 from .generate_sizes import CUDA_SIZES, SETUPS
 from .runners import offload_config
 
@@ -128,17 +129,6 @@ def _decode_ms(sync: Callable[[], None], model: Any, ids: torch.Tensor, new: int
     clock = TokenClock()
     _, out = _timed(sync, lambda: _generate(model, ids, new, sample=sample, seed=seed, pad=pad, streamer=clock))
     return clock.decode_ms(), out[0, ids.shape[1]:].tolist()
-
-
-def _step_ms(decoder: Any, prompt: list[int], tokens: list[int], sync: Callable[[], None]) -> float:
-    """Mean ms of the engine's own step over ``tokens``, after a prefill of ``prompt`` (untimed)."""
-    decoder.prefill(prompt)
-    sync()
-    start = time.perf_counter()
-    for token in tokens:
-        decoder.step(token)
-    sync()
-    return (time.perf_counter() - start) * 1e3 / len(tokens)
 
 
 def prefill_agreement(model: Any, decoder: Any, prompt: list[int], sync: Callable[[], None]) -> dict[str, Any]:
@@ -236,9 +226,9 @@ def _measure_setup(name: str, model: Any, prompt: torch.Tensor, config: Generate
             elif task == "step":
                 greedy = continuation or _generate(model, ids, N + 1, sample=False, seed=r, pad=pad)[
                     0, ids.shape[1]:].tolist()
-                runs["step"].append(_step_ms(decoder, prompt_list, greedy[:N], sync))
+                runs["step"].append(teacher_forced_ms(decoder, prompt_list, greedy[:N], sync))
             elif task == "step_sampled":
-                runs["step_sampled"].append(_step_ms(decoder, prompt_list, sample_continuation(r)[:N], sync))
+                runs["step_sampled"].append(teacher_forced_ms(decoder, prompt_list, sample_continuation(r)[:N], sync))
             elif task == "forward":
                 runs["forward"].append(_forward_ms(model, ids, sync))
             elif task == "by_token" and config.by_token:
