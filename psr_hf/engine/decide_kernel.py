@@ -284,19 +284,24 @@ def decide_kernel(
                 nslot_of = tl.load(slot_of_ptr + nxt * E + offs, mask=emask, other=-1)
                 nexpert_of = tl.load(expert_of_ptr + nxt * C + cidx, mask=cidx < C, other=-2)
                 ncopies = tl.load(copies_ptr + nxt * CW + cw, mask=cw < CW, other=-1)
-            # the window in rank order until the budget is spent or an insertion finds no victim; after the budget
-            # the rest of the window only protects what it holds, which the insertions no longer change
+            # the window in rank order until the budget is spent or an insertion finds no victim. A held expert
+            # is only protected, so each pass protects the held run up to the next expert not held (against the
+            # residency as the insertions left it) in one vector step and inserts that one: the same order as one
+            # expert per pass, in as many passes as insertions. After the budget the rest of the window only
+            # protects what it holds, which the insertions no longer change.
             stopped = n_ins != 0  # False
             i = 0
             while (i < WINDOW) & (n_ins < BUDGET) & (stopped == 0):
-                e = tl.reduce(tl.where(grank == i, offs, 0), 0, tl.standard._sum_combine)
-                held = tl.reduce((nres & (offs == e)).to(tl.int32), 0, tl.standard._sum_combine) > 0
-                nprot = nprot | (held & (offs == e))
+                ahead = (grank >= i) & (grank < WINDOW) & emask
+                nxt_rank = tl.reduce(tl.where(ahead & (nres == 0), grank, WINDOW), 0, tl.standard._elementwise_min)
+                nprot = nprot | (ahead & nres & (grank < nxt_rank))
+                do = nxt_rank < WINDOW
+                e = tl.reduce(tl.where(grank == nxt_rank, offs, 0), 0, tl.standard._sum_combine)
                 full = n_res_next == C
                 v = _evict(npri, nres & (nprot == 0), offs, BIG)
-                stop_now = (held == 0) & full & (v < 0)
+                stop_now = do & full & (v < 0)
                 stopped = stopped | stop_now
-                do = (held == 0) & (stop_now == 0)
+                do = do & (stop_now == 0)
                 victim = tl.where(full, v, -1)
                 nres = tl.where(do & (offs == victim), 0, nres) != 0
                 n_res_next = n_res_next + tl.where(do & (victim < 0), 1, 0)
@@ -312,7 +317,7 @@ def decide_kernel(
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins), e, ncopies)
                     ncopies = tl.where(do & (cw == C_PREFETCH + 2 * n_ins + 1), slot, ncopies)
                 n_ins = n_ins + do.to(tl.int32)
-                i = i + 1
+                i = nxt_rank + 1
             nprot = nprot | ((stopped == 0) & nres & (grank >= i) & (grank < WINDOW))
             ok = error == 0
             pplan = tl.where(pw == N_PREFETCH, n_ins.to(tl.int64), pplan)
