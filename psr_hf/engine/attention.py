@@ -6,10 +6,13 @@ or depends on a tensor's value (the capture rules: docs/engine.md, "Inside the e
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 #: RoPE types whose frequencies and output scaling are fixed (independent of the sequence length)
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
@@ -76,6 +79,31 @@ def attention_block(attention: Any, static: Any, tensors: dict, norms: tuple, hi
     attn = attention(static, tensors, norm(hidden, w_in, eps_in), position, *cache)
     out_hidden.copy_(hidden + attn)
     out_normed.copy_(norm(out_hidden, w_post, eps_post))
+
+
+def check_kernel_option(option: Any, name: str) -> None:
+    """``ValueError`` unless a kernel option ``name`` is None, True or False (:func:`choose_kernel`)."""
+    if option not in (None, True, False):
+        raise ValueError(f"{name} must be None (the kernel on CUDA where it runs), True or False, got {option!r}")
+
+
+def choose_kernel(option: bool | None, name: str, device: torch.device, why: str | None) -> bool:
+    """Whether a family's optional Triton kernel runs (its option ``name``): None, on CUDA where it can (``why`` is
+    None), else the torch path; True, the kernel or ``ValueError`` saying ``why`` not (on the CPU it runs inside
+    triton's interpreter, ``TRITON_INTERPRET=1``, for tests); False, the torch path."""
+    check_kernel_option(option, name)
+    if option is False:
+        return False
+    if option is True:
+        if why is not None:
+            raise ValueError(f"{name}=True: the kernel cannot run here: {why}; pass {name}=None (the kernel where it "
+                             f"can run, else the torch path) or False (the torch path)")
+        return True
+    if device.type != "cuda":
+        return False  # off CUDA the torch path (the interpreter only when asked for, with True)
+    if why is not None:
+        logger.info("psr_hf engine: %s is off: %s", name, why)
+    return why is None
 
 
 def rope_params(config: Any) -> dict:

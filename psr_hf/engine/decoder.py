@@ -185,17 +185,19 @@ class Decoder(DecoderBase):
     recording are the controller's (``psr_hf.controller(model)``): the decoder is one more caller of it.
     ``backend``: the slot MoE's (:func:`psr_hf.engine.moe.choose_backend`); ``absorb_mla``: DeepSeek-V3
     attention; ``gated_delta_kernel``: the Gated DeltaNet step of Qwen3.5/3.6-MoE and Qwen3-Next as one Triton kernel
-    (None: on CUDA where it runs; :class:`~psr_hf.engine.families.qwen3_5_moe.Qwen35MoeLayers`), both the families'
-    own options (:func:`psr_hf.engine.families.build_layers`).
+    (None: on CUDA where it runs; :class:`~psr_hf.engine.families.qwen3_5_moe.Qwen35MoeLayers`);
+    ``attention_kernels``: OLMoE's q/k/v projections and attention as Triton kernels (None: on CUDA where they run;
+    :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`), all the families' own options (:func:`psr_hf.engine.families.build_layers`).
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto",
-                 gated_delta_kernel: bool | None = None):
+                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None):
         self.model = model
         self.controller = _controller(model)
         self.decode_handle = self.controller.decode_handle()
         self.layers: DecodeLayers = build_layers(model, max_len, absorb_mla=absorb_mla,
-                                                 gated_delta_kernel=gated_delta_kernel)
+                                                 gated_delta_kernel=gated_delta_kernel,
+                                                 attention_kernels=attention_kernels)
         self.backend = backend
         L = self.layers
         ctl = self.controller

@@ -45,17 +45,18 @@ class GraphDecoder(DecoderBase):
     ``compile``: the attention blocks through ``torch.compile`` (:meth:`DecodeLayers.compile_blocks`: the
     norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
     (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
-    layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``:
-    the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the Gated DeltaNet kernel
+    layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``,
+    ``attention_kernels``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the Gated DeltaNet kernel
     compiles in the warm-up, before capture)."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
                  backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True,
-                 gated_delta_kernel: bool | None = None):
+                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None):
         self.model = model
         self.controller = ctl = _controller(model)
         self.decode_handle = ctl.decode_handle()
-        L = build_layers(model, max_len, absorb_mla=absorb_mla, gated_delta_kernel=gated_delta_kernel)
+        L = build_layers(model, max_len, absorb_mla=absorb_mla, gated_delta_kernel=gated_delta_kernel,
+                         attention_kernels=attention_kernels)
         self.layers: DecodeLayers = L
         self.device = L.device
         self.graphs = bool(graphs)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import StaticKVCache, apply_rope, cos_sin, rms_norm, write_kv
+from .. import decode_attention_kernel, gemv_kernel
+from ..attention import StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin, rms_norm, write_kv
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -22,9 +23,21 @@ from . import register_layers
 @register_layers("olmoe")
 class OlmoeLayers(DecodeLayers):
     """OLMoE: q/k RMSNorm over the whole projections, RoPE (rotate-half), grouped-query attention when
-    ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts."""
+    ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts.
+
+    ``attention_kernels``, the family's option: the q/k/v projections as one Triton launch
+    (:func:`~psr_hf.engine.gemv_kernel.linear_many`) and the attention over the cache's filled slots only
+    (:func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, which reads the position on the device; the
+    torch path scores all ``max_len`` slots and masks the later ones). None (default): the kernels where the model
+    is on CUDA and they run there, else torch; True: the kernels or ``ValueError`` saying why not (on the CPU in
+    triton's interpreter, for tests); False: torch. The two agree within the dtype's rounding, not bitwise."""
 
     listing_order = 1  # first in the lists of supported families (the paper's first model)
+
+    def __init__(self, model: torch.nn.Module, max_len: int, *, attention_kernels: bool | None = None):
+        check_kernel_option(attention_kernels, "attention_kernels")
+        self._kernel_option = attention_kernels
+        super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
         c = self.config
@@ -52,9 +65,12 @@ class OlmoeLayers(DecodeLayers):
                              f"head_dim**-0.5 = {self.scaling}: unsupported")
         self.clip_qkv = getattr(self.config, "clip_qkv", None)
 
+        why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
+            self.device, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
         self._attention_fn = _olmoe_attention
         self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
-                                    self.rope_scaling)
+                                    self.rope_scaling, self.attention_kernels)
         for refs in self._attn:
             refs["inv_freq"] = self.inv_freq
 
@@ -90,15 +106,20 @@ class _OlmoeStatic:
     scaling: float
     clip_qkv: float | None
     rope_scaling: float
+    kernels: bool  # the attention_kernels option
 
 
 def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    q = rms_norm(F.linear(x, *a["q_proj"]), *a["q_norm"])
-    k = rms_norm(F.linear(x, *a["k_proj"]), *a["k_norm"])
-    v = F.linear(x, *a["v_proj"])
+    if s.kernels:
+        (wq, bq), (wk, bk), (wv, bv) = a["q_proj"], a["k_proj"], a["v_proj"]
+        q, k, v = torch.ops.psr_hf.linear_many(x, [wq, wk, wv], [bq, bk, bv])
+    else:
+        q, k, v = F.linear(x, *a["q_proj"]), F.linear(x, *a["k_proj"]), F.linear(x, *a["v_proj"])
+    q = rms_norm(q, *a["q_norm"])
+    k = rms_norm(k, *a["k_norm"])
     if s.clip_qkv is not None:
         q = q.clamp(min=-s.clip_qkv, max=s.clip_qkv)
         k = k.clamp(min=-s.clip_qkv, max=s.clip_qkv)
@@ -108,6 +129,9 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
     k = apply_rope(k.view(nKV, D), cos, sin, False)
     write_kv(keys, position, k)
     write_kv(values, position, v.view(nKV, D))
+    if s.kernels:
+        out = torch.ops.psr_hf.decode_attention(q, keys, values, position, s.scaling)
+        return F.linear(out.reshape(1, nH * D), *a["o_proj"])
     scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
     scores = scores.masked_fill(slots > position, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -26,7 +26,6 @@ inputs and the final recurrent state), and they are copied into this state.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,12 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import apply_rope, cos_sin, write_kv, zero_centred_rms_norm
+from ..attention import apply_rope, check_kernel_option, choose_kernel, cos_sin, write_kv, zero_centred_rms_norm
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
 from . import register_layers
 
-logger = logging.getLogger(__name__)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -112,9 +110,7 @@ class Qwen35MoeLayers(DecodeLayers):
     def __init__(self, model: nn.Module, max_len: int, *, gated_delta_kernel: bool | None = None):
         # the family's one option (DecodeLayers.family_options), passed on by build_layers; decided in
         # _build_attention, once the heads are known
-        if gated_delta_kernel not in (None, True, False):
-            raise ValueError(f"gated_delta_kernel must be None (the kernel on CUDA where it runs), True or False, got "
-                             f"{gated_delta_kernel!r}")
+        check_kernel_option(gated_delta_kernel, "gated_delta_kernel")
         self._kernel_option = gated_delta_kernel
         super().__init__(model, max_len)
 
@@ -156,22 +152,11 @@ class Qwen35MoeLayers(DecodeLayers):
 
     def _choose_gated_delta_step(self) -> bool:
         """Whether the Gated DeltaNet layers run the one-kernel step (the ``gated_delta_kernel`` option)."""
-        option = self._kernel_option
-        if option is False:
+        if self._kernel_option is False:
             return False
         norm_dtype = next(a["norm"][0].dtype for t, a in zip(self.layer_types, self._attn) if t == LINEAR)
         why = unsupported(self.device, self.k_dim, self.v_dim, self.dtype, norm_dtype)
-        if option is True:
-            if why is not None:
-                raise ValueError(f"gated_delta_kernel=True: the Gated DeltaNet kernel cannot run here: {why}; pass "
-                                 "gated_delta_kernel=None (the kernel where it can run, else the torch step) or False "
-                                 "(the torch step)")
-            return True
-        if self.device.type != "cuda":
-            return False  # off CUDA the torch step (the interpreter only when asked for, with True)
-        if why is not None:
-            logger.info("psr_hf engine: the Gated DeltaNet layers run the torch step: %s", why)
-        return why is None
+        return choose_kernel(self._kernel_option, "gated_delta_kernel", self.device, why)
 
     def _full_refs(self, i: int, a: torch.nn.Module) -> dict:
         refs = {**self._projections(i, a, ("q_proj", "k_proj", "v_proj", "o_proj")),
