@@ -2,7 +2,9 @@
 side by side in one process: greedy tokens and every step's logits compared bitwise, the routing statistics and
 copy counts compared, then ms/token of the greedy tokens teacher-forced, in interleaved rounds (median and a 95%
 interval of the per-round ratio host/device). ``--prefetch-programs`` compares token graphs whose prefetch copies run
-on that many programs.
+on that many programs. ``--torch-attention`` adds a token graph whose OLMoE attention runs the torch ops instead
+of the Triton kernels (``attention_kernels=False``; the other decoders take the default, the kernels on CUDA), and
+prints the speed-up of the kernels: its ms/token over the default token graph's, per round.
 
     python benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing --tokens 64 --rounds 5 --json OUT
 
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. psr_lam0.3_n1@0.5)")
     ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[8],
                     help="the token graph's programs for a layer's prefetch copies; one device decoder per value")
+    ap.add_argument("--torch-attention", action="store_true",
+                    help="also a token graph with attention_kernels=False: the kernels' speed-up side by side")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     source, tokenizer, info = load_model(args.model, "cuda")
@@ -95,6 +99,8 @@ def main() -> None:
         for programs in args.prefetch_programs:
             label = "device" if len(args.prefetch_programs) == 1 else f"device_p{programs}"
             decoders[label] = TokenGraphDecoder(model, max_len, prefetch_programs=programs)
+        if args.torch_attention:
+            decoders["device_torch_attention"] = TokenGraphDecoder(model, max_len, attention_kernels=False)
         greedy = {}
         for label, decoder in decoders.items():
             ctl.reset()
@@ -122,6 +128,10 @@ def main() -> None:
             print(f"   {label:12s} tokens equal {same_tokens} logits equal {same_logits} stats equal "
                   f"{repr(stats) == repr(host_stats)}  {statistics.median(times[label]):.3f} ms/token  host/device "
                   f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]", flush=True)
+        if args.torch_attention and "device" in times:
+            speedup = _ratio_interval(times["device_torch_attention"], times["device"])
+            record["attention_kernels_speedup"] = speedup
+            print(f"   attention kernels: torch/kernels {speedup[0]:.3f} [{speedup[1]:.3f}, {speedup[2]:.3f}]", flush=True)
         records.append(record)
         del decoders, ctl
         gc.collect()  # the decoders' graphs and buffers, before unpatch copies the experts back to the GPU
