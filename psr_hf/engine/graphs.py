@@ -95,7 +95,7 @@ class GraphDecoder(DecoderBase):
         # host <-> device round trips: pinned host buffers on CUDA (fixed addresses, captured), CPU tensors else
         pin = self.cuda
         self._widths = [L.router_width(d) for d in self.moe_layers]
-        self._scores_f32 = torch.zeros(1, max(self._widths), dtype=torch.float32, device=self.device)
+        self._scores_f32 = b.router_scores  # float32: graph A's scores, which the host or the device decides on
         self._host_scores = [torch.zeros(1, w, dtype=torch.float32, pin_memory=pin) for w in self._widths]
         self._host_ids = [torch.zeros(1, K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
         self._host_slots = [torch.zeros(K, dtype=torch.int64, pin_memory=pin) for _ in self.moe_layers]
@@ -145,7 +145,7 @@ class GraphDecoder(DecoderBase):
     def _body_a(self, m: int, dense: range, d: int, d2h: bool = True) -> Callable[[], None]:
         L, b = self.layers, self.layers.buffers
         width = self._widths[m]
-        logits, scores = b.router_logits[:, :width], b.router_scores[:, :width]
+        logits = b.router_logits[:, :width]
         scores_f32, host = self._scores_f32[:, :width], self._host_scores[m]
         first = m == 0
 
@@ -156,8 +156,7 @@ class GraphDecoder(DecoderBase):
                 self._dense(i)
             L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)
             L.router_logits(d, b.normed, logits)
-            L.router_scores(d, logits, scores)
-            scores_f32.copy_(scores)  # as Decoder's scores.float()
+            L.router_scores(d, logits, scores_f32)  # float32, as Decoder's scores.float()
             if d2h:
                 host.copy_(scores_f32, non_blocking=True)  # D2H into the pinned buffer (captured)
 

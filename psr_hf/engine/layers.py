@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from psr_hf.patches import get_patch
+from psr_hf.patches.base import ArchitecturePatch
 from .attention import StaticKVCache, attention_block, check_rope, norm_params, rms_norm
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,8 @@ class DecodeLayers(abc.ABC):
         routers: dict[int, _Router] = {}
         # the dtype the family's router computes in (DeepSeek-V3: float32 whatever the weights'; others: the
         # weights'): probed on one row of a router weight, so the last MoE layer (no stack) computes like the rest
+        # the family ranks the raw logits (softmax routers: ArchitecturePatch.selection_scores, not overridden)
+        self._raw_logit_scores = type(self.family).selection_scores is ArchitecturePatch.selection_scores
         self.router_dtype = (self.family.stacked_router_weight(moe[0].router.weight[:1].detach(),
                                                                moe[0].router.weight[:1].detach()).dtype
                              if moe else self.dtype)
@@ -565,7 +568,10 @@ class DecodeLayers(abc.ABC):
         self._check_row(normed, "normed", self.hidden_size)
         self._check_row(out, "router logits out", r.stacked.shape[0])
         dt = self.router_dtype  # a no-op cast but for a last layer whose weight is not in the router's dtype
-        out.copy_(F.linear(normed.to(dt), r.stacked.to(dt)))
+        if out.dtype == dt and r.stacked.dtype == dt and normed.dtype == dt and out.is_contiguous():
+            torch.mm(normed, r.stacked.t(), out=out)  # F.linear's own product, written in place: one launch
+        else:
+            out.copy_(F.linear(normed.to(dt), r.stacked.to(dt)))
 
     @torch.no_grad()
     def router_scores(self, layer: int, logits: torch.Tensor, out: torch.Tensor) -> None:
@@ -575,6 +581,9 @@ class DecodeLayers(abc.ABC):
         E = self.num_experts
         self._check_row(logits, "router logits", r.stacked.shape[0])
         self._check_row(out, "router scores out", r.stacked.shape[0])
+        if self._raw_logit_scores and not r.predicted:  # softmax routers: the scores are the logits, one copy
+            out.copy_(logits)
+            return
         out[:, :E].copy_(self.family.selection_scores(r.router, logits[:, :E]))
         if r.following is not None and r.predicted:  # a learned predictor's priorities (LayerRouting.joint_scores)
             out[:, E:].copy_(torch.softmax(logits[:, E:].float(), dim=-1))
