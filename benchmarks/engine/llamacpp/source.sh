@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a device call that builds llama.cpp: writes .llama/llama.cpp.tar.xz (ignored by git, carried to the
 # device) from the llama.cpp sources vendored in the llama-cpp-python sdist, trimmed to what llama-bench and
-# convert_hf_to_gguf.py need (about 2.4 MB): the CPU and CUDA backends of ggml, llama, common, llama-bench, the
+# convert_hf_to_gguf.py need (about 2.4 MB): the CPU (x86) and CUDA backends of ggml, llama, common, llama-bench, the
 # converter and gguf-py. The device has nvcc, CMake and ninja but no network (benchmarks/engine/llamacpp/build.sh).
 #
 #   bash benchmarks/engine/llamacpp/source.sh [VERSION]    (default 0.3.36)
@@ -18,6 +18,12 @@ mkdir -p "$ROOT/.llama"
 tar cJf "$ROOT/.llama/llama.cpp.tar.xz" -C "$SRC" \
     --exclude='ggml/src/ggml-et' --exclude='ggml/src/ggml-metal' --exclude='ggml/src/ggml-hexagon' \
     --exclude='ggml/src/ggml-sycl' --exclude='ggml/src/ggml-vulkan' --exclude='ggml/src/ggml-opencl' \
+    --exclude='ggml/src/ggml-cann' --exclude='ggml/src/ggml-openvino' --exclude='ggml/src/ggml-webgpu' \
+    --exclude='ggml/src/ggml-virtgpu' --exclude='ggml/src/ggml-zdnn' --exclude='ggml/src/ggml-zendnn' \
+    --exclude='ggml/src/ggml-cpu/spacemit' --exclude='ggml/src/ggml-cpu/kleidiai' \
+    --exclude='ggml/src/ggml-cpu/arch/arm' --exclude='ggml/src/ggml-cpu/arch/loongarch' \
+    --exclude='ggml/src/ggml-cpu/arch/powerpc' --exclude='ggml/src/ggml-cpu/arch/riscv' \
+    --exclude='ggml/src/ggml-cpu/arch/s390' --exclude='ggml/src/ggml-cpu/arch/wasm' \
     --exclude='vendor/miniaudio' \
     CMakeLists.txt cmake common include src ggml tools/llama-bench vendor conversion gguf-py convert_hf_to_gguf.py \
     LICENSE licenses
