@@ -3,12 +3,13 @@ residency and lam, sg% (selfgen excess perplexity) of Cache-Prior (LRU, as in th
 PSR n=1 (A priority), and their paired difference of excess NLL over the selfgen windows with its 95% interval,
 beside the demand copies per token of each; plus the prefetch budget n at lam 0.2.
 
-    python benchmarks/sweep/divergence_table.py benchmarks/sweep/grown-olmoe-routing.json
+    python benchmarks/sweep/divergence_table.py benchmarks/sweep/grown-olmoe-routing.json.xz   (or a .json)
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ from psr_hf.eval.stats import mean_interval
 
 
 def main(path: str) -> None:
-    record = json.loads(open(path).read())
+    record = json.loads(lzma.open(path).read() if path.endswith(".xz") else open(path).read())
     quality = record["quality"]
     print(f"{record['settings']['model']}: {len(record['selfgen']['ids'])} selfgen windows x "
           f"{record['selfgen']['tokens']} sampled tokens, {len(record['heldout']['ids'])} held-out windows\n")
