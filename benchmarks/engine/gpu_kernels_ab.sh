@@ -4,7 +4,7 @@
 # host path), then the token graph with the attention kernels against the torch attention on grown-olmoe-routing
 # (benchmarks/engine/token_graph_vs_host.py --torch-attention: bitwise host vs device, the kernels' speed-up in
 # interleaved rounds), then the decision kernel by the old build (_old/, OLD=<commit> snapshot) and the new one, then
-# the attention and GEMV kernel benches. Records under $OUT.
+# the attention and GEMV kernel benches, then the device decisions record on olmoe-routing. Records under $OUT.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -35,4 +35,9 @@ if [ "$(left)" -gt 20 ]; then
   PYTHONUNBUFFERED=1 timeout "$(cap 50)" python3 benchmarks/engine/gemv_bench.py --shapes qkv o_proj router \
       --configs auto 4x512x4x1 8x512x4x1 16x256x4x1 32x256x8x1 --json "$OUT/gemv.json" > "$OUT/gemv.txt" 2>&1
   tail -20 "$OUT/gemv.txt"
+fi
+if [ "$(left)" -gt 30 ]; then  # the device decisions against numba on teacher-forced windows (the small model)
+  PYTHONUNBUFFERED=1 timeout "$(left)" python3 benchmarks/engine/device_decisions_record.py --model olmoe-routing \
+      --windows 2 --tokens 128 --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
+      > "$OUT/device_decisions_record.txt"; tail -8 "$OUT/device_decisions_record.txt"
 fi
