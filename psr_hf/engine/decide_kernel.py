@@ -85,8 +85,7 @@ def _take_slot(do, e, victim, slot_of, expert_of, offs, cidx, C: tl.constexpr, B
 def decide_kernel(
     layer, scores_ptr, token_ptr, position_ptr, state_ptr, counters_ptr, saved_ptr, delta_ptr, seen_ptr,
     indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, ids_ptr, slot_ids_ptr, slot_of_ptr, expert_of_ptr,
-    copies_ptr, plans_ptr, pplans_ptr, record_ptr, record_plans_ptr, error_ptr, vocab,
-    lam, decay_fast, decay_slow, flush,
+    copies_ptr, plans_ptr, pplans_ptr, record_ptr, record_plans_ptr, error_ptr, vocab, params_ptr,
     E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     BUDGET: tl.constexpr, BP: tl.constexpr, WINDOW: tl.constexpr, TOP_J: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, CW: tl.constexpr, BCW: tl.constexpr,
@@ -114,6 +113,11 @@ def decide_kernel(
     C_N_PREFETCH: tl.constexpr = 1 + 2 * K
     C_PREFETCH: tl.constexpr = 2 + 2 * K
 
+    # the policy's floats as float64 from memory (a Python float argument would be a float32 scalar)
+    lam = tl.load(params_ptr + 0)
+    decay_fast = tl.load(params_ptr + 1)
+    decay_slow = tl.load(params_ptr + 2)
+    flush = tl.load(params_ptr + 3)
     token = tl.load(token_ptr)
     position = tl.load(position_ptr)
     error = tl.load(error_ptr)

@@ -81,14 +81,14 @@ def copy_list_width(top_k: int, budget: int) -> int:
 def decide_layer(layer: int, tensors: Any, settings: dict[str, Any]) -> None:
     """Launch the kernel for MoE layer ``layer`` (one program). ``tensors``: a
     :class:`~psr_hf.engine.device_routing.DeviceState` (its device arrays, in the numba layout); ``settings``:
-    its :meth:`~psr_hf.engine.device_routing.DeviceState.kernel_settings` (the floats and the constexprs).
-    Capturable: every input is read from device memory."""
+    its :meth:`~psr_hf.engine.device_routing.DeviceState.kernel_settings` (vocabulary, warps, constexprs; the
+    policy's floats are ``tensors.params``, float64 in device memory). Capturable: every input is read from device memory."""
     t = tensors
     launch = kernel(interpreting())
     launch[(1,)](
         layer, t.scores, t.token, t.position, t.state, t.counters, t.saved, t.delta, t.seen, t.indptr, t.prior_experts,
         t.prior_values, t.fallback, t.ids, t.slot_ids, t.slot_of, t.expert_of, t.copies, t.plans, t.pplans, t.record,
-        t.record_plans, t.error, settings["vocab"], settings["lam"], settings["decay_fast"], settings["decay_slow"], settings["flush"],
+        t.record_plans, t.error, settings["vocab"], t.params,
         **settings["constexprs"], num_warps=settings["num_warps"],
         **({} if interpreting() else {"enable_fp_fusion": False}),
     )

@@ -46,6 +46,8 @@ class DeviceState:
         self.counters = new((L, D.R_SIZE), f64)
         self.saved = new((L, E), f32)
         self.delta = torch.tensor(ks.delta, dtype=f64, device=device)
+        # lam, decay_fast, decay_slow, flush: read by the kernel from memory, in float64 as numba computes them
+        self.params = torch.tensor([ks.lam, ks.decay_fast, ks.decay_slow, ks.flush], dtype=f64, device=device)
         self.fallback = torch.tensor(ks.fallback_prior, dtype=f64, device=device)
         vocab = ks.vocab_size
         seen = ks.token_seen if vocab else np.zeros(1, dtype=np.int64)
@@ -73,8 +75,7 @@ class DeviceState:
         self.record_plans = new((max(self.max_positions, 1), L, W), i64, -1)  # [T, L, W] and its plans
         self.error = new((1,), i32)
         self._settings = {
-            "vocab": vocab, "lam": ks.lam, "decay_fast": ks.decay_fast, "decay_slow": ks.decay_slow,
-            "flush": ks.flush, "num_warps": int(num_warps),
+            "vocab": vocab, "num_warps": int(num_warps),
             "constexprs": dict(
                 E=E, BE=D._pow2(E), L=L, K=K, C=C, BC=D._pow2(C), BUDGET=budget, BP=D._pow2(max(budget, 1)),
                 WINDOW=window, TOP_J=ks.top_j, W=W, BW=D._pow2(W), CW=self.copy_width,
