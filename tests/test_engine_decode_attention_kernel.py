@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from psr_hf.engine.decode_attention_kernel import (decode_attention, decode_attention_reference, new_workspace,
-                                                    plan)
+from psr_hf.engine.decode_attention_kernel import (MAX_FLOAT32_HEAD, decode_attention, decode_attention_reference,
+                                                    new_workspace, plan)
 from psr_hf.engine.moe import triton_available
 
 TRITON_OK, TRITON_WHY = triton_available()
@@ -209,6 +209,10 @@ def test_the_benchmark_runs_on_the_cpu_and_writes_its_record(tmp_path):
 def test_compiled_kernel_equals_the_torch_path_on_the_gpu(shape, dtype, compiled):
     heads, kv_heads, d, dv, view = shape
     q, keys, values = _cache(heads // kv_heads, d, dv, view, dtype, "cuda", t=4096, kv_heads=kv_heads)
+    if dtype == torch.float32 and d > MAX_FLOAT32_HEAD:  # failed here on an H100: refused, with the reason
+        with pytest.raises(ValueError, match=r"float32 heads of size 576 .*use bfloat16 or the torch attention"):
+            decode_attention(q, keys, values, torch.tensor(0, device="cuda"), d ** -0.5)
+        return
     for p in (0, 100, 1000, 4000, 4095):
         position = torch.tensor(p, device="cuda")
         _close(decode_attention(q, keys, values, position, d ** -0.5), q, keys, values, position, d ** -0.5)

@@ -415,7 +415,7 @@ def test_a_family_option_goes_to_the_family_that_takes_it_and_no_other(models):
     """absorb_mla is DeepSeek-V3's option: passed on to it; another family refuses it unless it is given at
     DeepSeek-V3's default (what the decoders pass for every model), and an option no family takes is refused."""
 
-    assert DecodeLayers.family_options() == {} and DeepseekV3Layers.family_options() == {"absorb_mla": True}
+    assert DecodeLayers.family_options() == {} and DeepseekV3Layers.family_options() == {"absorb_mla": True, "attention_kernels": None}
     assert build_layers(models("deepseek"), 4, absorb_mla=False).absorb_mla is False
     assert build_layers(models("deepseek"), 4).absorb_mla is True
     olmoe = build_layers(models("olmoe"), 4, absorb_mla=True)  # DeepSeek-V3's default asks nothing of OLMoE

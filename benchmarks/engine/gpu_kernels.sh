@@ -18,7 +18,7 @@ for bench in gemv decode_attention; do
       --json "$OUT/${bench}.json" > "$OUT/${bench}.txt" 2>&1; tail -30 "$OUT/${bench}.txt"
 done
 tests=(tests/test_engine_device_decisions.py tests/test_engine_token_graph.py)
-for t in tests/test_engine_gemv_kernel.py tests/test_engine_decode_attention_kernel.py tests/test_engine_olmoe_kernels.py; do [ -f "$t" ] && tests+=("$t"); done
+for t in tests/test_engine_gemv_kernel.py tests/test_engine_decode_attention_kernel.py tests/test_engine_attention_kernels.py; do [ -f "$t" ] && tests+=("$t"); done
 timeout "${TEST_S:-200}" python3 -m pytest -m cuda -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -40 \
     > "$OUT/kernels_cuda_tests.txt"
 tail -15 "$OUT/kernels_cuda_tests.txt"

@@ -12,7 +12,7 @@ ROOT=$PWD
 left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 timeout "$(cap "${TEST_S:-190}")" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_gemv_kernel.py \
-    tests/test_engine_decode_attention_kernel.py tests/test_engine_olmoe_kernels.py \
+    tests/test_engine_decode_attention_kernel.py tests/test_engine_attention_kernels.py \
     tests/test_engine_device_decisions.py tests/test_engine_token_graph.py 2>&1 | tail -40 > "$OUT/kernels_cuda_tests.txt"
 tail -12 "$OUT/kernels_cuda_tests.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${AB_S:-170}")" python3 benchmarks/engine/token_graph_vs_host.py \

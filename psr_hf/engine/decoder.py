@@ -186,8 +186,9 @@ class Decoder(DecoderBase):
     ``backend``: the slot MoE's (:func:`psr_hf.engine.moe.choose_backend`); ``absorb_mla``: DeepSeek-V3
     attention; ``gated_delta_kernel``: the Gated DeltaNet step of Qwen3.5/3.6-MoE and Qwen3-Next as one Triton kernel
     (None: on CUDA where it runs; :class:`~psr_hf.engine.families.qwen3_5_moe.Qwen35MoeLayers`);
-    ``attention_kernels``: OLMoE's q/k/v projections and attention as Triton kernels (None: on CUDA where they run;
-    :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`), all the families' own options (:func:`psr_hf.engine.families.build_layers`).
+    ``attention_kernels``: every family's attention over the filled slots (and OLMoE's and Qwen's q/k/v) as Triton
+    kernels (None: on CUDA where they run; :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`), all the families'
+    own options (:func:`psr_hf.engine.families.build_layers`).
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto",

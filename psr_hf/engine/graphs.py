@@ -46,8 +46,8 @@ class GraphDecoder(DecoderBase):
     norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
     (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
     layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``,
-    ``attention_kernels``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the Gated DeltaNet kernel
-    compiles in the warm-up, before capture)."""
+    ``attention_kernels``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the
+    Triton kernels compile in the warm-up, before capture)."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
                  backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True,

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import StaticKVCache, apply_rope, cos_sin, norm_params, rms_norm, rope_params, write_kv
+from .. import decode_attention_kernel
+from ..attention import (StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin, norm_params, rms_norm,
+                         rope_params, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -30,13 +32,21 @@ from . import register_layers
 class DeepseekV3Layers(DecodeLayers):
     """DeepSeek-V3 / Moonlight: multi-head latent attention (``q_lora_rank`` None or set, RoPE on the
     ``qk_rope_head_dim`` part, DeepSeek's interleaved pairs if ``rope_interleave``, softmax scale with the yarn
-    ``mscale_all_dim`` correction), dense first layers, shared experts, grouped sigmoid router."""
+    ``mscale_all_dim`` correction), dense first layers, shared experts, grouped sigmoid router.
+
+    ``absorb_mla``: attention with ``kv_b_proj`` absorbed into the query and output (default) or every slot
+    expanded as transformers does. ``attention_kernels`` (absorbed attention only): the attention over the cache's
+    filled slots as :func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, whose rule is OLMoE's
+    (:class:`~psr_hf.engine.families.olmoe.OlmoeLayers`)."""
 
     listing_order = 2  # second in the lists of supported families (the paper's second model)
 
-    def __init__(self, model: nn.Module, max_len: int, *, absorb_mla: bool = True):
-        # absorb_mla: the family's one option (DecodeLayers.family_options), passed on by build_layers
+    def __init__(self, model: nn.Module, max_len: int, *, absorb_mla: bool = True,
+                 attention_kernels: bool | None = None):
+        # the family's options (DecodeLayers.family_options), passed on by build_layers
         self.absorb_mla = bool(absorb_mla)
+        check_kernel_option(attention_kernels, "attention_kernels")
+        self._kernel_option = attention_kernels
         super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
@@ -98,10 +108,14 @@ class DeepseekV3Layers(DecodeLayers):
                 )
             refs["inv_freq"] = self.inv_freq
             self._attn.append(refs)
+        why = "it runs the absorbed attention only (absorb_mla=True)" if not self.absorb_mla else (
+            decode_attention_kernel.unsupported(self.device, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
+                                                self.dtype))
+        self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
         self._attention_fn = _mla_attention
         self._static = _MlaStatic(self.num_heads, self.q_lora_rank is not None, self.kv_lora_rank, self.nope_dim,
                                   self.rope_dim, self.v_dim, self.max_len, self.interleave, self.scaling,
-                                  self.rope_scaling, self.absorb_mla)
+                                  self.rope_scaling, self.absorb_mla, self.attention_kernels)
 
     def _build_kv_cache(self) -> StaticKVCache:
         r = self.kv_lora_rank
@@ -134,6 +148,7 @@ class _MlaStatic:
     scaling: float
     rope_scaling: float
     absorb: bool
+    kernels: bool  # the attention_kernels option
 
 
 def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
@@ -158,6 +173,11 @@ def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tens
     future = slots > position
     if s.absorb:
         q_lat = torch.bmm(q_nope.unsqueeze(1), a["w_uk"]).squeeze(1)  # [nH, r]
+        if s.kernels:  # the filled slots only; the values are the latent columns of the keys
+            out_lat = torch.ops.psr_hf.decode_attention(torch.cat((q_lat, q_pe), dim=-1), keys, keys[..., :r],
+                                                        position, s.scaling)
+            out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
+            return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
         scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
         scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -25,7 +25,8 @@ class OlmoeLayers(DecodeLayers):
     """OLMoE: q/k RMSNorm over the whole projections, RoPE (rotate-half), grouped-query attention when
     ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts.
 
-    ``attention_kernels``, the family's option: the q/k/v projections as one Triton launch
+    ``attention_kernels``, the family's option (every family takes it; DeepSeek-V3 and Qwen3.5/3.6 with this rule):
+    the q/k/v projections as one Triton launch
     (:func:`~psr_hf.engine.gemv_kernel.linear_many`) and the attention over the cache's filled slots only
     (:func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, which reads the position on the device; the
     torch path scores all ``max_len`` slots and masks the later ones). None (default): the kernels where the model
@@ -66,7 +67,7 @@ class OlmoeLayers(DecodeLayers):
         self.clip_qkv = getattr(self.config, "clip_qkv", None)
 
         why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
-            self.device, self.num_heads, self.num_kv_heads, self.head_dim)
+            self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
         self._attention_fn = _olmoe_attention
         self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,

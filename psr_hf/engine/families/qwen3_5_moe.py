@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import decode_attention_kernel, gemv_kernel
 from ..attention import apply_rope, check_kernel_option, choose_kernel, cos_sin, write_kv, zero_centred_rms_norm
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
@@ -107,11 +108,14 @@ class Qwen35MoeLayers(DecodeLayers):
     fused_projections = False
     projection_names: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
-    def __init__(self, model: nn.Module, max_len: int, *, gated_delta_kernel: bool | None = None):
-        # the family's one option (DecodeLayers.family_options), passed on by build_layers; decided in
+    def __init__(self, model: nn.Module, max_len: int, *, gated_delta_kernel: bool | None = None,
+                 attention_kernels: bool | None = None):
+        # the family's options (DecodeLayers.family_options), passed on by build_layers; decided in
         # _build_attention, once the heads are known
         check_kernel_option(gated_delta_kernel, "gated_delta_kernel")
+        check_kernel_option(attention_kernels, "attention_kernels")
         self._kernel_option = gated_delta_kernel
+        self._attention_kernels_option = attention_kernels
         super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
@@ -144,8 +148,11 @@ class Qwen35MoeLayers(DecodeLayers):
                 self._attn.append(self._full_refs(i, layer.self_attn))
             else:
                 self._attn.append(self._linear_refs(i, layer.linear_attn))
+        why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
+            self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+        self.attention_kernels = choose_kernel(self._attention_kernels_option, "attention_kernels", self.device, why)
         self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
-                                 self.head_dim ** -0.5, self.rope_scaling)
+                                 self.head_dim ** -0.5, self.rope_scaling, self.attention_kernels)
         self.gated_delta_kernel = self._choose_gated_delta_step()
         self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.fused_projections,
                                      self.gated_delta_kernel)
@@ -226,6 +233,7 @@ class _FullStatic:
     rotary_dim: int
     scaling: float
     rope_scaling: float
+    kernels: bool  # the attention_kernels option
 
 
 @dataclass(frozen=True)
@@ -249,15 +257,23 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     zero-centred q/k norms, partial RoPE, grouped-query attention over the static cache, the output times
     ``sigmoid(gate)``."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    q, gate = torch.chunk(F.linear(x, *a["q_proj"]).view(nH, 2 * D), 2, dim=-1)
+    if s.kernels:
+        (wq, bq), (wk, bk), (wv, bv) = a["q_proj"], a["k_proj"], a["v_proj"]
+        qg, k, v = torch.ops.psr_hf.linear_many(x, [wq, wk, wv], [bq, bk, bv])
+    else:
+        qg, k, v = F.linear(x, *a["q_proj"]), F.linear(x, *a["k_proj"]), F.linear(x, *a["v_proj"])
+    q, gate = torch.chunk(qg.view(nH, 2 * D), 2, dim=-1)
     q = zero_centred_rms_norm(q, *a["q_norm"])
-    k = zero_centred_rms_norm(F.linear(x, *a["k_proj"]).view(nKV, D), *a["k_norm"])
-    v = F.linear(x, *a["v_proj"]).view(nKV, D)
+    k = zero_centred_rms_norm(k.view(nKV, D), *a["k_norm"])
+    v = v.view(nKV, D)
     cos, sin = cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, False)
     q = _partial_rope(q, cos, sin, s.rotary_dim)
     k = _partial_rope(k, cos, sin, s.rotary_dim)
     write_kv(keys, position, k)
     write_kv(values, position, v)
+    if s.kernels:  # the filled slots only; query head h reads key-value head h // (nH / nKV), as below
+        out = torch.ops.psr_hf.decode_attention(q, keys, values, position, s.scaling).reshape(1, nH * D)
+        return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
     scores = torch.matmul(q.reshape(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
     scores = scores.masked_fill(slots > position, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
