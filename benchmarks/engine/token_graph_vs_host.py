@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. psr_lam0.3_n1@0.5)")
     ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[8],
                     help="the token graph's programs for a layer's prefetch copies; one device decoder per value")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="the decoders' KV cache length (default: prompt + tokens + 2; attach() uses up to 4096)")
     ap.add_argument("--torch-attention", action="store_true",
                     help="also a token graph with attention_kernels=False: the kernels' speed-up side by side")
     ap.add_argument("--json", default=None)
@@ -80,7 +82,9 @@ def main() -> None:
     source, tokenizer, info = load_model(args.model, "cuda")
     calibration = info.get("calibration_file")
     prompt = _prompt(tokenizer, args.prompt)
-    max_len = args.prompt + args.tokens + 2
+    max_len = args.max_len or args.prompt + args.tokens + 2
+    if max_len < args.prompt + args.tokens + 1:
+        raise SystemExit(f"--max-len {max_len}: the prompt and the tokens need {args.prompt + args.tokens + 1}")
     records = []
     cases = [("resident_exact", dict(policy="exact"), None)]
     for r in args.residency:
@@ -143,6 +147,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                       "max_len": max_len,
                        "rounds": args.rounds, "rows": records}, f, indent=1)
 
 
