@@ -15,6 +15,7 @@ timeout "$(cap "${TEST_S:-150}")" python3 -m pytest -m cuda -q -p no:cacheprovid
     tests/test_engine_device_decisions.py 2>&1 | tail -60 > "$OUT/kernels_cuda_tests.txt"
 tail -15 "$OUT/kernels_cuda_tests.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${DECIDE_S:-120}")" python3 benchmarks/engine/decide_kernel_bench.py \
+    --variants psr_offloaded_prior psr_offloaded psr_prior psr cache_prior exact_offloaded exact --warps 4 8 \
     --json "$OUT/decide_kernel.json" > "$OUT/decide_kernel.txt" 2>&1; tail -30 "$OUT/decide_kernel.txt"
 PYTHONUNBUFFERED=1 timeout "$(left)" python3 benchmarks/engine/token_graph_vs_host.py \
     --model grown-olmoe-routing --tokens 64 --rounds "${ROUNDS:-5}" --residency 0.5 --torch-attention --max-len 4096 \
