@@ -112,16 +112,26 @@ class _SharedCopy:
             release(self.device)
 
 
+def engine_kernels(decoder: Any) -> dict[str, Any]:
+    """What an engine decoder runs besides its fixed kernels, for a record: the attention blocks compiled or not,
+    the families' kernel options as built (None where the family has no such option)."""
+    layers = decoder.layers
+    return {"compiled": bool(getattr(decoder, "compiled", False)),
+            "attention_kernels": getattr(layers, "attention_kernels", None),
+            "gated_delta_kernel": getattr(layers, "gated_delta_kernel", None)}
+
+
 class Runner(abc.ABC):
-    """Decodes the windows of the rows of its kinds; ``capacity``, ``memory`` and ``decided_on`` (name -> value)
-    note each row's cache slots per layer, offload memory and, for engine rows, where its decode steps are routed
-    ("device" or "host") when it first runs."""
+    """Decodes the windows of the rows of its kinds; ``capacity``, ``memory``, ``decided_on`` and ``kernels`` (name
+    -> value) note each row's cache slots per layer, offload memory and, for engine rows, where its decode steps are
+    routed ("device" or "host") and which optional kernels its decoder runs, when it first runs."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.capacity: dict[str, int] = {}
         self.memory: dict[str, Any] = {}
         self.decided_on: dict[str, str] = {}
+        self.kernels: dict[str, dict[str, Any]] = {}
 
     @abc.abstractmethod
     def run(self, row: Row, windows: Sequence[torch.Tensor]) -> list[WindowRun]:
@@ -231,6 +241,7 @@ class EngineRunner(Runner):
         ctl = decoder.controller
         self._note(row, ctl)
         self.decided_on.setdefault(row.name, "device" if isinstance(decoder, TokenGraphDecoder) else "host")
+        self.kernels.setdefault(row.name, engine_kernels(decoder))
         return [decode_engine_window(decoder, ids, device=self.device) for ids in windows]
 
     def close(self) -> None:

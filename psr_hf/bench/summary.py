@@ -119,9 +119,11 @@ def add_host_per_copy(records: Sequence[dict[str, Any]], rows: Sequence[Row], mo
 
 def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]], model_info: Mapping[str, Any],
                 capacity: Mapping[str, int], memory: Mapping[str, Any],
-                decided_on: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                decided_on: Mapping[str, str] | None = None,
+                kernels: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One record per row (in ``rows`` order) from its timed rounds ``results[name]`` (one list of
-    :class:`WindowRun` per round); ``capacity``, ``memory`` and ``decided_on`` as the runners noted them."""
+    :class:`WindowRun` per round); ``capacity``, ``memory``, ``decided_on`` and ``kernels`` (an engine row's
+    optional kernels) as the runners noted them."""
     reference_ms = {name: [[w.ms for w in run] for run in results[name]]
                     for name in (RESIDENT, ENGINE_RESIDENT) if name in results}
     records = []
@@ -158,6 +160,7 @@ def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]
             "copies": _copies(row.kind, round_stats, model_info, (decided_on or {}).get(row.name)),
             "memory": memory.get(row.name),
             "decided_on": (decided_on or {}).get(row.name),
+            "engine_kernels": (kernels or {}).get(row.name),
             "rounds": [{"ms_per_token": mean, "ms": run, "stats": stats}
                        for mean, run, stats in zip(round_means, ms, round_stats)],
         })

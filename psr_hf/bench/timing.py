@@ -149,10 +149,10 @@ def bench_latency(
             timing.warm_up()
             timing.time(results, first_round, on_round, stop)
         finally:
-            capacity, memory, decided_on = _close(runners, device)
+            capacity, memory, decided_on, kernels = _close(runners, device)
     if not results[RESIDENT]:
         return []  # stopped before the first timed round
-    return row_records(list(s.rows), results, describe_model(model), capacity, memory, decided_on)
+    return row_records(list(s.rows), results, describe_model(model), capacity, memory, decided_on, kernels)
 
 
 def _offload_for(s: LatencySettings, device: torch.device, routed: bool) -> OffloadConfig | None:
@@ -187,21 +187,24 @@ def _runners(model: torch.nn.Module, windows: Sequence[torch.Tensor], s: Latency
     return runners
 
 
-def _close(runners: dict[str, Runner], device: torch.device) -> tuple[dict[str, int], dict[str, Any], dict[str, str]]:
-    """Close every runner and free its copies; returns what they noted: capacity, memory and where the decode
-    steps were decided, per row."""
+def _close(runners: dict[str, Runner], device: torch.device) -> tuple[dict[str, int], dict[str, Any], dict[str, str],
+                                                                        dict[str, dict[str, Any]]]:
+    """Close every runner and free its copies; returns what they noted: capacity, memory, where the decode steps
+    were decided and the engine's optional kernels, per row."""
     capacity: dict[str, int] = {}
     memory: dict[str, Any] = {}
     decided_on: dict[str, str] = {}
+    kernels: dict[str, dict[str, Any]] = {}
     for kind in (RESIDENT, OFFLOAD, ENGINE, ACCELERATE):
         if kind in runners:
             runners[kind].close()
             capacity.update(runners[kind].capacity)
             memory.update(runners[kind].memory)
             decided_on.update(runners[kind].decided_on)
+            kernels.update(runners[kind].kernels)
     runners.clear()
     release(device)
-    return capacity, memory, decided_on
+    return capacity, memory, decided_on, kernels
 
 
 class _Timing:
