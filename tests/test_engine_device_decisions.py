@@ -156,6 +156,41 @@ def test_offloaded_slot_maps_follow_the_decisions_and_name_every_copy(name):
     _device_run(name, seed=11, ties=False, with_prior=True, tokens=5, device="cpu", offloaded=True)
 
 
+@pytest.mark.usefixtures("interpreter")
+def test_the_kernel_reads_every_float_from_a_float64_tensor(monkeypatch):
+    """Compiled, Triton types a Python float argument as a float32 scalar (the interpreter keeps float64, so the
+    bitwise tests above cannot see it): every argument of the real launch is a tensor, an int or a constexpr, and
+    the policy's floats are DeviceState.params, float64."""
+    import psr_hf.engine.device_decisions as D
+    from psr_hf.engine.device_state import DeviceState
+
+    real = D.kernel
+    seen: list[tuple] = []
+
+    class Recording:
+        def __init__(self, launch):
+            self.launch = launch
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append((args, kwargs))
+                return self.launch[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(D, "kernel", lambda interpret: Recording(real(interpret)))
+    config = RoutingConfig(policy="psr", capacity=8, lam=0.3, budget=1, decay_fast=0.7, decay_slow=0.95)
+    cache = LogicalCache(config, num_layers=L, num_experts=E, top_k=K,
+                         calibration=_calibration(np.random.default_rng(0), False), vocab_size=V)
+    dev = DeviceState(cache, "cpu", max_positions=1)
+    dev.upload()
+    dev.decide(0)
+    (args, kwargs), = seen
+    assert not [a for a in args if isinstance(a, float)], "a float passed by value is float32 when compiled"
+    assert not [v for k, v in kwargs.items() if isinstance(v, float)]
+    assert dev.params.dtype == torch.float64
+    assert dev.params.tolist() == [0.3, 0.7, 0.95, cache.kernel_settings().flush]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
