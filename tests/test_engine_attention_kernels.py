@@ -75,6 +75,26 @@ def test_the_compiled_attention_block_calls_the_kernels_without_a_graph_break(fa
     assert torch.equal(got, want)
 
 
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_attach_passes_the_option_to_the_layers_and_generate_gives_the_torch_paths_tokens():
+    model = tiny_model("olmoe", seed=3, norm_noise=0.2)
+    ids = torch.tensor([_ids(4, 6)])
+    outputs = {}
+    with psr_hf.patched(model, RoutingConfig(policy="exact", residency=0.5)):
+        for kernels in (False, True):
+            psr_hf.controller(model).reset()
+            engine.attach(model, max_len=16, attention_kernels=kernels)
+            try:
+                assert engine.attached(model).decoder.layers.attention_kernels is kernels
+                outputs[kernels] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                                  min_new_tokens=4, do_sample=False, pad_token_id=0)
+                assert engine.attached(model).served > 0  # the engine decoded, not the transformers path
+            finally:
+                engine.detach(model)
+    assert torch.equal(outputs[True], outputs[False])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_kernels_none_runs_torch_on_the_cpu(family, monkeypatch):
     model = tiny_model(family, seed=1)
