@@ -109,7 +109,9 @@ class ArchitecturePatch:
         """``[N, E]`` scores ``z`` the policy ranks (ALGORITHM.md, Inputs): the raw logits for softmax routers."""
         return logits
 
-    def _normalize(self, router: nn.Module) -> bool:
+    def normalizes(self, router: nn.Module) -> bool:
+        """Whether :meth:`execution_weights` renormalises the top-K weights to sum to one (the router's
+        ``norm_topk_prob`` unless the family fixes it)."""
         return bool(router.norm_topk_prob) if self.normalize is None else self.normalize
 
     def execution_weights(self, router: nn.Module, logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ class ArchitecturePatch:
         own router weights its top-K: softmax over all experts, gathered, renormalised if the model does."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights = probs.gather(1, selected)
-        if self._normalize(router):
+        if self.normalizes(router):
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype)
 

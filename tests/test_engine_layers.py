@@ -518,3 +518,36 @@ def test_engines_of_many_shapes_in_one_process_stay_within_dynamo_s_recompile_li
     twin = build_layers(model, max_len=12)
     twin.compile_blocks(backend="aot_eager")
     assert twin._block is blocks[-1]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_compiled_softmax_execution_weights_are_the_familys_in_one_graph(models, normalize):
+    """compile_routing(): a softmax router's execution weights trace as one graph for every layer (traced with
+    aot_eager: the same ops) and equal the family's own ``execution_weights`` bitwise; DeepSeek-V3's sigmoid
+    router keeps its own."""
+    from torch._dynamo.utils import counters
+
+    from psr_hf.engine.layers import softmax_execution_weights
+    from psr_hf.patches.base import ArchitecturePatch
+
+    torch._dynamo.reset()
+    eng = build_layers(models("olmoe"), max_len=4)
+    eng.family.normalize = normalize
+    eng.compile_routing(backend="aot_eager")
+    counters.clear()
+    g = torch.Generator().manual_seed(int(normalize))
+    E, K = eng.num_experts, eng.top_k
+    for layer in [d for d in range(eng.num_layers) if eng.is_moe(d)]:
+        logits = torch.randn(1, 2 * E, generator=g)
+        ids = torch.randperm(E, generator=g)[:K].reshape(1, K)
+        got = torch.empty(1, K)
+        eng.execution_weights(layer, logits, ids, got)
+        want = ArchitecturePatch.execution_weights(eng.family, eng._moe(layer).router, logits[:, :E], ids)
+        assert torch.equal(got, want)
+        if normalize:
+            assert float(got.sum()) == pytest.approx(1.0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert eng._weights_fn is not softmax_execution_weights
+    eng.compile_routing(False)
+    assert eng._weights_fn is softmax_execution_weights
+    assert build_layers(models("deepseek"), max_len=4)._softmax_weights is False

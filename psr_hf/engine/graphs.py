@@ -43,7 +43,8 @@ class GraphDecoder(DecoderBase):
     methods as :class:`~psr_hf.engine.decoder.Decoder`: :meth:`step`, :meth:`prefill`, :meth:`generate_greedy`,
     :meth:`reset`. ``warmup``: eager runs of every graph body on the capture stream before capture.
     ``compile``: the attention blocks through ``torch.compile`` (:meth:`DecodeLayers.compile_blocks`: the
-    norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture); None
+    norms, RoPE and softmax fused into a few kernels, compiled once on the first warm-up, before capture), and a
+    softmax router's execution weights (:meth:`DecodeLayers.compile_routing`); None
     (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
     layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``,
     ``attention_kernels``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the
@@ -72,6 +73,7 @@ class GraphDecoder(DecoderBase):
             compile = self.cuda and triton_available()[0]
         if compile:
             L.compile_blocks()
+            L.compile_routing()
         self.compiled = bool(compile)
         b = L.buffers
         K = L.top_k

@@ -251,6 +251,10 @@ class DecodeLayers(abc.ABC):
         # weights'): probed on one row of a router weight, so the last MoE layer (no stack) computes like the rest
         # the family ranks the raw logits (softmax routers: ArchitecturePatch.selection_scores, not overridden)
         self._raw_logit_scores = type(self.family).selection_scores is ArchitecturePatch.selection_scores
+        # and weighs the selected experts by the softmax (ArchitecturePatch.execution_weights): one function of
+        # tensors and a flag (softmax_execution_weights), which compile_routing compiles once for every layer
+        self._softmax_weights = type(self.family).execution_weights is ArchitecturePatch.execution_weights
+        self._weights_fn: Any = softmax_execution_weights
         self.router_dtype = (self.family.stacked_router_weight(moe[0].router.weight[:1].detach(),
                                                                moe[0].router.weight[:1].detach()).dtype
                              if moe else self.dtype)
@@ -469,6 +473,21 @@ class DecodeLayers(abc.ABC):
     _block: Any = staticmethod(attention_block)
     compiled: bool = False
 
+    def compile_routing(self, enabled: bool = True, **options: Any) -> None:
+        """Run a softmax router's execution weights (:func:`softmax_execution_weights`: softmax, gather,
+        renormalisation, cast, four launches eager) through ``torch.compile`` as :meth:`compile_blocks` does the
+        attention block: once for every layer, one fused kernel; the same values up to the rounding order of the
+        softmax's sums. ``enabled=False``: eagerly again. A family with its own weights (DeepSeek-V3) keeps them."""
+        if enabled:
+            options = {"fullgraph": True, "dynamic": False, **options}
+            key = (self.dtype, str(self.device), self.num_experts, self.top_k, repr(sorted(options.items())))
+            fn = _COMPILED_WEIGHTS.get(key)
+            if fn is None:
+                fn = _COMPILED_WEIGHTS[key] = torch.compile(own_code_copy(softmax_execution_weights), **options)
+            self._weights_fn = fn
+        else:
+            self._weights_fn = softmax_execution_weights
+
     def check_prefetch_source(self, predictor: object) -> None:
         """``RuntimeError`` when the controller's learned ``predictor`` is not the one the router stacks were built
         with (``reconfigure`` to or from ``prefetch="predictor"`` after the decoder was built): build a new one."""
@@ -603,6 +622,10 @@ class DecodeLayers(abc.ABC):
         ``execution_weights``, routed scaling included)."""
         r = self._moe(layer)
         self._check_row(out, "expert weights out", expert_ids.shape[-1])
+        if self._softmax_weights:
+            self._weights_fn(logits[:, : self.num_experts], expert_ids.reshape(1, -1), self.family.normalizes(r.router),
+                             out)
+            return
         out.copy_(self.family.execution_weights(r.router, logits[:, : self.num_experts], expert_ids.reshape(1, -1)))
 
     @torch.no_grad()
@@ -718,6 +741,20 @@ class DecodeLayers(abc.ABC):
 
 #: the compiled attention blocks by what their code depends on (DecodeLayers.compile_blocks)
 _COMPILED_BLOCKS: dict[tuple, Any] = {}
+#: the compiled softmax execution weights by what their code depends on (DecodeLayers.compile_routing)
+_COMPILED_WEIGHTS: dict[tuple, Any] = {}
+
+
+def softmax_execution_weights(logits: torch.Tensor, expert_ids: torch.Tensor, normalize: bool,
+                              out: torch.Tensor) -> None:
+    """``out [1, K]``: a softmax router's weights of ``expert_ids`` from its unmodified ``logits [1, E]``, op for op
+    ArchitecturePatch.execution_weights (softmax over every expert in float32, gathered, renormalised when
+    ``normalize``, cast to the logits' dtype), as a function of tensors and a flag that compiles once."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights = probs.gather(1, expert_ids)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    out.copy_(weights.to(logits.dtype))
 
 
 def own_code_copy(function: Any) -> Any:
