@@ -459,13 +459,9 @@ class DecodeLayers(abc.ABC):
         compiled code): dynamo allows 8 compilations per code object, and with ``fullgraph=True`` one more
         raises, so engines of several models or dtypes in one process would otherwise exhaust one budget."""
         if enabled:
-            options = {"fullgraph": True, "dynamic": False, **options}
             attentions = tuple(dict.fromkeys(self._layer_attention(i)[:2] for i in range(self.num_layers)))
-            key = (type(self), attentions, self.dtype, str(self.device), self.max_len, repr(sorted(options.items())))
-            block = _COMPILED_BLOCKS.get(key)
-            if block is None:
-                block = _COMPILED_BLOCKS[key] = torch.compile(own_code_copy(attention_block), **options)
-            self._block = block
+            key = (type(self), attentions, self.dtype, str(self.device), self.max_len)
+            self._block = compiled_copy(attention_block, key, options)
         else:
             self._block = attention_block
         self.compiled = bool(enabled)
@@ -479,12 +475,8 @@ class DecodeLayers(abc.ABC):
         attention block: once for every layer, one fused kernel; the same values up to the rounding order of the
         softmax's sums. ``enabled=False``: eagerly again. A family with its own weights (DeepSeek-V3) keeps them."""
         if enabled:
-            options = {"fullgraph": True, "dynamic": False, **options}
-            key = (self.dtype, str(self.device), self.num_experts, self.top_k, repr(sorted(options.items())))
-            fn = _COMPILED_WEIGHTS.get(key)
-            if fn is None:
-                fn = _COMPILED_WEIGHTS[key] = torch.compile(own_code_copy(softmax_execution_weights), **options)
-            self._weights_fn = fn
+            key = (self.dtype, str(self.device), self.num_experts, self.top_k)
+            self._weights_fn = compiled_copy(softmax_execution_weights, key, options)
         else:
             self._weights_fn = softmax_execution_weights
 
@@ -739,10 +731,20 @@ class DecodeLayers(abc.ABC):
         return b.logits
 
 
-#: the compiled attention blocks by what their code depends on (DecodeLayers.compile_blocks)
-_COMPILED_BLOCKS: dict[tuple, Any] = {}
-#: the compiled softmax execution weights by what their code depends on (DecodeLayers.compile_routing)
-_COMPILED_WEIGHTS: dict[tuple, Any] = {}
+#: the compiled copies of the engine's block functions by function and what their code depends on
+#: (DecodeLayers.compile_blocks, DecodeLayers.compile_routing)
+_COMPILED: dict[tuple, Any] = {}
+
+
+def compiled_copy(function: Any, key: tuple, options: dict[str, Any]) -> Any:
+    """``torch.compile`` (``fullgraph=True, dynamic=False`` and ``options``) of a copy of ``function``, one per
+    ``key`` and options: engines that differ in what the compiled code depends on compile separate copies (dynamo
+    allows 8 compilations per code object), equal ones share one."""
+    options = {"fullgraph": True, "dynamic": False, **options}
+    full = (function.__qualname__, *key, repr(sorted(options.items())))
+    if full not in _COMPILED:
+        _COMPILED[full] = torch.compile(own_code_copy(function), **options)
+    return _COMPILED[full]
 
 
 def softmax_execution_weights(logits: torch.Tensor, expert_ids: torch.Tensor, normalize: bool,
