@@ -2,7 +2,8 @@
 # What the decode kernels still need on a GPU, as one device call (snapshot of HEAD; records under $OUT): the cuda
 # tests of the attention kernels in every family's engine (DeepSeek-V3's and Qwen's default waits for them), of the
 # decode attention kernel (float32 MLA now refused) and of the device decisions compiled against numba (after the
-# float64 params fix); the decision kernel's bench with every variant (the offloaded and token-prior ones were cut
+# float64 params fix), of the token graph against the host path (the compiled execution weights in both); the
+# decision kernel's bench with every variant (the offloaded and token-prior ones were cut
 # last time); the attention kernels' A/B in the token graph at a 4096-slot cache, where the torch attention reads
 # every slot. Each part within its time; TOTAL_S bounds the call.
 set -uo pipefail
@@ -10,9 +11,10 @@ START=$SECONDS
 source benchmarks/device_env.sh
 left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
-timeout "$(cap "${TEST_S:-150}")" python3 -m pytest -m cuda -q -p no:cacheprovider --tb=short \
+timeout "$(cap "${TEST_S:-240}")" python3 -m pytest -m cuda -q -p no:cacheprovider --tb=short \
     tests/test_engine_attention_kernels.py tests/test_engine_decode_attention_kernel.py \
-    tests/test_engine_device_decisions.py 2>&1 | tail -60 > "$OUT/kernels_cuda_tests.txt"
+    tests/test_engine_device_decisions.py tests/test_engine_token_graph.py 2>&1 | tail -60 \
+    > "$OUT/kernels_cuda_tests.txt"
 tail -15 "$OUT/kernels_cuda_tests.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${DECIDE_S:-120}")" python3 benchmarks/engine/decide_kernel_bench.py \
     --variants psr_offloaded_prior psr_offloaded psr_prior psr cache_prior exact_offloaded exact --warps 4 8 \
