@@ -130,8 +130,9 @@ def new_workspace(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, 
     return torch.empty(q.shape[0], splits, values.shape[-1] + 2, dtype=torch.float32, device=q.device)
 
 
-#: compiled, float32 queries of a head size over this failed their GPU test on an H100 (bf16 passed; the cause is
-#: not known yet), so the compiled kernel refuses them
+#: compiled, float32 heads over this size are refused: their program's tiles pass a GPU block's shared memory
+#: (257 KB at DeepSeek's absorbed 576 against an H100's 227; 146 KB at 256:
+#: benchmarks/engine/decode_attention_shared_memory.py), and that shape failed its test on an H100
 MAX_FLOAT32_HEAD = 256
 
 
@@ -140,7 +141,7 @@ def unsupported(device: torch.device, num_heads: int, num_kv_heads: int, k_dim: 
     """Why :func:`decode_attention` cannot run on ``device`` now with these heads (None: it can): triton does not
     import, the device is not CUDA (CPU tensors run in triton's interpreter only, ``TRITON_INTERPRET=1``), a
     key-value head's queries do not fit one program's registers, or (compiled) float32 heads over
-    :data:`MAX_FLOAT32_HEAD`."""
+    :data:`MAX_FLOAT32_HEAD`, whose tiles pass a block's shared memory."""
     if triton is None:
         return "decode_attention needs triton, which does not import (the dev extra, or the GPU machine's)"
     if device.type != ("cpu" if interpreting() else "cuda"):
@@ -152,8 +153,8 @@ def unsupported(device: torch.device, num_heads: int, num_kv_heads: int, k_dim: 
         return (f"{group} query heads of size {k_dim} per key-value head (a [{max(16, _pow2(group))}, "
                 f"{max(16, _pow2(k_dim))}] tile) are more than the {MAX_QUERY_TILE} elements one program holds")
     if device.type == "cuda" and dtype == torch.float32 and _pow2(k_dim) > MAX_FLOAT32_HEAD:
-        return (f"float32 heads of size {k_dim} (over {MAX_FLOAT32_HEAD}): the compiled kernel failed its GPU test "
-                f"at this size in float32; use bfloat16 or the torch attention")
+        return (f"float32 heads of size {k_dim} (over {MAX_FLOAT32_HEAD}): the compiled kernel's tiles need more "
+                f"shared memory than a GPU block has; use bfloat16 or the torch attention")
     return None
 
 
