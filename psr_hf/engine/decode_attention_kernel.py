@@ -23,10 +23,11 @@ Numerics: the scores are float32 (q . k accumulated in float32, times the scale)
 probabilities are rounded to the values' dtype before they weight the values, as the torch path rounds them to
 q's dtype, so that the kernel differs from it by rounding of that dtype only (the torch path also rounds the scores
 to q's dtype, the kernel does not). Triton's interpreter truncates float32 to bfloat16 casts and multiplies
-bfloat16 tiles in ``tl.dot`` as their bits, so :func:`_rounded` rounds on the bits and the interpreter's products
-are taken in float32 (exact for bfloat16 inputs). Like :mod:`psr_hf.engine.gated_delta_kernel` it uses only
-triton's builtins, ``tl.dot`` and ``tl.reduce`` with the standard library's combine functions, and is loaded once
-per mode (:func:`~psr_hf.engine.device_decisions.triton_module`). The kernels also run as the custom op
+bfloat16 tiles in ``tl.dot`` as their bits, so ``triton_helpers.rounded`` rounds on the bits and the
+interpreter's products are taken in float32 (exact for bfloat16 inputs). Like
+:mod:`psr_hf.engine.gated_delta_kernel` it uses only triton's builtins, ``tl.dot`` and ``tl.reduce`` with the
+standard library's combine functions, and is loaded once per mode
+(:func:`~psr_hf.engine.device_decisions.triton_module`). The kernels also run as the custom op
 ``torch.ops.psr_hf.decode_attention`` (registered below), so that compiled code calls them without a graph break.
 """
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .device_decisions import interpreting, triton_module
+from .device_decisions import interpreting, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
@@ -236,30 +237,8 @@ if __name__ == "psr_hf.engine.decode_attention_kernel":
 
 
 # ------------------------------------------------------------------------------------------ the Triton source
-def _jit(fn: Any) -> Any:
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@_jit
-def _max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
-
-@_jit
-def _rounded(x, dtype: tl.constexpr):
-    # float32 x rounded to dtype (to nearest even, as torch casts), returned as float32; Triton's interpreter
-    # truncates a float32 to bfloat16 cast, so bfloat16 is rounded on the bits
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    else:
-        return x.to(dtype).to(tl.float32)
+_helpers = shared_helpers(triton is not None)  # psr_hf/engine/triton_helpers.py, in this file's mode
+_jit, _sum, _max, _rounded = _helpers.jit, _helpers.reduce_sum, _helpers.reduce_max, _helpers.rounded
 
 
 @_jit

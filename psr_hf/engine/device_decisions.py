@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from typing import Any
 
 import torch
@@ -67,6 +68,15 @@ def triton_module(filename: str, interpret: bool) -> Any:
     return module
 
 
+def shared_helpers(available: bool) -> Any:
+    """The helpers the kernel files share (``triton_helpers.py``) in the current mode, for a kernel file whose
+    ``import triton`` succeeded (``available``); else plain stand-ins (``jit`` returns the function), so that the
+    file's torch references still load."""
+    if available:
+        return triton_module("triton_helpers.py", interpreting())
+    return types.SimpleNamespace(jit=lambda fn: fn, reduce_sum=None, reduce_max=None, rounded=None)
+
+
 def kernel(interpret: bool) -> Any:
     """The decision kernel of :mod:`psr_hf.engine.decide_kernel` for one mode."""
     return triton_module("decide_kernel.py", interpret).decide_kernel
@@ -82,7 +92,8 @@ def decide_layer(layer: int, tensors: Any, settings: dict[str, Any]) -> None:
     """Launch the kernel for MoE layer ``layer`` (one program). ``tensors``: a
     :class:`~psr_hf.engine.device_routing.DeviceState` (its device arrays, in the numba layout); ``settings``:
     its :meth:`~psr_hf.engine.device_routing.DeviceState.kernel_settings` (vocabulary, warps, constexprs; the
-    policy's floats are ``tensors.params``, float64 in device memory). Capturable: every input is read from device memory."""
+    policy's floats are ``tensors.params``, float64 in device memory). Capturable: every input is read from
+    device memory."""
     t = tensors
     launch = kernel(interpreting())
     launch[(1,)](

@@ -15,9 +15,9 @@ of the v channels of the ``Hv / Hk`` value heads that share it, so that no two p
 per value head, the delta rule on its ``[Dk, Dv]`` state slice held in registers, the output and the gated RMSNorm.
 It rounds where the torch step casts (to the convolution weight's dtype, to the window's, to ``mixed``'s, to the
 promoted dtype of the norm's product), to nearest even as torch does; Triton's interpreter truncates a float32 to
-bfloat16 cast, so :func:`_rounded` rounds bfloat16 on the bits. Like :mod:`psr_hf.engine.decide_kernel` it uses
-only triton's builtins and ``tl.reduce`` with the standard library's combine function, and is loaded once per
-mode (:func:`~psr_hf.engine.device_decisions.triton_module`).
+bfloat16 cast, so ``triton_helpers.rounded`` rounds bfloat16 on the bits. Like
+:mod:`psr_hf.engine.decide_kernel` it uses only triton's builtins and ``tl.reduce`` with the standard library's
+combine function, and is loaded once per mode (:func:`~psr_hf.engine.device_decisions.triton_module`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .device_decisions import interpreting, triton_module
+from .device_decisions import interpreting, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
@@ -207,24 +207,8 @@ def step_bytes(shape: Shape, dtype: torch.dtype) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------ the Triton source
-def _jit(fn: Any) -> Any:
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@_jit
-def _rounded(x, dtype: tl.constexpr):
-    # float32 x rounded to dtype (to nearest even, as torch casts), returned as float32
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    else:
-        return x.to(dtype).to(tl.float32)
+_helpers = shared_helpers(triton is not None)  # psr_hf/engine/triton_helpers.py, in this file's mode
+_jit, _sum, _rounded = _helpers.jit, _helpers.reduce_sum, _helpers.rounded
 
 
 @_jit

@@ -12,7 +12,7 @@ weight's pointer, row stride and length. Each program computes ``BLOCK_N`` rows,
 weight tiles (vectorised along the unit-stride H) and the matching chunk of ``x``, accumulating their products in
 float32 and reducing along H once at the end; the sum (plus the bias, in float32) is rounded once to ``x``'s dtype,
 to nearest even, as cuBLAS does for bfloat16 with float32 accumulation. Triton's interpreter truncates a float32
-to bfloat16 cast, so :func:`_rounded` rounds bfloat16 on the bits (as :mod:`psr_hf.engine.gated_delta_kernel`
+to bfloat16 cast, so ``triton_helpers.rounded`` rounds bfloat16 on the bits (as :mod:`psr_hf.engine.gated_delta_kernel`
 does).
 
 Rows per program: the weights are the bandwidth, and a launch with fewer programs than a few per SM leaves it
@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .device_decisions import interpreting, triton_module
+from .device_decisions import interpreting, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
@@ -257,24 +257,8 @@ if __name__ == "psr_hf.engine.gemv_kernel":
 
 
 # ------------------------------------------------------------------------------------------ the Triton source
-def _jit(fn: Any) -> Any:
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@_jit
-def _rounded(x, dtype: tl.constexpr):
-    # float32 x rounded to dtype (to nearest even, as torch casts), returned as float32
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    else:
-        return x.to(dtype).to(tl.float32)
+_helpers = shared_helpers(triton is not None)  # psr_hf/engine/triton_helpers.py, in this file's mode
+_jit, _sum, _rounded = _helpers.jit, _helpers.reduce_sum, _helpers.rounded
 
 
 @_jit

@@ -338,7 +338,8 @@ def attach(model: torch.nn.Module, *, max_len: int | None = None, graphs: bool |
     cache (positions per sequence), default the config's ``max_position_embeddings`` capped at 4096; a generate()
     that goes past it continues on the HF path. ``graphs``: replay CUDA graphs (default: on CUDA; eager on the
     CPU). Further keyword arguments go to the decoder (``backend``, ``absorb_mla``, ``gated_delta_kernel``,
-    ``attention_kernels``, and with graphs ``device_routing``: :func:`~psr_hf.engine.token_graph.graph_decoder`). Undo with :func:`detach`.
+    ``attention_kernels``, and with graphs ``device_routing``: :func:`~psr_hf.engine.token_graph.graph_decoder`).
+    Undo with :func:`detach`.
     """
     if getattr(model, _PATCH_ATTR, None) is None:
         raise ValueError("psr_hf.engine.attach needs a model patched by psr_hf.patch(model, config) first")

@@ -84,10 +84,10 @@ def build_layers(model: Any, max_len: int, **family_options: Any) -> DecodeLayer
     refuses one it does not take (``ValueError``): DeepSeek-V3's ``absorb_mla`` (its attention with ``kv_b_proj``
     absorbed, :mod:`psr_hf.engine.families.deepseek_v3`), Qwen3.5/3.6-MoE's and Qwen3-Next's ``gated_delta_kernel``
     (the Gated DeltaNet step as one Triton kernel, :mod:`psr_hf.engine.families.qwen3_5_moe`), every
-    family's ``attention_kernels`` (:mod:`psr_hf.engine.families.olmoe`). An option that another registered family takes,
-    given at that family's default, is left out for a family without it: it asks nothing of that family (the
-    decoders pass ``absorb_mla=True``, ``gated_delta_kernel=None`` and ``attention_kernels=None`` whatever the
-    model). ``ValueError`` for an unsupported family, rope type or layout."""
+    family's ``attention_kernels`` (:mod:`psr_hf.engine.families.olmoe`). An option that another registered
+    family takes, given at that family's default, is left out for a family without it: it asks nothing of that
+    family (the decoders pass ``absorb_mla=True``, ``gated_delta_kernel=None`` and ``attention_kernels=None``
+    whatever the model). ``ValueError`` for an unsupported family, rope type or layout."""
     model_type = getattr(model.config, "model_type", None)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = [t for t in (model_type, getattr(text, "model_type", None)) if t]
