@@ -63,6 +63,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                     slots: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One token's attention in torch over every slot of a static cache, the slots after ``position`` masked:
+    ``q [nH, D]``, ``keys [T, nKV, D]``, ``values [T, nKV, Dv]``, ``slots [T]`` (0 .. T-1); query head ``h`` reads
+    key-value head ``h // (nH / nKV)``; ``[nH, Dv]`` in q's dtype (the probabilities rounded to it)."""
+    nH, D = q.shape
+    nKV = keys.shape[1]
+    scores = torch.matmul(q.reshape(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * scaling  # [nKV, G, T]
+    scores = scores.masked_fill(slots > position, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values.transpose(0, 1)).reshape(nH, values.shape[-1])  # [nKV, G, Dv]: heads in order
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                    slots: torch.Tensor, scaling: float, kernel: bool) -> torch.Tensor:
+    """:func:`masked_attention`, or with ``kernel`` the same attention over the filled slots only by the custom op
+    ``torch.ops.psr_hf.decode_attention`` (registered by :mod:`psr_hf.engine.decode_attention_kernel`, which a
+    family that chose it has imported)."""
+    if kernel:
+        return torch.ops.psr_hf.decode_attention(q, keys, values, position, scaling)
+    return masked_attention(q, keys, values, position, slots, scaling)
+
+
 def write_kv(cache: torch.Tensor, position: torch.Tensor, row: torch.Tensor) -> None:
     """Write one token's ``row`` into ``cache [max_len, ...]`` at the 0-d ``position``."""
     cache.index_copy_(0, position.view(1), row.reshape(1, *cache.shape[1:]))

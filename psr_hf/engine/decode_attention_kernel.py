@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .attention import masked_attention
 from .device_decisions import interpreting, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
@@ -66,14 +67,7 @@ def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
                                scaling: float) -> torch.Tensor:
     """The attention in torch, op for op as the OLMoE family's decode step computes it over the whole cache (the
     kernels' reference): ``[nH, Dv]`` in q's dtype."""
-    nH, D = q.shape
-    T, nKV = keys.shape[0], keys.shape[1]
-    slots = torch.arange(T, device=keys.device)
-    scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * scaling  # [nKV, G, T]
-    scores = scores.masked_fill(slots > position, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, Dv]
-    return out.reshape(nH, values.shape[-1])
+    return masked_attention(q, keys, values, position, torch.arange(keys.shape[0], device=keys.device), scaling)
 
 
 def check_inputs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:

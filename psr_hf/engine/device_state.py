@@ -24,7 +24,8 @@ class DeviceState:
     decision kernel reads (``[>= E]`` float32 joint scores ``z | g_next``, int64 token and position; default: own
     buffers, filled by the caller). ``offloaded``: keep slot maps of ``capacity`` slots and write copy lists.
     ``max_positions``: positions the score record holds (0: no record). ``num_warps``: the decision kernel's warps
-    (4: 24 us per layer on an H100 for psr offloaded at 50%, against 40 with one warp)."""
+    (4; on an H100, 8 took 5.71 against 6.11 us per layer for psr resident, the offloaded variants not yet timed:
+    benchmarks/engine/h100/kernels/decide_kernel.txt)."""
 
     def __init__(self, cache: Any, device: torch.device | str, *, scores: torch.Tensor | None = None,
                  token: torch.Tensor | None = None, position: torch.Tensor | None = None, offloaded: bool = False,

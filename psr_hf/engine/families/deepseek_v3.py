@@ -177,12 +177,11 @@ def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tens
         if s.kernels:  # the filled slots only; the values are the latent columns of the keys
             out_lat = torch.ops.psr_hf.decode_attention(torch.cat((q_lat, q_pe), dim=-1), keys, keys[..., :r],
                                                         position, s.scaling)
-            out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
-            return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
-        scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out_lat = torch.matmul(probs, cache[:, :r])  # [nH, r]
+        else:
+            scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
+            scores = scores.masked_fill(future, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out_lat = torch.matmul(probs, cache[:, :r])  # [nH, r]
         out = torch.bmm(out_lat.unsqueeze(1), a["w_uv"].transpose(1, 2)).squeeze(1)  # [nH, v]
     else:
         kv = F.linear(cache[:, :r], a["kv_b"]).view(T, nH, nope + vd)  # [T, nH, nope + v]

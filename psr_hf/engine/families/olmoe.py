@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import decode_attention_kernel, gemv_kernel
-from ..attention import StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin, rms_norm, write_kv
+from ..attention import (StaticKVCache, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
+                         rms_norm, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -130,11 +131,5 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
     k = apply_rope(k.view(nKV, D), cos, sin, False)
     write_kv(keys, position, k)
     write_kv(values, position, v.view(nKV, D))
-    if s.kernels:
-        out = torch.ops.psr_hf.decode_attention(q, keys, values, position, s.scaling)
-        return F.linear(out.reshape(1, nH * D), *a["o_proj"])
-    scores = torch.matmul(q.view(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
-    scores = scores.masked_fill(slots > position, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(0, 1))  # [nKV, G, D]
+    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels)  # [nH, D]
     return F.linear(out.reshape(1, nH * D), *a["o_proj"])

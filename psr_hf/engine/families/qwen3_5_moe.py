@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel
-from ..attention import (UNVERIFIED_ON_GPU, apply_rope, check_kernel_option, choose_kernel, cos_sin, write_kv,
-                         zero_centred_rms_norm)
+from ..attention import (UNVERIFIED_ON_GPU, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
+                         write_kv, zero_centred_rms_norm)
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
 from . import register_layers
@@ -273,13 +273,7 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     k = _partial_rope(k, cos, sin, s.rotary_dim)
     write_kv(keys, position, k)
     write_kv(values, position, v)
-    if s.kernels:  # the filled slots only; query head h reads key-value head h // (nH / nKV), as below
-        out = torch.ops.psr_hf.decode_attention(q, keys, values, position, s.scaling).reshape(1, nH * D)
-        return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
-    scores = torch.matmul(q.reshape(nKV, nH // nKV, D), keys.permute(1, 2, 0)) * s.scaling  # [nKV, G, T]
-    scores = scores.masked_fill(slots > position, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(0, 1)).reshape(1, nH * D)  # [nKV, G, D] -> heads in order
+    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels).reshape(1, nH * D)
     return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
 
 
