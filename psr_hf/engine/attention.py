@@ -104,30 +104,18 @@ def attention_block(attention: Any, static: Any, tensors: dict, norms: tuple, hi
     out_normed.copy_(norm(out_hidden, w_post, eps_post))
 
 
-#: why a kernel option's default keeps the torch path for a family whose engine with the kernel has not yet run
-#: on a GPU (:func:`choose_kernel`'s ``unverified``)
-UNVERIFIED_ON_GPU = "its engine test with the kernels has not yet run on a GPU"
-
-
 def check_kernel_option(option: Any, name: str) -> None:
     """``ValueError`` unless a kernel option ``name`` is None, True or False (:func:`choose_kernel`)."""
     if option not in (None, True, False):
         raise ValueError(f"{name} must be None (the kernel on CUDA where it runs), True or False, got {option!r}")
 
 
-def choose_kernel(option: bool | None, name: str, device: torch.device, why: str | None, *,
-                  unverified: str | None = None) -> bool:
+def choose_kernel(option: bool | None, name: str, device: torch.device, why: str | None) -> bool:
     """Whether a family's optional Triton kernel runs (its option ``name``): None, on CUDA where it can (``why`` is
     None), else the torch path; True, the kernel or ``ValueError`` saying ``why`` not (on the CPU it runs inside
-    triton's interpreter, ``TRITON_INTERPRET=1``, for tests); False, the torch path. ``unverified``: why None keeps
-    the torch path for this family although the kernel could run (its engine test has not run on a GPU yet)."""
+    triton's interpreter, ``TRITON_INTERPRET=1``, for tests); False, the torch path."""
     check_kernel_option(option, name)
     if option is False:
-        return False
-    if option is None and unverified is not None and why is None:
-        if device.type == "cuda":
-            logger.info("psr_hf engine: %s is off by default here: %s; pass %s=True to run it", name, unverified,
-                        name)
         return False
     if option is True:
         if why is not None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel
-from ..attention import (UNVERIFIED_ON_GPU, StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin,
+from ..attention import (StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin,
                          norm_params, rms_norm, rope_params, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
@@ -111,8 +111,7 @@ class DeepseekV3Layers(DecodeLayers):
         why = "it runs the absorbed attention only (absorb_mla=True)" if not self.absorb_mla else (
             decode_attention_kernel.unsupported(self.device, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
                                                 self.dtype))
-        self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why,
-                                               unverified=UNVERIFIED_ON_GPU)
+        self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
         self._attention_fn = _mla_attention
         self._static = _MlaStatic(self.num_heads, self.q_lora_rank is not None, self.kv_lora_rank, self.nope_dim,
                                   self.rope_dim, self.v_dim, self.max_len, self.interleave, self.scaling,

@@ -26,8 +26,7 @@ class OlmoeLayers(DecodeLayers):
     """OLMoE: q/k RMSNorm over the whole projections, RoPE (rotate-half), grouped-query attention when
     ``num_key_value_heads < num_attention_heads``, ``clip_qkv``; softmax router, no shared experts.
 
-    ``attention_kernels``, the family's option (every family takes it; DeepSeek-V3 and Qwen3.5/3.6 with this rule,
-    but their None keeps torch until their engine test has run on a GPU): the q/k/v projections as one Triton
+    ``attention_kernels``, the family's option (every family takes it, with this rule): the q/k/v projections as one Triton
     launch (:func:`~psr_hf.engine.gemv_kernel.linear_many`) and the attention over the cache's filled slots only
     (:func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, which reads the position on the device; the
     torch path scores all ``max_len`` slots and masks the later ones). None (default): the kernels where the model

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel
-from ..attention import (UNVERIFIED_ON_GPU, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
+from ..attention import (apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
                          write_kv, zero_centred_rms_norm)
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
@@ -151,8 +151,7 @@ class Qwen35MoeLayers(DecodeLayers):
                 self._attn.append(self._linear_refs(i, layer.linear_attn))
         why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
             self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
-        self.attention_kernels = choose_kernel(self._attention_kernels_option, "attention_kernels", self.device, why,
-                                               unverified=UNVERIFIED_ON_GPU)
+        self.attention_kernels = choose_kernel(self._attention_kernels_option, "attention_kernels", self.device, why)
         self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
                                  self.head_dim ** -0.5, self.rope_scaling, self.attention_kernels)
         self.gated_delta_kernel = self._choose_gated_delta_step()
