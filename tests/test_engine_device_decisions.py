@@ -28,6 +28,7 @@ CONFIGS = {
     "psr_lru_budget2": RoutingConfig(policy="psr", capacity=6, lam=0.2, budget=2, window=6, eviction="lru"),
     "psr_running": RoutingConfig(policy="psr", capacity=8, lam=0.4, budget=1, delta_mode="running", top_j=1),
     "spec": RoutingConfig(policy="spec", capacity=8),
+    "psr_distance2": RoutingConfig(policy="psr", capacity=6, lam=0.3, budget=2, window=5, prefetch_distance=2),
 }
 
 
@@ -50,22 +51,23 @@ def _scores(rng: np.random.Generator, ties: bool) -> np.ndarray:
 
 
 def _host_token(cache: LogicalCache, token: int, z: np.ndarray, saved: dict) -> tuple[list, list]:
-    """One token through the numba kernels as the engine's host path calls them; the plans per layer."""
+    """One token through the numba kernels as the engine's host path calls them; the plans per layer (``z[m, E:]``:
+    the pre-gate of layer ``m + D``, D the prefetch distance)."""
     io = cache.io
     io.tokens[:, 0] = token
-    needs = cache.config.needs_pregate
+    needs, D = cache.config.needs_pregate, cache.distance
     plans, pplans = [], []
     for m in range(L):
         zm, gm = z[m, :E], z[m, E:]
-        mode = "select" if needs and (m or m + 1 < L) else "both"
+        mode = "select" if needs and (m >= D or m + D < L) else "both"
         io.scores[:, 0] = zm
         if cache.config.executes_pregate and m:
             io.pregate[:, 0] = saved[m]
         plans.append(cache.step_io(m, mode).plan[0, 0].copy())
-        if needs and m + 1 < L:
-            saved[m + 1] = gm.copy()
+        if needs and m + D < L:
+            saved[m + D] = gm.copy()
             io.pregate[:, 0] = gm
-            pplans.append(cache.step_io(m + 1, "prefetch").plan[0, 0].copy())
+            pplans.append(cache.step_io(m + D, "prefetch").plan[0, 0].copy())
         else:
             pplans.append(None)
     return plans, pplans
@@ -82,6 +84,7 @@ def _check_slots(dev, host: LogicalCache, m: int, plan: np.ndarray, pplan: np.nd
         held = np.flatnonzero(slot_of[layer] >= 0)
         assert sorted(expert_of[layer][expert_of[layer] >= 0].tolist()) == held.tolist()
         assert (expert_of[layer, slot_of[layer, held]] == held).all()
+    D = host.distance
     n = int(plan[layout.n_demand])
     assert copies[m, 0] == n
     demand = plan[layout.demand : layout.demand + n]
@@ -91,10 +94,10 @@ def _check_slots(dev, host: LogicalCache, m: int, plan: np.ndarray, pplan: np.nd
     if pplan is not None:
         n = int(pplan[layout.n_prefetch])
         start = 2 + 2 * K
-        assert copies[m + 1, start - 1] == n
+        assert copies[m + D, start - 1] == n
         inserted = pplan[layout.prefetch : layout.prefetch + n]
-        assert copies[m + 1, start : start + 2 * n : 2].tolist() == inserted.tolist()
-        assert copies[m + 1, start + 1 : start + 1 + 2 * n : 2].tolist() == slot_of[m + 1, inserted].tolist()
+        assert copies[m + D, start : start + 2 * n : 2].tolist() == inserted.tolist()
+        assert copies[m + D, start + 1 : start + 1 + 2 * n : 2].tolist() == slot_of[m + D, inserted].tolist()
 
 
 def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int, device: str,
@@ -116,7 +119,7 @@ def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int,
     saved: dict = {}
     for t in range(tokens):
         token = int(rng.integers(0, V))
-        z = np.stack([_scores(rng, ties) for _ in range(L)])  # [L, 2E]: z | the next layer's pre-gate
+        z = np.stack([_scores(rng, ties) for _ in range(L)])  # [L, 2E]: z | layer m + D's pre-gate
         plans, pplans = _host_token(host, token, z, saved)
         dev.token.fill_(token)
         dev.position.fill_(t)
@@ -125,7 +128,8 @@ def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int,
             dev.decide(m)
             assert dev.plans[m].cpu().numpy().tolist() == plans[m].tolist(), (t, m, "select plan")
             if pplans[m] is not None:
-                assert dev.pplans[m + 1].cpu().numpy().tolist() == pplans[m].tolist(), (t, m, "prefetch plan")
+                D = host.distance
+                assert dev.pplans[m + D].cpu().numpy().tolist() == pplans[m].tolist(), (t, m, "prefetch plan")
             assert dev.ids.cpu().numpy().tolist() == plans[m][:K].tolist()
             if offloaded:
                 _check_slots(dev, host, m, plans[m], pplans[m])

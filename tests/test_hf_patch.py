@@ -261,6 +261,7 @@ REPLAY_POLICIES = {
     "psr-score": dict(policy="psr", eviction="score"),
     "psr-lru": dict(policy="psr", eviction="lru"),
     "spec": dict(policy="spec"),
+    "psr-distance2": dict(policy="psr", eviction="score", prefetch_distance=2),
 }
 
 
@@ -281,6 +282,35 @@ def test_replay_of_a_recording_equals_the_live_selections(model, calibration, po
         assert result.prefetch_copies.sum() == counts.prefetch[:, recording.row].sum()
         assert result.demand_copies.sum() == counts.demand[:, recording.row].sum()
         assert result.replaced.sum() == counts.replaced[:, recording.row].sum()
+
+
+def test_prefetch_distance_ranks_a_layer_from_the_router_input_that_many_layers_earlier(model):
+    """prefetch_distance D: the pre-gate recorded at layer l is router l's selection scores on layer l - D's router
+    input (captured in the same run), and D changes the decisions (the option is not ignored)."""
+    recorded = {}
+    for distance in (1, 2):
+        config = RoutingConfig(policy="psr", residency=RESIDENCY, budget=2, prefetch_distance=distance)
+        with psr_hf.patched(model, config):
+            ctl = psr_hf.controller(model)
+            inputs = {layer.index: [] for layer in ctl.layers}
+            hooks = [layer.router.register_forward_pre_hook(
+                lambda module, args, index=layer.index: inputs[index].append(args[0].detach().reshape(
+                    -1, args[0].shape[-1]))) for layer in ctl.layers]
+            try:
+                recording = _record(model, lambda: _generate(model, LONG))[0]
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            routers, family = [layer.router for layer in ctl.layers], ctl.routing.family
+        recorded[distance] = recording
+        with torch.no_grad():
+            for l in range(distance, len(routers)):
+                hidden = torch.cat(inputs[l - distance])[:recording.num_tokens]
+                want = family.selection_scores(routers[l], torch.nn.functional.linear(hidden, routers[l].weight))
+                np.testing.assert_allclose(recording.pregate[:, l], want.float().numpy(), rtol=1e-5, atol=1e-5,
+                                           err_msg=f"D={distance}, layer {l}")
+        assert psr_hf.replay(config, recording).selected.tolist() == recording.selected.tolist()
+    assert recorded[1].selected.tolist() != recorded[2].selected.tolist()
 
 
 def test_a_calibration_changes_the_decisions(model, calibration):

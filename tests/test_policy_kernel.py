@@ -30,6 +30,8 @@ OPTION_SETS = [
     ("psr", dict(delta_mode="running", lam=1.0, decay_fast=0.7, decay_slow=0.9)),
     ("spec", {}),
     ("spec", dict(eviction="lru")),
+    ("psr", dict(lam=0.3, budget=2, window=4, prefetch_distance=2)),
+    ("exact", dict(budget=2, eviction="score", window=3, prefetch_distance=2)),
 ]
 
 
@@ -39,7 +41,7 @@ def _reference(config: RoutingConfig, K: int, trace, cal: Calibration):
         budget=config.budget_for(K), window=config.window_for(K), eviction=config.eviction, top_j=config.top_j,
         delta_mode=config.delta_mode, decay_fast=config.decay_fast, decay_slow=config.decay_slow,
         scores=trace.scores, pregate=trace.pregate, tokens=trace.tokens, delta=cal.delta,
-        expert_counts=cal.expert_counts, token_prior=cal.prior,
+        expert_counts=cal.expert_counts, token_prior=cal.prior, prefetch_distance=config.prefetch_distance,
     )
 
 
@@ -95,7 +97,8 @@ def test_kernel_matches_reference_with_256_experts(K):
     E, V = 256, 30
     trace = synthetic_trace(24, 2, E, vocab_size=V, seed=7)
     cal = calibration_from_trace(synthetic_trace(100, 2, E, vocab_size=V, seed=8), K, V)
-    for C, (policy, kw) in itertools.product([K, 64, E], OPTION_SETS[::2]):
+    two_layers = [(policy, kw) for policy, kw in OPTION_SETS[::2] if kw.get("prefetch_distance", 1) < 2]
+    for C, (policy, kw) in itertools.product([K, 64, E], two_layers):
         _assert_same_decisions(RoutingConfig(policy=policy, capacity=C, **kw), K, trace, cal)
 
 
@@ -151,7 +154,7 @@ def test_prefetch_then_select_equals_step(policy, kw):
             g = trace.pregate[None, t, layer] if layer >= 1 else None
             a = whole.step(layer, z, g, tok)
             prefetched = None
-            if config.inserts and layer >= 1:
+            if config.inserts and layer >= config.prefetch_distance:
                 prefetched = split.prefetch(layer, g, tok)
             b = split.select(layer, z, tok, pregate=g if policy == "spec" else None)
             assert a.selected.tolist() == b.selected.tolist()

@@ -205,8 +205,8 @@ class EngineRunner(Runner):
         decoder = self.decoders.get(key)
         if decoder is not None and decoder.offloaded and decoder._addresses() != decoder._slot_addresses:
             decoder = None  # the slot buffers were reallocated (capacity change): its graphs point at the old ones
-        if decoder is not None and decoder.layers.predictor is not controller(model).predictor:
-            decoder = None  # its router stacks hold another prefetch ranking (a specprefetch row and the rest)
+        if decoder is not None and not decoder.layers.ranks_like(controller(model)):
+            decoder = None  # its router stacks hold another prefetch ranking (a specprefetch row, a distance)
         if decoder is None:
             self.decoders.pop(key, None)
             if self.device.type == "cuda":

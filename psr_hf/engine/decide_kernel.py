@@ -89,7 +89,8 @@ def decide_kernel(
     E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     BUDGET: tl.constexpr, BP: tl.constexpr, WINDOW: tl.constexpr, TOP_J: tl.constexpr,
     W: tl.constexpr, BW: tl.constexpr, CW: tl.constexpr, BCW: tl.constexpr,
-    RUNNING: tl.constexpr, INSERTS: tl.constexpr, BIASED: tl.constexpr, EXEC_PREGATE: tl.constexpr,
+    RUNNING: tl.constexpr, INSERTS: tl.constexpr, DISTANCE: tl.constexpr, BIASED: tl.constexpr,
+    EXEC_PREGATE: tl.constexpr,
     LRU: tl.constexpr, HAS_PRIOR: tl.constexpr, OFFLOADED: tl.constexpr, RECORD: tl.constexpr,
     BIG: tl.constexpr,
 ):
@@ -211,7 +212,7 @@ def decide_kernel(
         e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
 
     # step 7: statistics from the router's own top-K
-    part1_here = INSERTS & (layer >= 1)
+    part1_here = INSERTS & (layer >= DISTANCE)
     last_use = tl.where(in_sel | (inserted & part1_here), step, last_use)
     replaced = tl.reduce((in_sel & (own_k == 0)).to(tl.int32), 0, tl.standard._sum_combine)
     flag = tl.where(own_k, 1.0, 0.0).to(tl.float64)
@@ -257,8 +258,8 @@ def decide_kernel(
         tl.store(rbase + layer * E + offs, z32, mask=emask)
         tl.store(record_plans_ptr + (position * L + layer) * W + pw, plan, mask=pw < W)
 
-    # ---------------------------------------------------------------- part 1 of the next layer
-    nxt = layer + 1
+    # ---------------------------------------------------------------- part 1 of layer + DISTANCE
+    nxt = layer + DISTANCE
     pplan = tl.full((BW,), -1, tl.int64)
     n_ins = 0
     if INSERTS:

@@ -92,7 +92,7 @@ class DecoderBase(abc.ABC):
         """What a new sequence checks before its first position: the prefetch ranking the router stacks were built
         for, and that the model tensors the engine reads have not moved (``RuntimeError`` otherwise); then the
         layers' recurrent state, where the family has one, is cleared (:meth:`DecodeLayers.begin_sequence`)."""
-        self.layers.check_prefetch_source(self.controller.predictor)
+        self.layers.check_prefetch_source(self.controller)
         self.layers.check_references(self.controller.expert_store.offloaded)
         self.layers.begin_sequence()
 
@@ -225,7 +225,7 @@ class Decoder(DecoderBase):
         if position == 0:
             self.check_sequence_start()
         else:
-            L.check_prefetch_source(self.controller.predictor)
+            L.check_prefetch_source(self.controller)
         L.sync_routers(handle)
         token = int(token)
         b.token.fill_(token)  # GRAPH: written by the host into the static buffers before graph A of layer 0
@@ -258,7 +258,7 @@ class Decoder(DecoderBase):
         pregate = host[0, E:] if width > E and handle.needs_pregate else None
         selection = handle.select(m, host[0, :E], pregate)
         if pregate is not None:
-            handle.prefetch(m + 1)  # part 1 of the next MoE layer: its copies run while this layer computes
+            handle.prefetch(m + L.distance)  # part 1 of a later MoE layer: its copies run while this layer computes
         # the selected experts to the device (from the controller's staging buffer, pinned on CUDA)
         b.expert_ids.copy_(selection.tensor, non_blocking=True)
         L.execution_weights(d, logits, b.expert_ids, b.expert_weights)  # from the unmodified logits

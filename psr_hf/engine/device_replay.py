@@ -3,7 +3,7 @@
 
 It feeds a :class:`~psr_hf.policy.Recording` (or score arrays) through
 :class:`~psr_hf.engine.device_state.DeviceState` position by position and layer by layer, as the token graph
-decides (``select(m)`` then ``prefetch(m + 1)`` from layer ``m + 1``'s pre-gate), so that the decisions the engine
+decides (``select(m)`` then ``prefetch(m + D)`` from layer ``m + D``'s pre-gate, D the prefetch distance), so that the decisions the engine
 makes on the GPU can be checked against the numba kernels on real routing traces (``benchmarks/engine/
 device_decisions_record.py``) and not only on random scores.
 """
@@ -56,7 +56,8 @@ def replay_on_device(config: RoutingConfig | dict, recording: Recording | None =
     state = DeviceState(cache, device, max_positions=T)
     state.upload(0)
     K = cache.top_k
-    joint = np.concatenate([z, np.concatenate([g[:, 1:], np.zeros_like(g[:, :1])], axis=1)], axis=2)  # z | g_{m+1}
+    D = cache.distance  # layer m's scores carry the pre-gate of layer m + D: z_m | g_{m+D}
+    joint = np.concatenate([z, np.concatenate([g[:, D:], np.zeros_like(g[:, :D])], axis=1)], axis=2)
     joint_device = torch.from_numpy(joint).to(state.device)
     tok_device = torch.from_numpy(tok).to(state.device)
     counts = np.empty((T + 1, L, 3), dtype=np.float64)

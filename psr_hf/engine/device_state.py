@@ -80,7 +80,8 @@ class DeviceState:
             "constexprs": dict(
                 E=E, BE=D._pow2(E), L=L, K=K, C=C, BC=D._pow2(C), BUDGET=budget, BP=D._pow2(max(budget, 1)),
                 WINDOW=window, TOP_J=ks.top_j, W=W, BW=D._pow2(W), CW=self.copy_width,
-                BCW=D._pow2(self.copy_width), RUNNING=ks.running, INSERTS=ks.inserts, BIASED=ks.biased,
+                BCW=D._pow2(self.copy_width), RUNNING=ks.running, INSERTS=ks.inserts,
+                DISTANCE=ks.distance, BIASED=ks.biased,
                 EXEC_PREGATE=ks.executes_pregate, LRU=ks.lru, HAS_PRIOR=vocab > 0,
                 OFFLOADED=self.offloaded, RECORD=self.max_positions > 0, BIG=1 << 30,
             ),
@@ -90,7 +91,8 @@ class DeviceState:
         return self._settings
 
     def decide(self, layer: int) -> None:
-        """Layer ``layer``'s decisions (part 2 of it, part 1 of the next): :func:`device_decisions.decide_layer`."""
+        """Layer ``layer``'s decisions (part 2 of it, part 1 of layer ``layer + distance``):
+        :func:`device_decisions.decide_layer`."""
         D.decide_layer(layer, self, self._settings)
 
     # ------------------------------------------------------------------ hand-over

@@ -400,7 +400,7 @@ class GraphDecoder(DecoderBase):
         self._units[0](stream)
         self._record(stream)
         self._check_slot_buffers()  # before the first graph B, which reads the slots
-        L.check_prefetch_source(self.controller.predictor)
+        L.check_prefetch_source(self.controller)
         L.sync_routers(handle, moe_layers=range(1, len(self.moe_layers)))
         token = read_token()
         if token is None:
@@ -456,7 +456,7 @@ class GraphDecoder(DecoderBase):
         handle, E = self.decode_handle, self.layers.num_experts
         self._wait()
         marks = self.marks
-        if marks is not None:  # the prediction for layer m + 1 is available from here on
+        if marks is not None:  # the prediction for layer m + D is available from here on
             marks.append(("pred", m, self._mark()))
         host = self._host_scores_np[m][0].copy()  # [width] (a copy: the buffer is rewritten next step)
         pregate = host[E:] if host.shape[0] > E and handle.needs_pregate else None
@@ -473,9 +473,10 @@ class GraphDecoder(DecoderBase):
         if m + 1 < len(self.moe_layers):
             self._record(stream)
         if pregate is not None:
-            # part 1 of the next MoE layer: the logical decisions in the same order as before the replay (select
-            # m, prefetch m + 1, select m + 1), its copies queued and issued below while the GPU computes
-            handle.prefetch(m + 1)
+            # part 1 of MoE layer m + D (prefetch_distance): the logical decisions in the same order as before the
+            # replay (select m, prefetch m + D, select m + 1), its copies queued and issued below while the GPU
+            # computes
+            handle.prefetch(m + self.layers.distance)
         store.decode_done(m)  # after graph B_m is enqueued: its event follows the slot reads
 
     # ------------------------------------------------------------------ measuring

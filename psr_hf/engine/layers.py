@@ -263,8 +263,10 @@ class DecodeLayers(abc.ABC):
         ctl = getattr(self.model, "_psr_hf_controller", None)
         predictor = getattr(ctl, "predictor", None)
         self.predictor = predictor  # what the stacks were built with (check_prefetch_source)
+        # RoutingConfig.prefetch_distance D: layer n's stack holds router n + D, whose pre-gate it ranks
+        self.distance = ctl.config.prefetch_distance if ctl is not None else 1
         for n, m in enumerate(moe):
-            following = moe[n + 1].router if n + 1 < len(moe) else None
+            following = moe[n + self.distance].router if n + self.distance < len(moe) else None
             if following is not None and predictor is not None:
                 stacked = self._own(f"layers.{m.decoder_index}.stacked_router",
                                     ctl.decode_handle().stacked_weight(n).detach())
@@ -480,12 +482,18 @@ class DecodeLayers(abc.ABC):
         else:
             self._weights_fn = softmax_execution_weights
 
-    def check_prefetch_source(self, predictor: object) -> None:
-        """``RuntimeError`` when the controller's learned ``predictor`` is not the one the router stacks were built
-        with (``reconfigure`` to or from ``prefetch="predictor"`` after the decoder was built): build a new one."""
-        if predictor is not self.predictor:
+    def ranks_like(self, controller: Any) -> bool:
+        """Whether the router stacks rank prefetches as ``controller`` does now: the same learned predictor and
+        the same ``prefetch_distance`` (``reconfigure`` may change either after the decoder was built)."""
+        return controller.predictor is self.predictor and controller.config.prefetch_distance == self.distance
+
+    def check_prefetch_source(self, controller: Any) -> None:
+        """``RuntimeError`` unless the router stacks rank prefetches as ``controller`` does (:meth:`ranks_like`):
+        build a new decoder."""
+        if not self.ranks_like(controller):
             raise RuntimeError("the engine's router stacks were built for another prefetch ranking (the "
-                               "controller's predictor changed with reconfigure()); build a new decoder")
+                               "controller's predictor or prefetch_distance changed with reconfigure()); build a new "
+                               "decoder")
 
     # ------------------------------------------------------------------ host-side checks (metadata only)
     def check_position(self, position: int) -> None:
@@ -573,8 +581,9 @@ class DecodeLayers(abc.ABC):
 
     @torch.no_grad()
     def router_logits(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:
-        """``out [1, router_width(layer)]``: this layer's router logits, then (when there is a next MoE layer)
-        the next layer's pre-gate logits on the same input, from one matmul over the stacked weights."""
+        """``out [1, router_width(layer)]``: this layer's router logits, then (when there is a MoE layer
+        ``distance`` ahead) that layer's pre-gate logits on the same input, from one matmul over the stacked
+        weights."""
         r = self._moe(layer)
         self._check_row(normed, "normed", self.hidden_size)
         self._check_row(out, "router logits out", r.stacked.shape[0])
@@ -586,8 +595,9 @@ class DecodeLayers(abc.ABC):
 
     @torch.no_grad()
     def router_scores(self, layer: int, logits: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` (same shape as ``logits``): the family's selection scores of this layer and pre-gate of the
-        next, exactly the controller routing's ``joint_scores`` (docs/engine.md, "Inside the engine")."""
+        """``out`` (same shape as ``logits``): the family's selection scores of this layer and the pre-gate of
+        layer ``layer + distance``, exactly the controller routing's ``joint_scores`` (docs/engine.md, "Inside the
+        engine")."""
         r = self._moe(layer)
         E = self.num_experts
         self._check_row(logits, "router logits", r.stacked.shape[0])

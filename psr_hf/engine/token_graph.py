@@ -259,7 +259,7 @@ class TokenGraphDecoder(GraphDecoder):
             write = int(token)
         position = self.position
         self._check_slot_buffers()
-        self.layers.check_prefetch_source(self.controller.predictor)
+        self.layers.check_prefetch_source(self.controller)
         self.layers.sync_routers(self.decode_handle)
         self._write_inputs(write, position)
         self._token_graph.replay()

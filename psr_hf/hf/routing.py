@@ -69,6 +69,7 @@ class LayerRouting:
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
         self.relaxation: GateRelaxation | None = None  # while a gate trains (psr_hf.training.gate)
         self.needs_pregate = self.executes_pregate = False
+        self.distance = 1  # RoutingConfig.prefetch_distance: layer l's pre-gate is router l on layer l - distance's input
         self.follows_router = False  # exact routing: the router's own picks decide ties (router_choice)
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training
@@ -93,6 +94,7 @@ class LayerRouting:
         self.source, self.cache = source, cache
         self.needs_pregate = config.needs_pregate
         self.executes_pregate = config.executes_pregate
+        self.distance = config.prefetch_distance
         self.follows_router = config.follows_router
         self.displaced = np.zeros((self.num_layers, 1))
         source.start(1, cache.calibration)
@@ -124,6 +126,11 @@ class LayerRouting:
         self.displaced = self.displaced[:, index]
         self.source.reorder(index)
 
+    def ranks_ahead(self, layer: int) -> bool:
+        """Whether ``layer``'s router input ranks the prefetches of a later layer (``layer + distance``): then its
+        router forward computes that layer's pre-gate in the same matmul (:meth:`route_joint`)."""
+        return self.needs_pregate and layer + self.distance < self.num_layers
+
     def resident(self, layer: int) -> np.ndarray:
         """[E] bool: row 0's logical cache at ``layer``."""
         return self.cache.resident_mask(layer) != 0
@@ -140,9 +147,10 @@ class LayerRouting:
         z_host, mass_scores = self._split_host(host, fwd, extras_from=self.num_experts)
         if fwd.positions == 1:
             # part 1 of this layer already ran in the previous layer's call when the policy inserts
-            plan = self._decode_select(layer, z_host[:, 0], "select" if self.needs_pregate and layer else "both")
+            plan = self._decode_select(layer, z_host[:, 0],
+                                       "select" if self.needs_pregate and layer >= self.distance else "both")
         else:
-            if layer:
+            if layer >= self.distance:
                 self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
             self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
@@ -151,9 +159,11 @@ class LayerRouting:
 
     def route_joint(self, fwd: ForwardPass, layer: int, router: torch.nn.Module, hidden: torch.Tensor,
                     run_own: Callable[[], tuple]) -> tuple:
-        """This layer's scores and the next layer's pre-gate from one matmul, moved to the host in one transfer;
-        the model's own router runs afterwards, and only where the selection is the router's own top-K."""
+        """This layer's scores and the pre-gate of layer ``layer + distance`` from one matmul, moved to the host in
+        one transfer; the model's own router runs afterwards, and only where the selection is the router's own
+        top-K."""
         B, S, E = fwd.rows, fwd.positions, self.num_experts
+        ahead = layer + self.distance
         own = run_own() if self.follows_router else None  # exact routing reads the router's own picks
         with torch.no_grad():  # the host's copy and the untrained path's logits: nothing saved for a backward pass
             raw, both = self.joint_scores(layer, hidden)
@@ -167,21 +177,21 @@ class LayerRouting:
         g_next = np.ascontiguousarray(host[:, E:2 * E]).reshape(B, S, E)
         z_host, mass_scores = self._split_host(host, fwd, extras_from=2 * E)
         if S == 1:
-            # decoding: part 2 of this layer, then part 1 of the next (its prefetches are known while this layer
-            # computes), on the cache's own buffers
-            g_next = self.source.next_pregate(layer + 1, g_next)
+            # decoding: part 2 of this layer, then part 1 of the layer ``distance`` ahead (its prefetches are known
+            # while this layer computes), on the cache's own buffers
+            g_next = self.source.next_pregate(ahead, g_next)
             plan = self._decode_select(layer, z_host[:, 0], "select")
             result = self._execute(fwd, layer, router, plan, z_host, logits, own, run_own, None, mass_scores)
-            self._decode_prefetch(fwd, layer + 1, g_next[:, 0])
+            self._decode_prefetch(fwd, ahead, g_next[:, 0])
         else:
             # a block of positions: parts 1 and 2 of this layer for each position in order
-            if layer:
+            if layer >= self.distance:
                 self.pregate[layer] = self.source.block_pregate(layer, self.pregate[layer], z_host, fwd.valid)
             self._snapshot(fwd, layer)
             plan = self.cache.step(layer, z_host, self.pregate[layer], fwd.tokens, fwd.valid)
             result = self._execute(fwd, layer, router, plan, z_host, logits, own, run_own, hidden, mass_scores)
         self.source.remember(layer, z_host, fwd.valid)
-        self.pregate[layer + 1] = g_next
+        self.pregate[ahead] = g_next
         return result
 
     def _with_host_extras(self, scores: torch.Tensor, own: tuple | None, ungated: torch.Tensor | None) -> torch.Tensor:
@@ -278,15 +288,15 @@ class LayerRouting:
                                "pass (generate(), lm-eval); the engine's decode steps do not run gates")
         E = self.num_experts
         z = np.ascontiguousarray(np.asarray(scores, dtype=np.float32).reshape(1, 1, E))
-        mode = "select" if self.needs_pregate and (layer or layer + 1 < self.num_layers) else "both"
+        mode = "select" if self.needs_pregate and (layer >= self.distance or self.ranks_ahead(layer)) else "both"
         plan = self._decode_select(layer, z[:, 0], mode)
         count, tensor, _, chosen = self._decide(fwd, layer, plan, z)
-        if self.needs_pregate and layer + 1 < self.num_layers:
+        if self.ranks_ahead(layer):
             # a copy: the caller's buffer is rewritten by the next layer before this pre-gate is read
             given = None if pregate is None else np.array(pregate, dtype=np.float32, order="C").reshape(1, 1, E)
-            g_next = self.source.next_pregate(layer + 1, given)
+            g_next = self.source.next_pregate(layer + self.distance, given)
             if g_next is not None:
-                self.pregate[layer + 1] = g_next
+                self.pregate[layer + self.distance] = g_next
         self.source.remember(layer, z, fwd.valid)
         return Selection(experts=chosen[0], tensor=tensor, own=count == 0)
 
@@ -294,9 +304,9 @@ class LayerRouting:
         """:meth:`DecodeHandle.prefetch <.decode_handle.DecodeHandle.prefetch>` in the open step ``fwd``."""
         if not self.needs_pregate:
             return False
-        g = self.pregate[layer] if 0 < layer < self.num_layers else None
+        g = self.pregate[layer] if self.distance <= layer < self.num_layers else None
         if g is None:
-            raise RuntimeError(f"psr_hf: prefetch({layer}) before select({layer - 1}) gave its pre-gate")
+            raise RuntimeError(f"psr_hf: prefetch({layer}) before select({layer - self.distance}) gave its pre-gate")
         self._decode_prefetch(fwd, layer, g[:, 0])
         return True
 
@@ -317,25 +327,26 @@ class LayerRouting:
 
     # ------------------------------------------------------------------ router weights
     def joint_scores(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [N, 2E], scores [N, 2E])`` of MoE layer ``layer`` (not the last) on its router input
-        ``hidden``: this layer's logits and selection scores, then the next layer's pre-gate from the same matmul:
-        the next router's scores on this input, or with ``RoutingConfig(prefetch="predictor")`` the predictor's
-        priorities ``softmax(B A x)`` in float32 (docs/ALGORITHM.md, "Prefetch ranking source")."""
-        raw, both = self.family.joint_scores(self.layers[layer].router, self.layers[layer + 1].router, hidden,
-                                             self.stacked_weight(layer))
+        """``(logits [N, 2E], scores [N, 2E])`` of MoE layer ``layer`` (one that :meth:`ranks_ahead`) on its router
+        input ``hidden``: this layer's logits and selection scores, then the pre-gate of layer ``layer + distance``
+        from the same matmul: that layer's router's scores on this input, or with
+        ``RoutingConfig(prefetch="predictor")`` the predictor's priorities ``softmax(B A x)`` in float32
+        (docs/ALGORITHM.md, "Prefetch ranking source")."""
+        raw, both = self.family.joint_scores(self.layers[layer].router, self.layers[layer + self.distance].router,
+                                             hidden, self.stacked_weight(layer))
         return raw, self.source.priorities(raw, both, self.num_experts)
 
     def prefetch_weight(self, layer: int) -> torch.Tensor:
-        """``[E, H]``: what ranks the prefetches of layer ``layer + 1`` from layer ``layer``'s router input: the
-        next router's weight, or the predictor's ``B A`` (float32) with ``prefetch="predictor"``."""
-        return self.source.ranking_weight(layer, self.layers[layer + 1].router)
+        """``[E, H]``: what ranks the prefetches of layer ``layer + distance`` from layer ``layer``'s router input:
+        that layer's router weight, or the predictor's ``B A`` (float32) with ``prefetch="predictor"``."""
+        return self.source.ranking_weight(layer, self.layers[layer + self.distance].router)
 
     def stacked_weight(self, layer: int) -> torch.Tensor:
         """``[2E, H]`` this router's weight over :meth:`prefetch_weight` (one matmul gives z and the next
         pre-gate), in the family's router dtype; rebuilt when a weight is replaced or changed in place, and at every
         new sequence (device moves)."""
         a = self.layers[layer].router.weight
-        b = self.source.weight_owner(self.layers[layer + 1].router)
+        b = self.source.weight_owner(self.layers[layer + self.distance].router)
         cached = self._stacked.get(layer)
         key = (a._version, a.data_ptr(), a.dtype, a.device) + (
             (b._version, b.data_ptr()) if isinstance(b, torch.Tensor) else (id(b),))

@@ -108,7 +108,6 @@ class WrappedCalls:
         ctl = self.controller
         index = layer.index
         router = layer.router
-        following = ctl.layers[index + 1].router if index + 1 < ctl.num_layers else None
         routing = ctl.routing
 
         @functools.wraps(original)
@@ -131,7 +130,7 @@ class WrappedCalls:
                     "open; calls of the model (and of its decoder) from several threads run one after the other, "
                     "but its layers called directly do not: call the model"
                 )
-            if following is not None and routing.needs_pregate:  # read per call: reconfigure() may change it
+            if routing.ranks_ahead(index):  # read per call: reconfigure() may change it
                 return routing.route_joint(fwd, index, router, hidden_states,
                                            lambda: original(hidden_states, *args, **kwargs))
             return routing.route_own(fwd, index, router, original(hidden_states, *args, **kwargs),

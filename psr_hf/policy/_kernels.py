@@ -33,8 +33,8 @@ EVICT_SCORE, EVICT_LRU = 0, 1
 
 # config_ints fields (token-seen flags follow)
 (MI_POLICY, MI_EVICTION, MI_K, MI_C, MI_BUDGET, MI_WINDOW, MI_TOP_J, MI_RUNNING, MI_INSERTS, MI_BIASED,
- MI_EXECUTES_PREGATE, MI_VOCAB) = range(12)
-MI_SIZE = 12
+ MI_EXECUTES_PREGATE, MI_VOCAB, MI_DISTANCE) = range(13)
+MI_SIZE = 13
 # config_floats fields (delta [L] and the fallback prior [L, E] follow)
 MF_LAM, MF_DECAY_FAST, MF_DECAY_SLOW = range(3)
 MF_SIZE = 3
@@ -466,7 +466,8 @@ def _layer_rules(layer, mode, config_ints, config_floats, E):
     """The :data:`LayerRules` of ``layer`` (``E`` experts) in ``mode``, read from the config arrays (their layout:
     :func:`_step_layer_checked`)."""
     decay_fast = config_floats[MF_DECAY_FAST]
-    part1_runs = config_ints[MI_INSERTS] != 0 and layer >= 1  # in this call or in a separate prefetch call
+    # in this call or in a separate prefetch call; a layer has a pre-gate from prefetch_distance on
+    part1_runs = config_ints[MI_INSERTS] != 0 and layer >= config_ints[MI_DISTANCE]
     return LayerRules(config_ints[MI_K], config_ints[MI_C], config_ints[MI_BUDGET], min(config_ints[MI_WINDOW], E),
                       config_ints[MI_TOP_J], config_ints[MI_RUNNING] != 0, config_ints[MI_BIASED] != 0,
                       config_ints[MI_EXECUTES_PREGATE] != 0, config_floats[MF_LAM], decay_fast,
@@ -567,7 +568,7 @@ def _validate(layer, mode, config_ints, scores, pregate, tokens, valid, counters
     all_valid = valid.shape[0] == 0
     if not all_valid and (valid.shape[0] != B or valid.shape[1] != S):
         return ERR_SHAPE
-    part1 = layer >= 1 and config_ints[MI_INSERTS] != 0
+    part1 = layer >= config_ints[MI_DISTANCE] and config_ints[MI_INSERTS] != 0
     check_pregate = layer >= 1 and ((part1 and mode != MODE_SELECT)
                                     or (config_ints[MI_EXECUTES_PREGATE] != 0 and mode != MODE_INSERT))
     if check_pregate and (pregate.shape[0] != B or pregate.shape[1] != S or pregate.shape[2] != E):

@@ -210,7 +210,8 @@ class KernelSettings:
 
     top_j: int
     running: bool  # delta_mode "running" (in effect: a biased policy without calibration runs it too)
-    inserts: bool  # part 1 runs (at layers >= 1)
+    inserts: bool  # part 1 runs (at layers >= distance)
+    distance: int  # RoutingConfig.prefetch_distance: layer l's pre-gate is router l on layer l - distance's input
     biased: bool
     executes_pregate: bool
     lru: bool  # eviction "lru" (else "score")
@@ -271,6 +272,10 @@ class LogicalCache:
         self.capacity = config.capacity_for(self.num_experts, self.top_k)
         self.window = config.window_for(self.top_k, default_window)
         self.budget = config.budget_for(self.top_k)
+        self.distance = config.prefetch_distance
+        if self.distance > 1 and self.distance >= self.num_layers:
+            raise ValueError(f"prefetch_distance={self.distance} reaches past the model's {self.num_layers} MoE layers: "
+                             f"no layer would get a prefetch; use at most {self.num_layers - 1}")
         delta_mode = config.delta_mode
         if calibration is None:
             calibration = Calibration.empty(self.num_layers, self.num_experts)
@@ -306,6 +311,7 @@ class LogicalCache:
         self._mi[K_.MI_BIASED] = int(config.biased)
         self._mi[K_.MI_EXECUTES_PREGATE] = int(config.executes_pregate)
         self._mi[K_.MI_VOCAB] = calibration.vocab_size
+        self._mi[K_.MI_DISTANCE] = self.distance
         self._mi[K_.MI_SIZE :] = seen
         self._mf = np.concatenate([
             np.array([config.lam, config.decay_fast, config.decay_slow], dtype=np.float64),
@@ -415,7 +421,8 @@ class LogicalCache:
         mi, mf, L = self._mi, self._mf, self.num_layers
         return KernelSettings(
             top_j=int(mi[K_.MI_TOP_J]), running=bool(mi[K_.MI_RUNNING]), inserts=bool(mi[K_.MI_INSERTS]),
-            biased=bool(mi[K_.MI_BIASED]), executes_pregate=bool(mi[K_.MI_EXECUTES_PREGATE]),
+            distance=int(mi[K_.MI_DISTANCE]), biased=bool(mi[K_.MI_BIASED]),
+            executes_pregate=bool(mi[K_.MI_EXECUTES_PREGATE]),
             lru=int(mi[K_.MI_EVICTION]) == K_.EVICT_LRU, lam=float(mf[K_.MF_LAM]),
             decay_fast=float(mf[K_.MF_DECAY_FAST]), decay_slow=float(mf[K_.MF_DECAY_SLOW]),
             flush=min(1.0, 1.0 - float(mf[K_.MF_DECAY_FAST])) * K_.FLUSH_RATIO,
@@ -444,7 +451,7 @@ class LogicalCache:
             )
         if z is not None and g is not None and g.shape != z.shape:
             raise ValueError(f"pregate has shape {g.shape} but scores have {z.shape}")
-        if need_pregate and layer >= 1 and g is None:
+        if need_pregate and layer >= self.distance and g is None:
             raise ValueError(
                 f"policy={self.config.policy!r} needs the pre-gate scores of layer {layer} (part 1 inserts the "
                 "next layer's predicted experts); pass pregate="

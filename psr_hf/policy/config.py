@@ -76,6 +76,7 @@ class RoutingConfig:
     decay_fast: float = 0.5
     decay_slow: float = 0.98
     prefetch: str = "pregate"
+    prefetch_distance: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or self.policy not in POLICY_TABLE:
@@ -177,6 +178,28 @@ class RoutingConfig:
                 f"budget={self.budget} never reads; give a prefetch budget (e.g. policy='exact', eviction='score', "
                 "budget=2: SpecPrefetch's router-preserving prefetch) or use policy='psr' / 'spec'"
             )
+
+        self._validate_distance()
+
+    def _validate_distance(self) -> None:
+        """``prefetch_distance`` D: the pre-gate of layer ``l`` is router ``l`` on the router input of layer
+        ``l - D`` (docs/prefetch-distance.md); only the pre-gate ranks that far ahead, and only part 1 reads it."""
+        D = self.prefetch_distance
+        if not _is_int(D) or D < 1:
+            raise ValueError(f"prefetch_distance={D!r} must be an int >= 1 (MoE layers between the layer whose router "
+                             "input ranks a prefetch and the layer it fills)")
+        if D == 1:
+            return
+        if not self.inserts:
+            raise ValueError(f"prefetch_distance={D} has no effect with policy={self.policy!r} and budget={self.budget}, "
+                             "which insert no prefetches; give a prefetch budget (psr, or exact with budget > 0) or "
+                             "leave prefetch_distance at 1")
+        if self.executes_pregate:
+            raise ValueError(f"prefetch_distance={D}: policy={self.policy!r} executes the pre-gate of the next layer, "
+                             "so its distance is 1; leave prefetch_distance at 1")
+        if self.prefetch != "pregate":
+            raise ValueError(f"prefetch_distance={D} needs prefetch='pregate' (a later router on this layer's input); "
+                             f"prefetch={self.prefetch!r} ranks the next layer only; leave prefetch_distance at 1")
 
     # ------------------------------------------------------------------ derived values
     @property

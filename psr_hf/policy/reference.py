@@ -327,11 +327,14 @@ def reference_replay(
     delta: Any,
     expert_counts: Any,
     token_prior: Any,
+    prefetch_distance: int = 1,
 ) -> ReferenceReplay:
     """One batch row.
 
-    scores, pregate: [T][L][E] (nested lists or numpy float32 arrays); pregate[:, 0] is unused (no pre-gate at
-    l=0); ``pregate=None`` means no pre-gate anywhere (part 1 never runs, spec executes the own top-K).
+    scores, pregate: [T][L][E] (nested lists or numpy float32 arrays); pregate[:, l] is unused for
+    ``l < prefetch_distance`` (no pre-gate there: the pre-gate of layer l is router l on the input of layer
+    ``l - prefetch_distance``); ``pregate=None`` means no pre-gate anywhere (part 1 never runs, spec executes the
+    own top-K).
     tokens: [T] ints. delta: [L] floats (used when delta_mode == "fixed"). expert_counts: [L][E].
     token_prior: callable (token:int, layer:int) -> sequence of E floats, or a dense [V][L][E] array/list, or
     None (zero prior).
@@ -360,7 +363,7 @@ def reference_replay(
             raise ValueError(f"scores[{t}] has {len(scores[t])} layers; expected {num_layers}")
         row_steps: list[ReferenceStep] = []
         for l in range(num_layers):
-            g = pregate[t][l] if (pregate is not None and l >= 1) else None
+            g = pregate[t][l] if (pregate is not None and l >= prefetch_distance) else None
             row_steps.append(
                 states[l].step(
                     policy=policy,
