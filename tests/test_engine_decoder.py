@@ -29,6 +29,7 @@ POLICIES = {
     "exact": dict(policy="exact", residency=0.5),
     "psr": dict(policy="psr", lam=0.2, budget=1, residency=0.5),
     "spec": dict(policy="spec", residency=0.5),
+    "psr_distance2": dict(policy="psr", lam=0.2, budget=2, residency=0.5, prefetch_distance=2),
 }
 EXACT_COUNTS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token")
 
@@ -101,7 +102,7 @@ def test_exact_routing_gives_hf_greedy_tokens_logits_and_stats(case, name):
 
 
 # ---------------------------------------------------------------------------------------------- policies
-@pytest.mark.parametrize("policy", ["psr", "spec"])
+@pytest.mark.parametrize("policy", ["psr", "spec", "psr_distance2"])
 @pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])
 def test_policies_select_the_experts_of_the_hf_path(case, name, policy):
     model, ids, calibration, pad = case(name)

@@ -26,6 +26,7 @@ MAX_LEN = 48
 POLICIES = {
     "exact": dict(policy="exact", residency=0.5),
     "psr": dict(policy="psr", lam=0.2, budget=1, residency=0.5),
+    "psr_distance2": dict(policy="psr", lam=0.2, budget=2, residency=0.5, prefetch_distance=2),
 }
 
 
@@ -59,7 +60,7 @@ def _assert_bitwise(actual, expected) -> None:
 
 # ---------------------------------------------------------------------------------------------- CPU: bitwise
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("policy", ["exact", "psr"])
+@pytest.mark.parametrize("policy", ["exact", "psr", "psr_distance2"])
 @pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "shipped"])
 def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloaded):
     model, ids, calibration, _ = case(name)
@@ -73,7 +74,7 @@ def test_eager_graph_structure_is_bitwise_the_decoder(case, name, policy, offloa
         _assert_bitwise(_run(model, ids, decoder), expected)
         if offloaded:
             assert all(p is None for p in psr_hf.controller(model).offload._pending)
-    if policy == "psr":
+    if policy.startswith("psr"):
         assert expected[3].total["replaced_per_token"] > 0  # the policy did route
 
 
@@ -140,7 +141,7 @@ def _cuda_model(name: str, dtype: torch.dtype = torch.float32):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("policy", ["exact", "psr"])
+@pytest.mark.parametrize("policy", ["exact", "psr", "psr_distance2"])
 def test_cuda_graphs_match_eager_float32(name, policy, offloaded):
     model = _cuda_model(name)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -254,7 +255,7 @@ def test_cuda_compiled_blocks_match_uncompiled_float32(name):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("policy", ["psr", "spec"])
+@pytest.mark.parametrize("policy", ["psr", "spec", "psr_distance2"])
 def test_cuda_offloaded_graph_recordings_replay_to_their_selections(case, policy):
     """The captured graphs, offloaded to the GPU (raw copy calls and graph launches where cuda-python imports):
     replay() of the recording gives the selections the engine executed, and the copies the cache counted."""

@@ -31,6 +31,7 @@ CONFIGS = {
     "psr": dict(policy="psr", lam=0.3, budget=1, residency=0.5),
     "psr_low_residency": dict(policy="psr", lam=0.2, budget=2, residency=0.25),
     "spec": dict(policy="spec", residency=0.5),
+    "psr_distance2": dict(policy="psr", lam=0.3, budget=2, residency=0.5, prefetch_distance=2),
 }
 
 

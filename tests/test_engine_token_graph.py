@@ -24,6 +24,7 @@ POLICIES = {
     "psr": dict(policy="psr", lam=0.3, budget=1, residency=0.5),
     "psr_lru": dict(policy="psr", lam=0.2, budget=2, residency=0.5, eviction="lru"),
     "spec": dict(policy="spec", residency=0.5),
+    "psr_distance2": dict(policy="psr", lam=0.3, budget=2, residency=0.5, prefetch_distance=2),
 }
 STAT_FIELDS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_token", "replaced_per_token",
                "displaced_mass")

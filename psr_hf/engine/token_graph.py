@@ -2,10 +2,11 @@
 
 A :class:`~psr_hf.engine.graphs.GraphDecoder` whose decode steps after a sequence's first host-routed step (a
 prompt's prefill, or ``step`` at position 0) run without any host work between layers. Per MoE layer ``m`` the
-token graph holds graph A_m's body (attention, router scores and the next layer's pre-gate), the decision kernel
-(:mod:`psr_hf.engine.device_decisions`: ``select(m)`` then ``prefetch(m + 1)``, bitwise the numba kernels'), and,
-offloaded, the demand copies of ``m`` on many programs and the prefetch copies of ``m + 1`` on a few programs of a
-side branch that only layer ``m + 1`` waits for (:mod:`psr_hf.engine.device_copies`), then graph B_m's body.
+token graph holds graph A_m's body (attention, router scores and the pre-gate of layer ``m + D``, D the
+``prefetch_distance``), the decision kernel (:mod:`psr_hf.engine.device_decisions`: ``select(m)`` then
+``prefetch(m + D)``, bitwise the numba kernels'), and, offloaded, the demand copies of ``m`` on many programs and
+the prefetch copies of ``m + D`` on a few programs of a side branch that only layer ``m + D`` waits for
+(:mod:`psr_hf.engine.device_copies`), then graph B_m's body.
 
 The routing state is lent through the controller's decode handle (:meth:`DecodeHandle.lend_state
 <psr_hf.hf.decode_handle.DecodeHandle.lend_state>`) after the host step and copied back when anything asks the
@@ -119,22 +120,25 @@ class TokenGraphDecoder(GraphDecoder):
         previous = -1
         waits: dict[int, torch.cuda.Event] = {}
         state = self.dstate
+        ahead = state.kernel_settings()["constexprs"]["DISTANCE"]  # layer m decides the prefetches of m + ahead
+        inserts = state.kernel_settings()["constexprs"]["INSERTS"]
         for m, d in enumerate(self.moe_layers):
             self._body_a(m, range(previous + 1, d), d, d2h=False)()
             state.decide(m)
             if self.offloaded:
                 decided = torch.cuda.Event()
                 decided.record(main)
-                if m in waits:  # this layer's prefetches (issued at m - 1) land before its demand copies
+                if m in waits:  # this layer's prefetches (issued at m - ahead) land before its demand copies
                     main.wait_event(waits.pop(m))
                 self._copies[m].launch(state.copies, m, 0, self.demand_programs)
-                if m + 1 < len(self.moe_layers) and state.kernel_settings()["constexprs"]["INSERTS"]:
+                if m + ahead < len(self.moe_layers) and inserts:
                     side.wait_event(decided)
                     with torch.cuda.stream(side):
-                        self._copies[m + 1].launch(state.copies, m + 1, 1 + 2 * L.top_k, self.prefetch_programs)
+                        self._copies[m + ahead].launch(state.copies, m + ahead, 1 + 2 * L.top_k,
+                                                       self.prefetch_programs)
                         landed = torch.cuda.Event()
                         landed.record(side)
-                    waits[m + 1] = landed
+                    waits[m + ahead] = landed
             self._body_b(m, d, from_host=False)()
             previous = d
         self._body_c(range(previous + 1, L.num_layers))()
