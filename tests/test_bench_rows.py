@@ -14,7 +14,7 @@ from psr_hf.bench.rows import (ACCELERATE, BASELINES, ENGINE, ENGINE_RESIDENT, O
                                prefetch_configs, routed)
 from psr_hf.bench.sweep import sweep_grid
 from psr_hf.eval.divergence import sweep_configs
-from psr_hf.eval.grid import entry_name, routing_from_name, routing_grid, routing_name
+from psr_hf.eval.grid import entry_name, psr, routing_from_name, routing_grid, routing_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [dict(), dict(engine=True), dict(engine=True, prefetch_budgets=(1, 2, 16), predictor=True),
@@ -38,6 +38,11 @@ def test_every_grid_entry_is_named_by_its_fields_and_reads_back():
         for name, fields in grid.items():
             assert entry_name(fields) == name and routing_from_name(name) == fields
     assert list(BASELINES) == ["exact_lru", "exact_a_pf", "cp_lam0.2", "psr_lam0.2_n1", "psr_lam0.3_n1", "spec"]
+    deeper = psr(0.3, 2, distance=2)  # prefetches ranked two MoE layers ahead
+    assert entry_name(deeper) == "psr_lam0.3_n2_d2" and routing_from_name("psr_lam0.3_n2_d2") == deeper
+    assert routing_from_name("psr_lam0.3_n2_d1") is None  # distance 1 is the name without _d
+    with pytest.raises(ValueError, match="no name"):  # only psr's names carry a distance
+        routing_name(RoutingConfig(policy="exact", budget=1, eviction="score", residency=0.5, prefetch_distance=2))
     assert routing_grid(BASELINES.values()) == BASELINES
 
 

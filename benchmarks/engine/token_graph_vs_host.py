@@ -27,12 +27,21 @@ from psr_hf.bench.common import teacher_forced_ms
 from psr_hf.bench.runners import weight_sharing_copy
 from psr_hf.engine.graphs import GraphDecoder
 from psr_hf.engine.token_graph import TokenGraphDecoder
+from psr_hf.eval.grid import routing_from_name
 
-ROWS = {
-    "psr_lam0.3_n1": dict(policy="psr", lam=0.3, budget=1),
-    "cp_lam0.2": dict(policy="cache_prior", lam=0.2),
-    "exact_lru": dict(policy="exact", eviction="lru"),
-}
+DEFAULT_ROWS = ("psr_lam0.3_n1", "cp_lam0.2", "exact_lru")
+
+
+def _case(row: str) -> tuple[str, dict, float | None]:
+    """``resident_exact``, or a routing grid name at a residency (``psr_lam0.3_n1_d2@0.5``)."""
+    if row == "resident_exact":
+        return row, dict(policy="exact"), None
+    name, _, residency = row.partition("@")
+    fields = routing_from_name(name)
+    if fields is None or not residency:
+        raise SystemExit(f"--rows {row!r}: give resident_exact or a routing grid name at a residency, e.g. "
+                         "psr_lam0.3_n1@0.5 or psr_lam0.3_n1_d2@0.25")
+    return row, dict(fields, residency=float(residency)), float(residency)
 
 
 def _prompt(tokenizer, n: int) -> list[int]:
@@ -70,7 +79,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--residency", type=float, nargs="+", default=[0.5, 0.25])
-    ap.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. psr_lam0.3_n1@0.5)")
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="these rows instead (resident_exact, or a grid name at a residency: psr_lam0.3_n1_d2@0.5)")
     ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[8],
                     help="the token graph's programs for a layer's prefetch copies; one device decoder per value")
     ap.add_argument("--max-len", type=int, default=None,
@@ -86,11 +96,8 @@ def main() -> None:
     if max_len < args.prompt + args.tokens + 1:
         raise SystemExit(f"--max-len {max_len}: the prompt and the tokens need {args.prompt + args.tokens + 1}")
     records = []
-    cases = [("resident_exact", dict(policy="exact"), None)]
-    for r in args.residency:
-        cases += [(f"{name}@{r}", dict(kw, residency=r), r) for name, kw in ROWS.items()]
-    if args.rows:
-        cases = [c for c in cases if c[0] in args.rows]
+    rows = args.rows or ["resident_exact"] + [f"{name}@{r}" for r in args.residency for name in DEFAULT_ROWS]
+    cases = [_case(row) for row in rows]
     for name, kw, residency in cases:
         model = weight_sharing_copy(source)
         if residency is None:  # every expert cached: nothing offloaded

@@ -58,14 +58,16 @@ class SweepStopped(Exception):
 
 def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = SWEEP_BUDGETS,
                evictions: Sequence[str] = EVICTIONS, published: bool = True,
-               psr_windows: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
+               psr_windows: Sequence[int] = (), psr_distances: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
     """name -> :class:`RoutingConfig` fields (no residency): ``exact_lru``, ``exact_a_pf`` (A priority, prefetch
     budget 1), ``spec``, and per lam ``cp_lam{lam}`` (Cache-Prior, LRU) and ``cp_lam{lam}_a`` (A priority),
     ``psr_lam{lam}_n{n}`` (A priority) and ``psr_lam{lam}_n{n}_lru`` per budget ``n``, and with ``published``
     Cache-Prior as published: ``cp_lam{lam}_j1``, ``cp_lam{lam}_j2`` (top-J protected, LRU) and
     ``cp_lam{lam}_j2_run`` (J = 2 with the running bonus scale). ``evictions`` ("score", "lru") limits the
     Cache-Prior and PSR rows to those evictions. ``psr_windows`` adds PSR (A priority) with each of these pre-gate
-    windows, ``psr_lam{lam}_n{n}_w{window}`` (the paper times 2 beside Qwen3.6's default of 4)."""
+    windows, ``psr_lam{lam}_n{n}_w{window}`` (the paper times 2 beside Qwen3.6's default of 4); ``psr_distances``
+    PSR (A priority) with each of these prefetch distances, ``psr_lam{lam}_n{n}_d{distance}`` (each layer's
+    prefetches ranked that many MoE layers ahead; 1 is the plain row)."""
     unknown = sorted(set(evictions) - set(EVICTIONS))
     if unknown or not evictions:
         raise ValueError(f"evictions {list(evictions)}: give a non-empty subset of {', '.join(EVICTIONS)}")
@@ -76,6 +78,9 @@ def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = S
     if any(not isinstance(w, int) or w < 1 for w in psr_windows):
         raise ValueError(f"psr_windows {list(psr_windows)}: give pre-gate windows as ints >= 1 (the paper: 4 and 2 "
                          "on Qwen3.6)")
+    if any(not isinstance(d, int) or d < 2 for d in psr_distances):
+        raise ValueError(f"psr_distances {list(psr_distances)}: give prefetch distances as ints >= 2 (1 is the plain "
+                         "PSR row, always in the grid)")
     entries = [exact_lru(), exact_a_pf()]
     for lam in lams:
         lam = float(lam)
@@ -87,6 +92,7 @@ def sweep_grid(*, lams: Sequence[float] = SWEEP_LAMS, budgets: Sequence[int] = S
             if "score" in evictions:
                 entries.append(psr(lam, n))
                 entries += [psr(lam, n, window=w) for w in psr_windows]
+                entries += [psr(lam, n, distance=d) for d in psr_distances]
             if "lru" in evictions:
                 entries.append(psr(lam, n, eviction="lru"))
         if published:

@@ -25,6 +25,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--psr-windows", default="",
                    help="also time PSR (A priority) with these pre-gate windows, e.g. 2 (rows psr_lam0.2_n1_w2; "
                         "default none: the architecture's window, 8, or 4 on Moonlight and Qwen3.6)")
+    p.add_argument("--psr-distances", default="",
+                   help="also time PSR (A priority) with these prefetch distances, e.g. 2 (rows psr_lam0.2_n1_d2: each "
+                        "layer's prefetches ranked two MoE layers ahead; default none: the next layer)")
     p.add_argument("--no-published", action="store_true",
                    help="leave out Cache-Prior as published (top-J 1 and 2, running bonus scale)")
     p.add_argument("--configs", help="comma-separated grid names to keep (e.g. exact_lru,cp_lam0.2,psr_lam0.2_n1)")
@@ -63,7 +66,9 @@ def sweep(args: argparse.Namespace) -> int:
     grid = select(sweep_grid(lams=comma_floats("--lams", args.lams), budgets=comma_ints("--budgets", args.budgets),
                              evictions=[e.strip() for e in args.evictions.split(",") if e.strip()],
                              published=not args.no_published,
-                             psr_windows=comma_ints("--psr-windows", args.psr_windows) if args.psr_windows else ()),
+                             psr_windows=comma_ints("--psr-windows", args.psr_windows) if args.psr_windows else (),
+                             psr_distances=(comma_ints("--psr-distances", args.psr_distances)
+                                            if args.psr_distances else ())),
                   None if args.configs is None else args.configs.split(","))
     residencies = comma_floats("--residencies", args.residencies)
     set_threads_for_model(args)

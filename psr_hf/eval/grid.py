@@ -48,12 +48,14 @@ def cache_prior(lam: float, *, eviction: str = "lru", top_j: int = 0, running: b
 
 
 def psr(lam: float, budget: int, *, eviction: str = "score", predictor: bool = False,
-        window: int | None = None) -> dict[str, Any]:
+        window: int | None = None, distance: int = 1) -> dict[str, Any]:
     """PSR at ``lam`` with prefetch budget ``budget``; ``predictor``: the pre-gate is a learned predictor's ranking;
     ``window``: the pre-gate candidates ranked per step (None: the architecture's default, as the paper's main
-    rows; Qwen3.6's also times 2)."""
+    rows; Qwen3.6's also times 2); ``distance``: the prefetch distance (``_d2``: each layer's prefetches ranked
+    two MoE layers ahead)."""
     return dict(policy="psr", lam=float(lam), eviction=eviction, budget=budget,
-                **({"prefetch": "predictor"} if predictor else {}), **({"window": window} if window else {}))
+                **({"prefetch": "predictor"} if predictor else {}), **({"window": window} if window else {}),
+                **({"prefetch_distance": distance} if distance != 1 else {}))
 
 
 def spec() -> dict[str, Any]:
@@ -87,7 +89,8 @@ def _paper_name(c: RoutingConfig) -> str | None:
     stem = entry.paper.stem
     pregate = c.prefetch == _DEFAULTS["prefetch"]
     unbiased = c.top_j == 0 and c.delta_mode == _DEFAULTS["delta_mode"]
-    if unbiased and entry.follows_router:
+    near = c.prefetch_distance == 1  # only psr's names carry a distance (_d2)
+    if unbiased and near and entry.follows_router:
         if pregate and c.window is None and (c.eviction, c.budget) == ("lru", 0):
             return f"{stem}_lru"
         if pregate and c.window is None and (c.eviction, c.budget) == ("score", 1):
@@ -99,7 +102,8 @@ def _paper_name(c: RoutingConfig) -> str | None:
                 + "_run" * (c.delta_mode == "running"))
     if unbiased and entry.biased and entry.can_prefetch and c.prefetch in ("pregate", "predictor"):
         return (f"{stem}_lam{c.lam:g}_n{c.budget}" + (f"_w{c.window}" if c.window is not None else "")
-                + "_lru" * (c.eviction == "lru") + "_pred" * (c.prefetch == "predictor"))
+                + "_lru" * (c.eviction == "lru") + "_pred" * (c.prefetch == "predictor")
+                + (f"_d{c.prefetch_distance}" if not near else ""))
     if unbiased and pregate and entry.executes_pregate and c.window is None:
         return stem
     return None
@@ -120,9 +124,9 @@ _NAMES = (
     (re.compile(rf"{_STEMS['cache_prior']}_lam([0-9.e+-]+)(_a)?(?:_j(\d+))?(_run)?"),
      lambda m: cache_prior(float(m[1]), eviction="score" if m[2] else "lru", top_j=int(m[3] or 0),
                            running=bool(m[4]))),
-    (re.compile(rf"{_STEMS['psr']}_lam([0-9.e+-]+)_n(\d+)(?:_w(\d+))?(_lru)?(_pred)?"),
+    (re.compile(rf"{_STEMS['psr']}_lam([0-9.e+-]+)_n(\d+)(?:_w(\d+))?(_lru)?(_pred)?(?:_d(\d+))?"),
      lambda m: psr(float(m[1]), int(m[2]), eviction="lru" if m[4] else "score", predictor=bool(m[5]),
-                   window=int(m[3]) if m[3] else None)),
+                   window=int(m[3]) if m[3] else None, distance=int(m[6] or 1))),
 )
 
 
