@@ -264,7 +264,8 @@ def test_cuda_offloaded_graph_recordings_replay_to_their_selections(case, policy
     model, tokenizer, calibration = load_shipped(OLMOE_ROUTING_NAME)
     ids = case("shipped")[1]
     model = model.to("cuda")
-    config = RoutingConfig(policy=policy, residency=0.25, **({"lam": 0.2, "budget": 1} if policy == "psr" else {}))
+    fields = {"psr": dict(lam=0.2, budget=1), "psr_distance2": dict(lam=0.2, budget=1, prefetch_distance=2)}
+    config = RoutingConfig(policy=policy.partition("_")[0], residency=0.25, **fields.get(policy, {}))
     with psr_hf.patched(model, config, calibration=calibration, offload=psr_hf.OffloadConfig(device="cuda")):
         _, _, recordings, _ = _run(model, ids, GraphDecoder(model, MAX_LEN, graphs=True))
         counts = psr_hf.controller(model).cache.stats()
