@@ -183,7 +183,8 @@ class RoutingConfig:
 
     def _validate_distance(self) -> None:
         """``prefetch_distance`` D: the pre-gate of layer ``l`` is router ``l`` on the router input of layer
-        ``l - D`` (docs/prefetch-distance.md); only the pre-gate ranks that far ahead, and only part 1 reads it."""
+        ``l - D`` (docs/ALGORITHM.md, "Prefetch distance"); only the pre-gate ranks that far ahead, and only part 1
+        reads it."""
         D = self.prefetch_distance
         if not _is_int(D) or D < 1:
             raise ValueError(f"prefetch_distance={D!r} must be an int >= 1 (MoE layers between the layer whose router "
