@@ -1,9 +1,10 @@
 """The latency benchmark's ratios between rows and its goals.
 
 :func:`comparisons` pairs rows by round (exact_lru / PSR, accelerate / PSR, within the engine rows, SpecPrefetch's
-OFF / Naive / SpecPrefetch and PRED0); :func:`evaluate_goals` judges the goals set for the H200: a goal is met only
-when the whole 95% interval of its ratio (or of a row's per-round means, for a bound) lies on the goal's side, not
-met when it lies wholly on the other, otherwise not shown. Both read rows by name (:meth:`Row.from_name`).
+OFF / Naive / SpecPrefetch and PRED0); :func:`evaluate_goals` judges the goals set for a lent H100 or H200: a goal
+is met only when the whole 95% interval of its ratio (or of a row's per-round means, for a bound) lies on the
+goal's side, not met when it lies wholly on the other, otherwise not shown. Both read rows by name
+(:meth:`Row.from_name`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ PSR_ROUTINGS = [fields for fields in BASELINES.values()
 RESIDENT_GOALS = {0.5: 1.15, 0.25: 1.3}
 ACCELERATE_GOAL = 50.0
 
-# the engine's goals (GPU only): ms/token bounds and ratios within the engine rows
-ENGINE_RESIDENT_MS_GOAL = 1.4  # llama.cpp all on the GPU: 1.65 on the same GPU and grown model
-ENGINE_PSR_MS_GOALS = {0.5: 2.5, 0.25: 4.5}
-ENGINE_LRU_GOALS = {0.5: 2.3, 0.25: 3.0}  # engine exact_lru / engine psr_lam0.3_n1 >= this (the paper: 2.31 at 50%)
-ENGINE_CP_GOAL = 1.25  # engine cp_lam0.2 / engine psr_lam0.3_n1 >= this, at every goal residency
+# the engine's goals (GPU only; issue 53): ms/token bounds and ratios within the engine rows
+ENGINE_RESIDENT_MS_GOALS = {"H100": 1.2, "H200": 1.0}  # engine_resident at most this on that GPU
+ENGINE_BOUND_GOAL = 1.15  # every routed engine row at most this times its physical bound (engine_bound)
+ENGINE_LRU_GOALS = {0.5: 2.3}  # engine exact_lru / engine psr_lam0.3_n1 >= this (the paper: 2.31 at 50%)
+ENGINE_CP_GOALS = {0.5: 1.1, 0.25: 1.3}  # engine cp_lam0.2 / engine psr_lam0.3_n1 >= this (the paper: 1.33)
 ENGINE_CP_ROUTING = cache_prior(0.2)
-ENGINE_HOST_US_GOAL = 15.0  # host us per MoE layer (policy, scheduler, graph launches) on the copies-skipped rows
-ENGINE_HOST_US_PER_COPY_GOAL = 5.0  # host us per issued copy: an offloaded row against its copies-skipped twin
+ENGINE_HOST_US_PER_TOKEN_GOAL = 30.0  # host us per token on engine_resident and the copies-skipped rows
 ENGINE_PRED0_GOAL = 1.03  # SpecPrefetch's PRED0 (copies skipped) / OFF (exact_lru, copies skipped) at most this
 NEEDS_GPU = "needs a GPU"
 
@@ -110,16 +110,19 @@ def _judge(entry: dict[str, Any], lo: float, hi: float, point: float, bound: flo
                  significant=bool(inside) if defined else None, point="met" if side(point) else "not met")
 
 
-def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = None) -> list[dict[str, Any]]:
+def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = None, device: str | None = None,
+                   expert_copy_ms: float | None = None) -> list[dict[str, Any]]:
     """The issue's goals, each ``met`` (the whole 95% interval of the paired ratio lies on the goal's side),
     ``not met`` (the whole interval lies on the other side), ``not shown`` (the interval crosses the bound, or there
     is none: too few rounds) or ``not measured``; ``point`` says on which side the point estimate lies.
 
     With engine rows (``engine_*``) also the engine's goals: ms/token bounds (the 95% t-interval of the per-round
     means against the bound, the same met / not met / not shown rule; ``ms`` holds the mean) and ratios within the
-    engine rows. They are evaluated only when ``cuda`` is True (the device of the run); otherwise their status is
-    ``needs a GPU``. Every goal was set for the H200: with ``cuda`` False (a CPU run) none is judged, each is ``needs
-    a GPU``; ``cuda`` None (unknown) judges the transformers-path goals only."""
+    engine rows, each routed engine row against its physical bound (:func:`engine_bound`, from ``expert_copy_ms``,
+    one expert's copy time measured in the run) and the host's time per token. They are evaluated only when
+    ``cuda`` is True (the device of the run, ``device`` its name: the all-resident bound depends on the card);
+    otherwise their status is ``needs a GPU``. With ``cuda`` False (a CPU run) no goal is judged, each is ``needs a
+    GPU``; ``cuda`` None (unknown) judges the transformers-path goals only."""
     goals = _transformers_goals(rows)
     if cuda is False:
         for entry in goals:
@@ -127,7 +130,7 @@ def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = Non
     parsed = _rows_by_name(rows)
     if not any(row is not None and row.on_engine for row in parsed.values()):
         return goals
-    engine_goals = _engine_goals(rows, parsed)
+    engine_goals = _engine_goals(rows, parsed, device if cuda else None, expert_copy_ms)
     if not cuda:  # the engine's goals are about GPU latency: on the CPU they are not evaluated
         for entry in engine_goals:
             entry.update(status=NEEDS_GPU, ratio=None, ms=None, ci95=None, p=None, significant=None, point=None)
@@ -184,25 +187,54 @@ def _transformers_goals(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     return goals
 
 
-def _engine_goals(rows: Sequence[Mapping[str, Any]], parsed: Mapping[str, Row | None]) -> list[dict[str, Any]]:
-    """The engine's ms/token bounds, its ratios within the engine rows (exact_lru and Cache-Prior over PSR, PRED0
-    over OFF) and its host time per MoE layer and per issued copy."""
+def engine_bound(row: Row, row_record: Mapping[str, Any], twin_record: Mapping[str, Any],
+                 expert_copy_ms: float) -> list[float]:
+    """Per round, the physical bound of an offloaded engine row: its copies-skipped twin's ms/token (the same
+    decisions, nothing copied) and the link time of its copies (copies per token x ``expert_copy_ms``, one expert's
+    copy time): their maximum for a row whose copies are prefetches (a policy that inserts: they can overlap the
+    computation), the twin plus the link time of its demand copies for the others (the layer waits for them)."""
+    copies = row_record["copies"]
+    if row.routing.inserts:
+        link = float(copies["copies_per_token"]) * expert_copy_ms
+        return [max(float(twin), link) for twin in twin_record["ms_per_token"]["rounds"]]
+    demand = float(copies["demand_per_token"]) * expert_copy_ms
+    return [float(twin) + demand for twin in twin_record["ms_per_token"]["rounds"]]
+
+
+def _engine_goals(rows: Sequence[Mapping[str, Any]], parsed: Mapping[str, Row | None], device: str | None,
+                  expert_copy_ms: float | None) -> list[dict[str, Any]]:
+    """Issue 53's goals: engine_resident's ms/token on the card of the run (every card's goal where it is not
+    known), every offloaded engine row within :data:`ENGINE_BOUND_GOAL` of its physical bound, exact_lru and
+    Cache-Prior over PSR, PRED0 over OFF, and the host's time per token on engine_resident and the copies-skipped
+    rows."""
     by_name = {row["configuration"]: row for row in rows}
-
-    def ms_goal(row_name: str, bound: float) -> dict[str, Any]:
-        row = by_name.get(row_name)
-        return _bound_goal(f"{row_name} <= {bound:g} ms/token", row_name, bound,
-                           None if row is None else row["ms_per_token"], "ms")
-
-    goals = [ms_goal(ENGINE_RESIDENT, ENGINE_RESIDENT_MS_GOAL)]
-    goals += [ms_goal(_name(ENGINE, PSR_GOAL_ROUTING, residency), bound)
-              for residency, bound in ENGINE_PSR_MS_GOALS.items()]
+    cards = [card for card in ENGINE_RESIDENT_MS_GOALS if device is None or card in device]
+    goals = []
+    for card in cards:
+        bound = ENGINE_RESIDENT_MS_GOALS[card]
+        row = by_name.get(ENGINE_RESIDENT)
+        goals.append(_bound_goal(f"{ENGINE_RESIDENT} <= {bound:g} ms/token on an {card}", ENGINE_RESIDENT, bound,
+                                 None if row is None else row["ms_per_token"], "ms"))
+    for row_name, row in parsed.items():
+        if row is None or row.kind != ENGINE or row.copies_skipped:
+            continue
+        twin = by_name.get(row.replace(copies_skipped=True).name)
+        entry = {"goal": f"{row_name} <= {ENGINE_BOUND_GOAL:g}x its physical bound", "numerator": row_name,
+                 "denominator": "its physical bound", "bound": ENGINE_BOUND_GOAL, "op": "<=",
+                 "status": "not measured", "ratio": None, "ci95": None, "p": None, "significant": None,
+                 "point": None}
+        if twin is not None and expert_copy_ms is not None:
+            limit = engine_bound(row, by_name[row_name], twin, expert_copy_ms)
+            c = paired_summary(by_name[row_name]["ms_per_token"]["rounds"], limit)
+            entry.update(ratio=c["ratio"], ci95=c["ci95"], p=c["p"], physical_bound_ms=limit)
+            _judge(entry, *c["ci95"], c["ratio"], ENGINE_BOUND_GOAL, "<=")
+        goals.append(entry)
     for residency, bound in ENGINE_LRU_GOALS.items():
         lru, psr_row = _name(ENGINE, exact_lru(), residency), _name(ENGINE, PSR_GOAL_ROUTING, residency)
         goals.append(_ratio_goal(rows, f"{lru} >= {bound:g}x {psr_row}", lru, psr_row, bound, ">="))
-    for residency in RESIDENT_GOALS:
+    for residency, bound in ENGINE_CP_GOALS.items():
         cp, psr_row = _name(ENGINE, ENGINE_CP_ROUTING, residency), _name(ENGINE, PSR_GOAL_ROUTING, residency)
-        goals.append(_ratio_goal(rows, f"{cp} >= {ENGINE_CP_GOAL:g}x {psr_row}", cp, psr_row, ENGINE_CP_GOAL, ">="))
+        goals.append(_ratio_goal(rows, f"{cp} >= {bound:g}x {psr_row}", cp, psr_row, bound, ">="))
     skipped = {row_name: row for row_name, row in parsed.items()
                if row is not None and row.kind == ENGINE and row.copies_skipped}
     for row_name, row in skipped.items():
@@ -210,13 +242,8 @@ def _engine_goals(rows: Sequence[Mapping[str, Any]], parsed: Mapping[str, Row | 
         if row.routing.prefetch == "predictor" and off in by_name:  # PRED0: prediction and control, no transfer
             goals.append(_ratio_goal(rows, f"PRED0 {row_name} <= {ENGINE_PRED0_GOAL:g}x {off}", row_name, off,
                                      ENGINE_PRED0_GOAL, "<="))
-    for row_name, row in skipped.items():
-        goals.append(_bound_goal(f"{row_name} host time <= {ENGINE_HOST_US_GOAL:g} us per MoE layer", row_name,
-                                 ENGINE_HOST_US_GOAL, (by_name.get(row_name) or {}).get("host_us_per_moe_layer"),
-                                 "us"))
-        twin = row.replace(copies_skipped=False).name
-        if twin in by_name:
-            goals.append(_bound_goal(f"{twin} host time <= {ENGINE_HOST_US_PER_COPY_GOAL:g} us per issued copy",
-                                     twin, ENGINE_HOST_US_PER_COPY_GOAL,
-                                     (by_name.get(twin) or {}).get("host_us_per_copy"), "us"))
+    for row_name in [ENGINE_RESIDENT, *skipped]:
+        goals.append(_bound_goal(f"{row_name} host time <= {ENGINE_HOST_US_PER_TOKEN_GOAL:g} us per token", row_name,
+                                 ENGINE_HOST_US_PER_TOKEN_GOAL,
+                                 (by_name.get(row_name) or {}).get("host_us_per_token"), "us"))
     return goals

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..eval.grid import prefetch_source_named
-from .common import CALIBRATION_TOKENS, describe_model, machine, quiet_uncalibrated, versions
+from .common import CALIBRATION_TOKENS, describe_model, experts_modules, machine, quiet_uncalibrated, versions
 from .goals import comparisons, evaluate_goals
 from .report import format_table, report_lines
-from .rows import DEFAULT_CAPACITIES, ROUTED_KINDS, Row, latency_rows, prefetch_configs
+from .rows import DEFAULT_CAPACITIES, ENGINE, ROUTED_KINDS, Row, latency_rows, prefetch_configs
 from .settings import frozen, settings_of
 from .timing import MIN_ROUNDS, WARMUP_TOKENS, bench_latency, check_rounds
 from .workloads import (GROWN_OLMOE, WINDOW_MODULES, default_texts, load_model, model_calibration, module_sources,
@@ -226,6 +227,8 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
     loaded_predictor, predictor_info = None, None
     if s.predictor is not None:
         loaded_predictor, predictor_info = load_bench_predictor(s.predictor, net)
+    copies = any(row.kind == ENGINE and not row.copies_skipped for row in rows)
+    copy = _expert_copy(net, device_used) if copies else None
     results = bench_latency(
         net, ids, configs=rows, calibration=calib, rounds=s.rounds, warmup=s.warmup,
         accelerate_tokens=s.accelerate_tokens, offload=s.offload, max_in_flight=s.max_in_flight,
@@ -233,7 +236,7 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
         device_routing=s.device_routing)
     return {
         "benchmark": "latency",
-        "settings": _record_settings(s, device_used, predictor_info, window_profile),
+        "settings": {**_record_settings(s, device_used, predictor_info, window_profile), "expert_copy": copy},
         "model": {**description, **describe_model(net)},
         "windows": {"sources": [path for path, _ in sources], "ids": [w[0].tolist() for w in ids],
                     "rule": "window i: text i % n at token offset (i // n) * (tokens + 1), tokens + 1 ids"},
@@ -242,8 +245,25 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
         "versions": versions(),
         "results": results,
         "comparisons": comparisons(results),
-        "goals": evaluate_goals(results, cuda=device_used.type == "cuda"),
+        "goals": evaluate_goals(results, cuda=device_used.type == "cuda", device=machine(device_used).get("device"),
+                                expert_copy_ms=None if copy is None else copy["ms_median"]),
     }
+
+
+def _expert_copy(net: torch.nn.Module, device: torch.device) -> dict[str, Any] | None:
+    """One routed expert's copy from pinned host memory to ``device`` (the first MoE layer's expert 0, timed 20
+    times as the offload copies it): the link time per copy of the engine rows' physical bound. None where the
+    experts are not fused 3-D ``gate_up_proj`` / ``down_proj`` tensors."""
+    from ..prefetch.window import time_tensor_copy
+
+    names = experts_modules(net)
+    experts = net.get_submodule(names[0]) if names else None
+    weights = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+    if not all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights):
+        return None
+    times, nbytes = time_tensor_copy([w[0] for w in weights], device)
+    return {"ms_median": float(np.median(times)), "ms": times.tolist(), "bytes": nbytes,
+            "what": "one routed expert (first MoE layer, expert 0) from pinned host memory, 20 copies, median"}
 
 
 def _record_settings(s: BenchSettings, device_used: torch.device, predictor_info: dict[str, Any] | None,

@@ -109,8 +109,8 @@ def _in_prefetch_comparison(name: str) -> bool:
 
 def _goal_line(g: Mapping[str, Any], device: str) -> str:
     if g["status"] == NEEDS_GPU:
-        return (f"goal {g['goal']}: {NEEDS_GPU} (this run: {device}; the goals were set for the H200 and are judged "
-                "on CUDA only)")
+        return (f"goal {g['goal']}: {NEEDS_GPU} (this run: {device}; the goals were set for a lent H100 or H200 "
+                "and are judged on CUDA only)")
     across = "" if g["status"] != "not shown" else (f", point estimate on the "
                                                      f"{'goal' if g['point'] == 'met' else 'other'} side, 95% "
                                                      "interval across the bound")
@@ -133,6 +133,12 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
             p = "-" if c["p"] is None else (f"{c['p']:.3g}" if c["p"] >= 0.001 else "<0.001")
             lines.append(f"{c['numerator']} / {c['denominator']}: {_ratio_text(c)} (p {p})")
     lines.append("")
+    copy = record["settings"].get("expert_copy")
+    if copy is not None:
+        lines.append(f"physical bound of an offloaded engine row: max(its copies-skipped twin, copies x one expert's "
+                     f"copy) where the policy prefetches, twin + demand copies x one copy where it does not; one "
+                     f"copy: {copy['ms_median']:.3f} ms for {copy['bytes'] / 1e6:.1f} MB (median of "
+                     f"{len(copy['ms'])}, measured in this run)")
     lines += [_goal_line(g, machine["device"]) for g in record["goals"]]
     n = model["parameters"]
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"

@@ -148,13 +148,14 @@ def latency_rows(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate
     ``accelerate`` is False) and every :data:`BASELINES` entry at every residency in ``capacities``.
 
     ``only`` keeps the rows whose full name (``psr_lam0.3_n1_res50``) or routing name (``psr_lam0.3_n1``: every
-    capacity) is listed, plus ``resident``; an unknown name raises ``ValueError``.
+    capacity) is listed, plus ``resident``; a routing name of the grid beyond the baselines
+    (``psr_lam0.3_n1_d2``) adds its rows at every capacity; an unknown name raises ``ValueError``.
 
-    ``engine`` appends ``engine_resident`` and an ``engine`` row for every routed row kept, and copies-skipped
-    engine rows of ``psr_lam0.3_n1``, ``exact_lru`` and the ``specprefetch_mM`` rows. ``hf_only`` (with ``engine``):
-    of the routed transformers rows, keep only these names (the same rule as ``only``; an empty list keeps none);
-    the engine rows still mirror every routed row ``only`` keeps (the transformers rows are the slow ones: keep one
-    or two as references). ``prefetch_budgets``: also the rows of :func:`prefetch_configs` (SpecPrefetch's
+    ``engine`` appends ``engine_resident``, an ``engine`` row for every routed row kept and its copies-skipped twin
+    (the same decisions on the all-resident copy: the compute part of the row's physical bound). ``hf_only``
+    (with ``engine``): of the routed transformers rows, keep only these names (the same rule as ``only``; an empty
+    list keeps none); the engine rows still mirror every routed row ``only`` keeps (the transformers rows are the
+    slow ones: keep one or two as references). ``prefetch_budgets``: also the rows of :func:`prefetch_configs` (SpecPrefetch's
     ``specprefetch_mM`` only with ``predictor``), at every capacity."""
     if not capacities:
         raise ValueError("capacities is empty; give at least one residency in (0, 1], e.g. 0.5")
@@ -173,9 +174,15 @@ def latency_rows(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate
             raise ValueError("the specprefetch_m* rows rank prefetches by a learned predictor: they need a "
                              "predictor: --predictor FILE (psr-hf train-predictor) with --prefetch-budgets")
         known = {row.name for row in rows} | {row.routing_name for row in rows}
+        # any other routing the grid names (psr_lam0.3_n1_d2, cp_lam0.3_a, ...), at every capacity
+        named = {name: routing_from_name(name) for name in sorted(wanted - known)}
+        rows += [routed(OFFLOAD, fields, residency) for residency in capacities
+                 for fields in named.values() if fields is not None]
+        known |= {name for name, fields in named.items() if fields is not None}
         unknown = sorted(wanted - known)
         if unknown:
-            raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+            raise ValueError(f"--configs: unknown {', '.join(unknown)}; allowed: {', '.join(sorted(known))}, or any "
+                             "routing the grid names (psr_lam0.3_n1_d2: psr_hf.eval.grid)"
                              + ("" if accelerate else " (accelerate is off: --no-accelerate)"))
         rows = [row for row in rows if row.kind == RESIDENT or _named(row, wanted)]
     if hf_only is not None and not engine:
@@ -192,9 +199,7 @@ def latency_rows(capacities: Sequence[float] = DEFAULT_CAPACITIES, *, accelerate
             rows = [row for row in rows if row.kind != OFFLOAD or _named(row, keep)]
         rows.append(Row(ENGINE_RESIDENT))
         rows += [row.replace(kind=ENGINE) for row in offloaded]
-        # copies skipped: the PSR goal's row (host time per layer), exact_lru's (its twin gives the host cost per
-        # copy of the row that copies most, and OFF for PRED0) and SpecPrefetch's (PRED0: prediction and control,
-        # no transfers)
-        rows += [row.replace(kind=ENGINE, copies_skipped=True) for row in offloaded
-                 if row.routing_name in (PSR_GOAL, EXACT_LRU) or row.routing.prefetch == "predictor"]
+        # copies skipped, for every routed row: its physical bound's compute part, the host's time without copies,
+        # OFF (exact_lru's) and PRED0 (SpecPrefetch's: prediction and control, no transfers)
+        rows += [row.replace(kind=ENGINE, copies_skipped=True) for row in offloaded]
     return rows

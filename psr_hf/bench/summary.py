@@ -138,14 +138,15 @@ def row_records(rows: Sequence[Row], results: Mapping[str, list[list[WindowRun]]
         reference = ENGINE_RESIDENT if row.kind == ENGINE else RESIDENT
         if row.name != RESIDENT:
             ratio = paired_summary(*matched_round_means(ms, reference_ms[reference]))
-        host = None
+        host = host_token = None
         if done and all(w.host_ms is not None for run in done for w in run):
             moe_layers = max(int(model_info["moe_layers"]), 1)
-            host = summarize([1e3 * float(np.mean([t for w in run for t in w.host_ms])) / moe_layers
-                              for run in done])
+            per_token = [1e3 * float(np.mean([t for w in run for t in w.host_ms])) for run in done]
+            host, host_token = summarize([us / moe_layers for us in per_token]), summarize(per_token)
         records.append({
             "configuration": row.name,
             "host_us_per_moe_layer": host,
+            "host_us_per_token": host_token,
             "kind": row.kind,
             "policy": row.routing_name,
             "residency": row.residency,

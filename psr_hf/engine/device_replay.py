@@ -3,9 +3,9 @@
 
 It feeds a :class:`~psr_hf.policy.Recording` (or score arrays) through
 :class:`~psr_hf.engine.device_state.DeviceState` position by position and layer by layer, as the token graph
-decides (``select(m)`` then ``prefetch(m + D)`` from layer ``m + D``'s pre-gate, D the prefetch distance), so that the decisions the engine
-makes on the GPU can be checked against the numba kernels on real routing traces (``benchmarks/engine/
-device_decisions_record.py``) and not only on random scores.
+decides (``select(m)`` then ``prefetch(m + D)`` from layer ``m + D``'s pre-gate, D the prefetch distance), so that
+the decisions the engine makes on the GPU can be checked against the numba kernels on real routing traces
+(``benchmarks/engine/device_decisions_record.py``) and not only on random scores.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class LayerRouting:
         self.gate_unit: torch.Tensor | None = None  # [L] float32: lam * delta[l]
         self.relaxation: GateRelaxation | None = None  # while a gate trains (psr_hf.training.gate)
         self.needs_pregate = self.executes_pregate = False
-        self.distance = 1  # RoutingConfig.prefetch_distance: layer l's pre-gate is router l on layer l - distance's input
+        self.distance = 1  # RoutingConfig.prefetch_distance: layer l's pre-gate is router l on layer l - D's input
         self.follows_router = False  # exact routing: the router's own picks decide ties (router_choice)
         self.pregate: list[np.ndarray | None] = [None] * self.num_layers  # host pre-gate of each layer, this forward
         # layer -> (positions, count, chosen [N, K], flags [N]) of the last forward pass that ran with grad in training

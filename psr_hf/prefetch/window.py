@@ -94,9 +94,16 @@ def _expert_tensors(ctl: Controller) -> list[torch.Tensor]:
 
 def time_expert_copy(ctl: Controller, device: torch.device, repeats: int = 20) -> tuple[np.ndarray, int]:
     """``(ms of each of repeats copies, bytes)`` of one expert from host memory (pinned on CUDA) to ``device``."""
+    return time_tensor_copy(_expert_tensors(ctl), device, repeats)
+
+
+def time_tensor_copy(shapes: Sequence[torch.Tensor], device: torch.device,
+                     repeats: int = 20) -> tuple[np.ndarray, int]:
+    """``(ms of each of repeats copies, bytes)`` of tensors like ``shapes`` (their values copied once) from host
+    memory (pinned on CUDA) to ``device``, one after the other on a dedicated stream, as the offload copies an
+    expert."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
-    shapes = _expert_tensors(ctl)
     cuda = device.type == "cuda"
     src = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in shapes]
     for s, t in zip(src, shapes):
