@@ -4,7 +4,8 @@
 # bf16 where the warm machine has not yet (benchmarks/engine/llamacpp/build.sh), then in this call llama-bench tg64
 # (5 repetitions, 16 threads) all resident and with the experts of NCMOE layers on the CPU, and, with ENGINE=1,
 # `psr-hf bench --engine` on the main rows (5 rounds; device routing where the row allows it) within the time left.
-# Records under $OUT: llamacpp_ncmoe<N>.json, bench_engine.{json,txt}.
+# Records under $OUT: llamacpp_ncmoe<N>.json, bench_engine.{json,txt}, judged.txt (the goal against llama.cpp:
+# benchmarks/engine/llamacpp/judge.py).
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -20,7 +21,9 @@ if [ "${ENGINE:-0}" = 1 ]; then
   LEFT=$((${TOTAL_S:-580} - (SECONDS - START)))
   echo "psr-hf bench --engine gets $LEFT s"
   PYTHONUNBUFFERED=1 timeout "$LEFT" python3 -m psr_hf.cli bench --model "$MODEL" --engine \
-      --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1}" --hf-configs '' --no-accelerate --rounds "${ROUNDS:-5}" \
+      --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1,psr_lam0.3_n1_d2}" --hf-configs '' --no-accelerate --rounds "${ROUNDS:-5}" \
       --windows 2 --tokens 64 --json "$OUT/bench_engine.json" 2>&1 | grep -v "Loading weights" \
       | tee "$OUT/bench_engine.txt" | tail -30
+  python3 benchmarks/engine/llamacpp/judge.py "$OUT/llamacpp_ncmoe0.json" "$OUT/bench_engine.json" \
+      | tee "$OUT/judged.txt"
 fi
