@@ -205,8 +205,8 @@ def test_device_decisions_compiled_on_the_gpu_equal_the_numba_kernels_bitwise(na
 
 
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("programs", [1, 3])
-def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(programs):
+@pytest.mark.parametrize("programs, block", [(1, 4096), (3, 4096), (2, 8)])  # block 8: several steps per tensor
+def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(programs, block):
     from psr_hf.engine.device_copies import LayerCopies
 
     gen = torch.Generator().manual_seed(0)
@@ -214,13 +214,15 @@ def test_the_copy_kernel_moves_exactly_the_listed_experts_into_their_slots(progr
     slots = [torch.zeros(3, 5, 4), torch.zeros(3, 3, 8, dtype=torch.bfloat16)]
     copies = torch.full((2, 7), -1, dtype=torch.int32)
     copies[1, 2:7] = torch.tensor([2, 4, 0, 1, 2], dtype=torch.int32)  # two pairs: expert 4 -> slot 0, 1 -> 2
-    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs)
+    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs, block=block)
     for h, s in zip(host, slots):
         assert torch.equal(s[0], h[4]) and torch.equal(s[2], h[1])
         assert s[1].eq(0).all()  # an unlisted slot is untouched
     copies[1, 2] = 0
-    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs)  # nothing listed
+    LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs, block=block)  # none listed
     assert slots[0][1].eq(0).all()
+    with pytest.raises(ValueError, match="power of two"):
+        LayerCopies(host, slots).launch(copies, layer=1, count_column=2, programs=programs, block=6)
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -309,3 +311,20 @@ def test_the_decision_kernel_bench_runs_every_variant_on_the_cpu(tmp_path):
                          "--warps", "4", "--json", str(out)])
     assert [r["variant"] for r in record["rows"]] == list(bench.VARIANTS)
     assert json.loads(out.read_text())["rows"][0]["warps"] == 4
+
+
+def test_the_copy_kernel_bench_moves_the_listed_experts_by_both_paths_on_the_cpu(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "engine" / "copy_kernel_bench.py"
+    spec = importlib.util.spec_from_file_location("copy_kernel_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "copies.json"
+    record = bench.main(["--device", "cpu", "--hidden", "16", "--intermediate", "8", "--experts", "2",
+                         "--programs", "1", "3", "--blocks", "64", "--warps", "4", "--repeats", "1",
+                         "--json", str(out)])  # each timed path checks that the slots hold the listed experts
+    assert [(r["copy"], r.get("programs")) for r in record["rows"]] == [("dma", None), ("kernel", 1), ("kernel", 3)]
+    assert json.loads(out.read_text())["bytes_per_expert"] == (2 * 8 * 16 + 16 * 8) * 2

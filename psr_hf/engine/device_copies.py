@@ -51,11 +51,15 @@ class LayerCopies:
             dst.append(dst[-1][:, :0])
         self.pairs = [(src[i], dst[i], src[i + 1], dst[i + 1]) for i in range(0, len(src), 2)]
 
-    def launch(self, copies: torch.Tensor, layer: int, count_column: int, programs: int) -> None:
+    def launch(self, copies: torch.Tensor, layer: int, count_column: int, programs: int, *, block: int = BLOCK,
+               warps: int = 8) -> None:
         """Copy the pairs of ``copies[layer]`` (int32 ``[L, CW]``) counted at ``count_column`` (pairs follow it)
-        with ``programs`` programs. Capturable: the count and the pairs are read on the device."""
+        with ``programs`` programs of ``warps`` warps, each moving ``block`` words (a power of two) per step: the
+        bytes a program has in flight over the link. Capturable: the count and the pairs are read on the device."""
+        if block < 1 or block & (block - 1):
+            raise ValueError(f"block={block} must be a power of two (int32 words per program and step)")
         launch = kernel(interpreting())
         for src_a, dst_a, src_b, dst_b in self.pairs:
             launch[(programs,)](
                 copies, layer * copies.shape[1] + count_column, src_a, dst_a, src_b, dst_b, src_a.shape[1],
-                src_b.shape[1], PROGRAMS=programs, BLOCK=BLOCK, num_warps=8)
+                src_b.shape[1], PROGRAMS=programs, BLOCK=block, num_warps=warps)
