@@ -29,6 +29,8 @@ def test_windows_follow_the_marks_of_each_step():
     np.testing.assert_allclose(w, np.full((2, L - 1), 1250.0))
     with pytest.raises(ValueError, match="not whole steps"):
         windows_from_marks(marks[:-1], L, cuda=False)
+    # prefetch distance 2: from layer l's prediction to layer l + 2's experts, (l + 2 + 0.25) - l = 2.25 s
+    np.testing.assert_allclose(windows_from_marks(marks, L, cuda=False, distance=2), np.full((2, L - 2), 2250.0))
 
 
 def test_budget_is_the_copies_that_fit_in_the_window():

@@ -132,9 +132,11 @@ def time_tensor_copy(shapes: Sequence[torch.Tensor], device: torch.device,
     return np.asarray(times, dtype=np.float64), int(nbytes)
 
 
-def windows_from_marks(marks: Sequence[tuple], num_layers: int, cuda: bool) -> np.ndarray:
-    """``[positions, L - 1]`` W_l in ms from a :class:`~psr_hf.engine.graphs.GraphDecoder`'s ``marks`` of whole
-    steps (``pred`` and ``exec`` of every MoE layer, in step order)."""
+def windows_from_marks(marks: Sequence[tuple], num_layers: int, cuda: bool, distance: int = 1) -> np.ndarray:
+    """``[positions, L - distance]`` W_l in ms from a :class:`~psr_hf.engine.graphs.GraphDecoder`'s ``marks`` of
+    whole steps (``pred`` and ``exec`` of every MoE layer, in step order): from layer l's prediction to layer
+    ``l + distance``'s experts, the layer it ranks (``RoutingConfig.prefetch_distance``; 1, the next layer, as
+    SpecPrefetch defines the window)."""
     per_step = 2 * num_layers
     if len(marks) % per_step:
         raise ValueError(f"{len(marks)} marks are not whole steps of {num_layers} MoE layers")
@@ -146,11 +148,11 @@ def windows_from_marks(marks: Sequence[tuple], num_layers: int, cuda: bool) -> n
         if sorted(pred) != list(range(num_layers)) or sorted(execute) != list(range(num_layers)):
             raise ValueError("marks of a step do not cover every MoE layer once")
         row = []
-        for m in range(num_layers - 1):
-            a, b = pred[m], execute[m + 1]
+        for m in range(num_layers - distance):
+            a, b = pred[m], execute[m + distance]
             row.append(a.elapsed_time(b) if cuda else (b - a) * 1e3)
         rows.append(row)
-    return np.asarray(rows, dtype=np.float64).reshape(-1, num_layers - 1)
+    return np.asarray(rows, dtype=np.float64).reshape(-1, num_layers - distance)
 
 
 @torch.no_grad()
@@ -187,7 +189,7 @@ def profile_window(model: torch.nn.Module, tokens: Sequence[int], *, warmup: int
             decoder.step(token)
         if cuda:
             torch.cuda.synchronize(decoder.device)
-        windows = windows_from_marks(decoder.marks, ctl.num_layers, cuda)
+        windows = windows_from_marks(decoder.marks, ctl.num_layers, cuda, ctl.config.prefetch_distance)
     finally:
         decoder.marks = None
     copy_ms, nbytes = time_expert_copy(ctl, decoder.device, copies)
