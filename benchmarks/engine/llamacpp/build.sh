@@ -6,8 +6,14 @@
 set -euo pipefail
 MODEL=${MODEL:-grown-olmoe-routing}
 SRC=.llama/src
+# A later call on the warm machine that does not carry .llama keeps .llama/build but not the sources: they come
+# from a copy of the tarball in .gpu (cp .llama/llama.cpp.tar.xz .gpu/ before that call)
+TAR=.llama/llama.cpp.tar.xz
+[ -f "$TAR" ] || TAR=.gpu/llama.cpp.tar.xz
+if [ ! -d "$SRC/conversion" ]; then
+    rm -rf "$SRC" && mkdir -p "$SRC" && tar xJf "$TAR" -C "$SRC"
+fi
 if [ ! -x .llama/build/bin/llama-bench ]; then
-    rm -rf "$SRC" && mkdir -p "$SRC" && tar xJf .llama/llama.cpp.tar.xz -C "$SRC"
     printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\n' \
         > "$SRC/tools/CMakeLists.txt"  # llama-bench alone (the trimmed source has no other tool)
     sed -i '/add_subdirectory(miniaudio)/d' "$SRC/vendor/CMakeLists.txt"
