@@ -1,14 +1,18 @@
 """The device decision kernel (psr_hf.engine.device_decisions) against the numba kernels, decision for decision and
 state value for state value (bitwise), for every policy of the table, run in Triton's interpreter on the CPU (and
 compiled on a GPU, marked cuda). The engine's host path calls the numba kernels in this order per token: for each
-MoE layer m, ``select(m)`` (mode "select" when the policy reads a pre-gate, else "both"), then ``prefetch(m + 1)``
-from the pre-gate of m + 1 computed on m's input; the device kernel does both in one launch."""
+MoE layer m, ``select(m)`` (mode "select" when the policy reads a pre-gate, else "both"), then ``prefetch(m + D)``
+from the pre-gate of m + D (D the prefetch distance, 1 by default) computed on m's input; the device kernel does
+both in one launch."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
+from module_files import ROOT, load_module
 
 from psr_hf.engine.moe import triton_available
 from psr_hf.policy import Calibration, LogicalCache, RoutingConfig
@@ -296,16 +300,15 @@ def test_replay_on_device_names_what_is_missing():
                          device="cpu")
 
 
+def _bench(name: str):
+    """A benchmark script of benchmarks/engine as a module (the interpreter fixture restores TRITON_INTERPRET,
+    which the scripts set on the CPU)."""
+    return load_module(name, ROOT / "benchmarks" / "engine" / f"{name}.py")
+
+
 @pytest.mark.usefixtures("interpreter")
 def test_the_decision_kernel_bench_runs_every_variant_on_the_cpu(tmp_path):
-    import importlib.util
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "engine" / "decide_kernel_bench.py"
-    spec = importlib.util.spec_from_file_location("decide_kernel_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("decide_kernel_bench")
     out = tmp_path / "decide.json"
     record = bench.main(["--device", "cpu", "--layers", "2", "--experts", "16", "--top-k", "4", "--vocab", "32",
                          "--warps", "4", "--json", str(out)])
@@ -313,15 +316,9 @@ def test_the_decision_kernel_bench_runs_every_variant_on_the_cpu(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["warps"] == 4
 
 
+@pytest.mark.usefixtures("interpreter")
 def test_the_copy_kernel_bench_moves_the_listed_experts_by_both_paths_on_the_cpu(tmp_path):
-    import importlib.util
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "engine" / "copy_kernel_bench.py"
-    spec = importlib.util.spec_from_file_location("copy_kernel_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("copy_kernel_bench")
     out = tmp_path / "copies.json"
     record = bench.main(["--device", "cpu", "--hidden", "16", "--intermediate", "8", "--experts", "2",
                          "--programs", "1", "3", "--blocks", "64", "--warps", "4", "--repeats", "1",
