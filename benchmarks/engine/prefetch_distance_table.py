@@ -1,7 +1,7 @@
 """The divergence a prefetch distance costs (issue 53, Build 3): from a `psr-hf sweep --stage quality` record with
 `--psr-distances 2`, each PSR row at distance 2 beside the same row at distance 1, on the same selfgen windows:
 the selfgen excess NLL of each (sg% = 100 (exp(excess) - 1), 95% interval over windows), their paired difference
-(distance 2 minus distance 1, a paired t-interval over windows), and the copies, demand copies, replaced experts
+(distance D minus distance 1, a paired t-interval over windows), and the copies, demand copies, replaced experts
 and displaced router mass per token of each. Prints a Markdown table.
 
     python benchmarks/engine/prefetch_distance_table.py benchmarks/sweep/cpu/prefetch_distance/grown-olmoe-routing_quality.json
@@ -33,9 +33,10 @@ def main() -> None:
     ap.add_argument("record")
     args = ap.parse_args()
     quality = json.load(open(args.record))["quality"]
-    print("| row | residency | sg% [95% CI] | distance 2 - distance 1, excess NLL [95% CI, paired] | copies/token "
+    print("| row | residency | sg% [95% CI] | distance D - distance 1, excess NLL [95% CI, paired] | copies/token "
           "(demand) | replaced/token | displaced mass |")
     print("|---|---|---|---|---|---|---|")
+    printed = set()
     for name, entry in quality.items():
         far = entry["selfgen"]
         stem, _, residency = name.rpartition("_res")
@@ -46,6 +47,9 @@ def main() -> None:
         diff = np.asarray(far["window_excess"]) - np.asarray(near["window_excess"])
         mean, lo, hi = _interval(diff)
         for row, sg in ((near_name, near), (name, far)):
+            if row in printed:
+                continue
+            printed.add(row)
             lo_sg, hi_sg = (_pct(v) for v in sg["excess_nll_ci95"])
             paired = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}]" if sg is far else ""
             print(f"| {row.rsplit('_res', 1)[0]} | {residency}% | {sg['excess_ppl_pct']:.2f} [{lo_sg:.2f}, {hi_sg:.2f}] | "
