@@ -132,6 +132,19 @@ def test_slots_reallocated_by_the_store_are_refused(case):
             decoder.prefill(ids)
 
 
+def test_a_decoder_built_for_one_prefetch_distance_refuses_another(case):
+    """The router stacks hold router m + D under router m: after a reconfigure to another prefetch distance the
+    decoder refuses to step (its pre-gates would rank the wrong layer), and a new decoder decodes."""
+    model, ids, _, _ = case("olmoe")
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+        decoder = GraphDecoder(model, MAX_LEN, graphs=False)
+        decoder.prefill(ids)
+        psr_hf.controller(model).reconfigure(RoutingConfig(**POLICIES["psr_distance2"]))
+        with pytest.raises(RuntimeError, match="prefetch_distance"):
+            decoder.prefill(ids)
+        assert GraphDecoder(model, MAX_LEN, graphs=False).layers.distance == 2
+
+
 # ------------------------------------------------------------------------------------- CUDA (written, not yet run)
 def _cuda_model(name: str, dtype: torch.dtype = torch.float32):
     return tiny_model(name, dtype=dtype).to("cuda")
