@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 53: where the token graph loses time when it copies experts and when the host launches it, as one device
-# call (snapshot of HEAD; records under $OUT). First the copy kernel against the DMA engines (copy_kernel_bench.py:
+# call (snapshot of HEAD; records under $OUT). First what one graph launch costs the host by the graph's size
+# (graph_launch_probe.py), then the copy kernel against the DMA engines (copy_kernel_bench.py:
 # programs x block sizes, GB/s), then the token graph's profile (token_graph_profile.py: its GPU time per token
 # replayed back to back, the host's time per step with cProfile's split, the kernels by device time) all resident
 # and PSR at 50%, with 4 decision warps. On the lent H100 of 2026-12-07 the token graph was slower than the host
@@ -10,6 +11,8 @@ START=$SECONDS
 source benchmarks/device_env.sh
 left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+PYTHONUNBUFFERED=1 timeout "$(cap "${PROBE_S:-60}")" python3 benchmarks/engine/graph_launch_probe.py \
+    --json "$OUT/graph_launch.json" 2>&1 | tee "$OUT/graph_launch.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${COPY_S:-120}")" python3 benchmarks/engine/copy_kernel_bench.py \
     --json "$OUT/copy_kernel.json" 2>&1 | tee "$OUT/copy_kernel.txt"
 PYTHONUNBUFFERED=1 timeout "$(left)" python3 benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing \
