@@ -1,7 +1,8 @@
 """The token graph (device routing, one CUDA graph per token) against the host-routed GraphDecoder on the same model,
 side by side in one process: greedy tokens and every step's logits compared bitwise, the routing statistics and
-copy counts compared, then ms/token of the greedy tokens teacher-forced, in interleaved rounds (median and a 95%
-interval of the per-round ratio host/device). ``--prefetch-programs`` compares token graphs whose prefetch copies run
+copy counts compared, then ms/token of the held-out text's next tokens teacher-forced after the prompt (``--timed
+greedy``: the greedy tokens after a repeated paragraph, as the records before it), in interleaved rounds (median
+and a 95% interval of the per-round ratio host/device), with the routing statistics of the timed tokens. ``--prefetch-programs`` compares token graphs whose prefetch copies run
 on that many programs. ``--torch-attention`` adds a token graph whose OLMoE attention runs the torch ops instead
 of the Triton kernels (``attention_kernels=False``; the other decoders take the default, the kernels on CUDA), and
 prints the speed-up of the kernels: its ms/token over the default token graph's, per round.
@@ -27,6 +28,7 @@ from psr_hf.bench.common import teacher_forced_ms
 from psr_hf.bench.runners import weight_sharing_copy
 from psr_hf.engine.graphs import GraphDecoder
 from psr_hf.engine.token_graph import TokenGraphDecoder
+from psr_hf.assets.texts import measured_texts, text_windows
 from psr_hf.eval.grid import routing_from_name
 
 DEFAULT_ROWS = ("psr_lam0.3_n1", "cp_lam0.2", "exact_lru")
@@ -44,10 +46,18 @@ def _case(row: str) -> tuple[str, dict, float | None]:
     return row, dict(fields, residency=float(residency)), float(residency)
 
 
-def _prompt(tokenizer, n: int) -> list[int]:
+def _repeated(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of one paragraph said eight times (the text of the records before --timed heldout)."""
     text = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
             "books were made and read across Europe. ") * 8
     return tokenizer(text)["input_ids"][:n]
+
+
+def _heldout(model: str, tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of the model's held-out text (the bench's and the sweep's), else of the standard
+    library's sources."""
+    texts, _ = measured_texts(model, [], option="--model")
+    return text_windows(texts, tokenizer, windows=1, tokens=n - 1)[0][0].tolist()
 
 
 def _greedy(decoder, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -87,11 +97,19 @@ def main() -> None:
                     help="the decoders' KV cache length (default: prompt + tokens + 2; attach() uses up to 4096)")
     ap.add_argument("--torch-attention", action="store_true",
                     help="also a token graph with attention_kernels=False: the kernels' speed-up side by side")
+    ap.add_argument("--timed", choices=["heldout", "greedy"], default="heldout",
+                    help="the tokens timed, teacher-forced after the prompt: the held-out text's next tokens, as "
+                         "psr-hf bench times (default), or the host path's greedy tokens after a repeated paragraph "
+                         "(the records before this option)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     source, tokenizer, info = load_model(args.model, "cuda")
     calibration = info.get("calibration_file")
-    prompt = _prompt(tokenizer, args.prompt)
+    if args.timed == "heldout":
+        text = _heldout(args.model, tokenizer, args.prompt + args.tokens)
+        prompt, timed = text[:args.prompt], text[args.prompt:]
+    else:
+        prompt, timed = _repeated(tokenizer, args.prompt), None
     max_len = args.max_len or args.prompt + args.tokens + 2
     if max_len < args.prompt + args.tokens + 1:
         raise SystemExit(f"--max-len {max_len}: the prompt and the tokens need {args.prompt + args.tokens + 1}")
@@ -120,13 +138,20 @@ def main() -> None:
             greedy[label] = (tokens, logits, ctl.stats())
         host_tokens, host_logits, host_stats = greedy["host"]
         times: dict[str, list[float]] = {label: [] for label in decoders}
+        timed_stats = {}
         for r in range(args.rounds):  # interleaved rounds, the order turned each round
             order = list(decoders.items())
             for label, decoder in (order if r % 2 == 0 else order[::-1]):
-                times[label].append(teacher_forced_ms(decoder, prompt, host_tokens, torch.cuda.synchronize, batched=False))
-        record = {"row": name, "host_stats": repr(host_stats), "host_ms": times["host"],
+                ctl.reset_stats()
+                times[label].append(teacher_forced_ms(decoder, prompt, timed or host_tokens, torch.cuda.synchronize,
+                                                      batched=False))
+                timed_stats.setdefault(label, repr(ctl.stats()))  # the prompt's positions and the timed tokens'
+        record = {"row": name, "host_stats": repr(host_stats), "timed_stats": timed_stats, "host_ms": times["host"],
                   "host_ms_median": statistics.median(times["host"]), "devices": {}}
-        print(f"{name:22s} host {record['host_ms_median']:.3f} ms/token   {host_stats}", flush=True)
+        print(f"{name:22s} host {record['host_ms_median']:.3f} ms/token   greedy: {host_stats}", flush=True)
+        if args.timed == "heldout":
+            print(f"{'':22s} timed tokens: {timed_stats['host']}; the token graph's the same: "
+                  f"{len(set(timed_stats.values())) == 1}", flush=True)
         for label in list(decoders)[1:]:
             tokens, logits, stats = greedy[label]
             same_tokens = tokens == host_tokens
@@ -154,7 +179,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
-                       "max_len": max_len,
+                       "max_len": max_len, "timed": args.timed,
                        "rounds": args.rounds, "rows": records}, f, indent=1)
 
 
