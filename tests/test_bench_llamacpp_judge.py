@@ -1,5 +1,6 @@
-"""benchmarks/engine/llamacpp/judge.py: issue 53's goal against llama.cpp, judged from the committed H200 records
-(llama-bench's repetitions and the engine's rounds of the same device call)."""
+"""Issue 53's goal against llama.cpp: benchmarks/engine/llamacpp/judge.py judged from the committed H200 records
+(llama-bench's repetitions and the engine's rounds of the same device call), and interleaved.py (the paired
+comparison on a GPU) refusing what it cannot run with the reason."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def test_the_judge_reads_both_records_and_gives_the_ratio_of_their_geometric_mea
     assert f"llama.cpp / engine {expected:.2f} [" in out
     verdict = out.rsplit(": ", 1)[1].strip()
     assert verdict == ("met" if expected >= 1.35 else "not met" if expected < 1.2 else verdict)
+
+
+def test_the_interleaved_comparison_says_what_it_needs_before_loading_anything():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine/llamacpp/interleaved.py"), "--gguf",
+                          str(RECORDS / "missing.gguf"), "--llama-bench", sys.executable], capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "--gguf" in out.stderr and "no such file" in out.stderr
+    assert "build.sh" in out.stderr  # where the file comes from

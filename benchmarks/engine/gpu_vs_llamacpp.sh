@@ -3,7 +3,9 @@
 # (benchmarks/engine/llamacpp/source.sh): builds llama-bench and converts MODEL (default grown-olmoe-routing) to GGUF
 # bf16 where the warm machine has not yet (benchmarks/engine/llamacpp/build.sh), then in this call llama-bench tg64
 # (5 repetitions, 16 threads) all resident and with the experts of NCMOE layers on the CPU, and, with ENGINE=1,
-# `psr-hf bench --engine` on the main rows (5 rounds; device routing where the row allows it) within the time left.
+# `psr-hf bench --engine` on the main rows (5 rounds; device routing where the row allows it) within the time left;
+# with INTERLEAVED=1, llama-bench and the engine all resident in interleaved rounds (llamacpp/interleaved.py: the
+# goal against llama.cpp paired by round).
 # Records under $OUT: llamacpp_ncmoe<N>.json, bench_engine.{json,txt}, judged.txt (the goal against llama.cpp:
 # benchmarks/engine/llamacpp/judge.py).
 set -uo pipefail
@@ -26,4 +28,9 @@ if [ "${ENGINE:-0}" = 1 ]; then
       | tee "$OUT/bench_engine.txt" | tail -30
   python3 benchmarks/engine/llamacpp/judge.py "$OUT/llamacpp_ncmoe0.json" "$OUT/bench_engine.json" \
       | tee "$OUT/judged.txt"
+fi
+if [ "${INTERLEAVED:-0}" = 1 ]; then  # the goal against llama.cpp, paired by round (benchmarks/engine/llamacpp/interleaved.py)
+  PYTHONUNBUFFERED=1 timeout "$((${TOTAL_S:-580} - (SECONDS - START)))" python3 benchmarks/engine/llamacpp/interleaved.py \
+      --model "$MODEL" --gguf ".llama/$MODEL.gguf" --rounds "${ROUNDS:-5}" --json "$OUT/interleaved.json" 2>&1 \
+      | grep -v "Loading weights" | tee "$OUT/interleaved.txt" | tail -12
 fi
