@@ -16,28 +16,17 @@ On the CPU the kernel runs in Triton's interpreter and the copies are memcpys: t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 
 import torch
 
+from psr_hf.bench.common import timed_us
+from psr_hf.cli.console import write_json
+
 
 def _time_ms(run, device: torch.device) -> float:
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        run()
-        return (time.perf_counter() - begin) * 1e3
-    stream = torch.cuda.Stream(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        run()
-        end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end)
+    return timed_us(run, 1, device) / 1e3
 
 
 def _row(name: str, times: list[float], experts: int, nbytes: int, **settings) -> dict:
@@ -115,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"  {r['gb_per_s']:.1f} GB/s")
     record = {"device": name, "experts": n, "bytes_per_expert": nbytes, "repeats": args.repeats, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return record
 
 

@@ -13,11 +13,13 @@ do). Prints us per launch and per node, and writes a JSON record.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from psr_hf.bench.common import timed_us
+from psr_hf.cli.console import write_json
 
 
 def _capture(nodes: int, shape: str, device: torch.device) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
@@ -58,17 +60,6 @@ def _host_us(graph: torch.cuda.CUDAGraph, replays: int, device: torch.device) ->
     return spent
 
 
-def _gpu_us(graph: torch.cuda.CUDAGraph, replays: int, device: torch.device) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
@@ -84,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         for nodes in args.nodes:
             graph, keep = _capture(nodes, shape, device)
             host = _host_us(graph, args.replays, device)
-            gpu = _gpu_us(graph, args.replays, device)
+            gpu = timed_us(graph.replay, args.replays, device) / args.replays  # back to back
             median = statistics.median(host)
             rows.append({"shape": shape, "nodes": nodes, "host_us_median": median,
                          "host_us_p10_p90": [sorted(host)[len(host) // 10], sorted(host)[9 * len(host) // 10]],
@@ -95,8 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "cuda": torch.version.cuda, "replays": args.replays, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return record
 
 

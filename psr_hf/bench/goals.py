@@ -34,6 +34,8 @@ ENGINE_CP_GOALS = {0.5: 1.1, 0.25: 1.3}  # engine cp_lam0.2 / engine psr_lam0.3_
 ENGINE_CP_ROUTING = cache_prior(0.2)
 ENGINE_HOST_US_PER_TOKEN_GOAL = 30.0  # host us per token on engine_resident and the copies-skipped rows
 ENGINE_PRED0_GOAL = 1.03  # SpecPrefetch's PRED0 (copies skipped) / OFF (exact_lru, copies skipped) at most this
+ENGINE_LLAMACPP_GOAL = 1.35  # llama.cpp's tg64 ms/token / engine_resident's, in the same call, at least this
+# (benchmarks/engine/llamacpp/: judge.py and interleaved.py)
 NEEDS_GPU = "needs a GPU"
 
 
@@ -97,8 +99,10 @@ def _prefetch_pairs(parsed: Mapping[str, Row | None], residency: float) -> list[
     return out
 
 
-def _judge(entry: dict[str, Any], lo: float, hi: float, point: float, bound: float, op: str) -> None:
-    """Sets ``status``, ``significant`` and ``point`` of ``entry`` from an interval ``[lo, hi]`` and its point."""
+def judge_interval(lo: float, hi: float, point: float, bound: float, op: str) -> dict[str, Any]:
+    """``status`` of a goal ``value op bound`` (``op``: ``<=``, ``>=`` or ``>``) from an interval ``[lo, hi]``:
+    met when the whole interval is on the goal's side, not met when it is wholly on the other, else not shown;
+    ``significant`` and on which side the ``point`` estimate lies."""
     def side(value: float) -> bool:
         return value <= bound if op == "<=" else value >= bound if op == ">=" else value > bound
 
@@ -106,8 +110,13 @@ def _judge(entry: dict[str, Any], lo: float, hi: float, point: float, bound: flo
     # the whole interval on the goal's side: for "<=" its upper end, for ">=" / ">" its lower end
     inside = defined and side(hi if op == "<=" else lo)
     outside = defined and not side(lo if op == "<=" else hi)
-    entry.update(status="met" if inside else "not met" if outside else "not shown",
-                 significant=bool(inside) if defined else None, point="met" if side(point) else "not met")
+    return {"status": "met" if inside else "not met" if outside else "not shown",
+            "significant": bool(inside) if defined else None, "point": "met" if side(point) else "not met"}
+
+
+def _judge(entry: dict[str, Any], lo: float, hi: float, point: float, bound: float, op: str) -> None:
+    """Sets ``status``, ``significant`` and ``point`` of ``entry`` (:func:`judge_interval`)."""
+    entry.update(judge_interval(lo, hi, point, bound, op))
 
 
 def evaluate_goals(rows: Sequence[Mapping[str, Any]], *, cuda: bool | None = None, device: str | None = None,

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 from pathlib import Path
 
-GOAL = 1.35  # llama.cpp ms/token over the engine's, at least
+from psr_hf.bench.goals import ENGINE_LLAMACPP_GOAL as GOAL
+from psr_hf.bench.goals import judge_interval
+from psr_hf.cli.console import write_json
 
 
 def _llama_ms(binary: Path, gguf: Path, tokens: int, ncmoe: int, threads: int) -> float:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r + 1}: llama.cpp {llama[-1]:.3f} ms/token, engine {engine[-1]:.3f} ms/token", flush=True)
     ratio = paired_summary(llama, engine)
     low, high = ratio["ci95"]
-    status = "met" if low >= GOAL else "not met" if high < GOAL else "not shown"
+    status = judge_interval(low, high, ratio["ratio"], GOAL, ">=")["status"]
     print(f"llama.cpp / engine (all resident, tg{args.tokens}, paired over {args.rounds} interleaved rounds): "
           f"{ratio['ratio']:.2f} [{low:.2f}, {high:.2f}]; goal >= {GOAL:g}: {status}")
     record = {"model": args.model, "device": torch.cuda.get_device_name(), "tokens": args.tokens,
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
               "protocol": "per round one llama-bench repetition (-p 0 -n tokens -r 1) and one engine window of the "
                           "held-out text, teacher-forced, the device synchronised after every token"}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return record
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-GOAL = 1.35  # llama.cpp ms/token over the engine's, at least
+from psr_hf.bench.goals import ENGINE_LLAMACPP_GOAL as GOAL
+from psr_hf.bench.goals import judge_interval
 
 
 def _record(path: str) -> dict:
@@ -39,7 +40,7 @@ def main() -> None:
     test = stats.ttest_ind(np.log(llama_ms), np.log(engine_ms), equal_var=False)
     low, high = test.confidence_interval(0.95)
     ratio = math.exp(float(np.log(llama_ms).mean() - np.log(engine_ms).mean()))
-    status = "met" if math.exp(low) >= GOAL else "not met" if math.exp(high) < GOAL else "not shown"
+    status = judge_interval(math.exp(low), math.exp(high), ratio, GOAL, ">=")["status"]
     print(f"llama.cpp tg64 {llama_ms.mean():.3f} ms/token ({llama_ms.size} repetitions), {args.row} "
           f"{engine_ms.mean():.3f} ms/token ({engine_ms.size} rounds); llama.cpp / engine {ratio:.2f} "
           f"[{math.exp(low):.2f}, {math.exp(high):.2f}] (Welch, unpaired); goal >= {GOAL:g}: {status}")
