@@ -4,8 +4,11 @@ graph's host time per step, about 25 us per MoE layer in `psr-hf bench`, is most
 Graphs of N tiny kernels (an in-place add on a 256-element tensor), captured by torch, are replayed with the GPU
 synchronised before each replay (as the bench's decode steps are): the host's time inside ``replay()`` per
 launch, and the GPU's time per replay back to back. Shapes: ``chain`` (one stream, each kernel after the last),
-and ``forked`` (the token graph's: every 16 kernels a side stream forks off and joins later, as its prefetch copies
-do). Prints us per launch and per node, and writes a JSON record.
+``forked`` (the token graph's: every 16 kernels a side stream forks off and joins later, as its prefetch copies
+do), and ``split`` (the forked graph's work as two chains launched one after the other on two streams, the side's
+kernels ordered by flags instead of edges: the host's cost of both launches). Each graph is also launched through
+``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Prints us per
+launch and per node, the driver's version, and writes a JSON record.
 
     python benchmarks/engine/graph_launch_probe.py --json OUT.json
 """
@@ -22,7 +25,11 @@ from psr_hf.bench.common import timed_us
 from psr_hf.cli.console import write_json
 
 
-def _capture(nodes: int, shape: str, device: torch.device) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]:
+    if shape == "split":
+        main_graph, keep = _capture(nodes - nodes // 16, "chain", device)
+        side_graph, keep_side = _capture(nodes // 16, "chain", device)
+        return main_graph + side_graph, keep + keep_side
     x = torch.zeros(256, device=device)
     y = torch.zeros(256, device=device)
     side = torch.cuda.Stream(device)
@@ -46,45 +53,104 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[torch.cuda.C
     with torch.cuda.graph(graph, stream=main):
         body()
     torch.cuda.synchronize(device)
-    return graph, [x, y]
+    return [graph], [x, y]
 
 
-def _host_us(graph: torch.cuda.CUDAGraph, replays: int, device: torch.device) -> list[float]:
+def _host_us(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device) -> list[float]:
     spent = []
     for _ in range(replays):
         torch.cuda.synchronize(device)
         begin = time.perf_counter()
-        graph.replay()
+        for graph in graphs:
+            graph.replay()
         spent.append((time.perf_counter() - begin) * 1e6)
     torch.cuda.synchronize(device)
     return spent
 
 
+def raw_launch_us(execs: list[int], replays: int, device: torch.device) -> list[float] | None:
+    """The host's us per launch of the graph execs ``execs`` (``raw_cuda_graph_exec()``) through cuda-python's
+    ``cudaGraphLaunch`` on the current stream, the GPU synchronised before each (None: no cuda-python)."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    stream = runtime.cudaStream_t(init_value=torch.cuda.current_stream(device).cuda_stream)
+    handles = [runtime.cudaGraphExec_t(init_value=e) for e in execs]
+    spent = []
+    for _ in range(replays):
+        torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        for h in handles:
+            err, = runtime.cudaGraphLaunch(h, stream)
+        spent.append((time.perf_counter() - begin) * 1e6)
+        if err != runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaGraphLaunch: {err}")
+    torch.cuda.synchronize(device)
+    return spent
+
+
+def graph_census(raw_graph: int) -> dict | None:
+    """Node types of a ``cudaGraph_t`` (``raw_cuda_graph()`` of a graph captured with ``keep_graph=True``), its
+    edges and how many nodes fork (more than one successor): what decides whether the driver launches it in
+    constant time (a straight line of kernel nodes). None without cuda-python."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    graph = runtime.cudaGraph_t(init_value=raw_graph)
+    err, nodes, count = runtime.cudaGraphGetNodes(graph, 0)
+    err, nodes, count = runtime.cudaGraphGetNodes(graph, count)
+    types: dict[str, int] = {}
+    forks = 0
+    for node in nodes:
+        err, kind = runtime.cudaGraphNodeGetType(node)
+        name = str(kind).rsplit(".", 1)[-1]
+        types[name] = types.get(name, 0) + 1
+        err, _, successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)
+        forks += successors > 1
+    err, _, _, edges = runtime.cudaGraphGetEdges(graph, 0)
+    return {"nodes": int(count), "types": types, "edges": int(edges), "forking_nodes": int(forks)}
+
+
+def driver_version() -> int | None:
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    return int(runtime.cudaDriverGetVersion()[1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
-    ap.add_argument("--shapes", nargs="+", default=["chain", "forked"], choices=["chain", "forked"])
+    ap.add_argument("--shapes", nargs="+", default=["chain", "forked", "split"], choices=["chain", "forked", "split"])
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch_probe needs a CUDA GPU")
     device = torch.device("cuda")
+    print(f"driver {driver_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     rows = []
     for shape in args.shapes:
         for nodes in args.nodes:
-            graph, keep = _capture(nodes, shape, device)
-            host = _host_us(graph, args.replays, device)
-            gpu = timed_us(graph.replay, args.replays, device) / args.replays  # back to back
+            graphs, keep = _capture(nodes, shape, device)
+            host = _host_us(graphs, args.replays, device)
+            raw = raw_launch_us([g.raw_cuda_graph_exec() for g in graphs], args.replays, device)
+            gpu = timed_us(lambda: [g.replay() for g in graphs], args.replays, device) / args.replays  # back to back
             median = statistics.median(host)
+            raw_median = None if raw is None else statistics.median(raw)
             rows.append({"shape": shape, "nodes": nodes, "host_us_median": median,
                          "host_us_p10_p90": [sorted(host)[len(host) // 10], sorted(host)[9 * len(host) // 10]],
-                         "host_us_per_node": median / nodes, "gpu_us_per_replay": gpu})
+                         "host_us_per_node": median / nodes, "raw_launch_us_median": raw_median,
+                         "gpu_us_per_replay": gpu})
             print(f"{shape:<7} {nodes:>4} nodes: launch {median:8.1f} us on the host ({median / nodes:.3f} us per "
-                  f"node), {gpu:8.1f} us on the GPU back to back")
-            del graph, keep
+                  f"node; cudaGraphLaunch alone {raw_median if raw_median is None else round(raw_median, 1)} us), "
+                  f"{gpu:8.1f} us on the GPU back to back", flush=True)
+            del graphs, keep
     record = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "replays": args.replays, "rows": rows}
+              "cuda": torch.version.cuda, "driver": driver_version(), "replays": args.replays, "rows": rows}
     if args.json:
         write_json(args.json, record)
     return record
