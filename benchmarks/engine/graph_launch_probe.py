@@ -5,7 +5,8 @@ Graphs of N tiny kernels (an in-place add on a 256-element tensor), captured by 
 synchronised before each replay (as the bench's decode steps are): the host's time inside ``replay()`` per
 launch, and the GPU's time per replay back to back. Shapes: ``chain`` (one stream, each kernel after the last),
 ``forked`` (the token graph's: every 16 kernels a side stream forks off and joins later, as its prefetch copies
-do), and ``split`` (the forked graph's work as two chains launched one after the other on two streams, the side's
+do), ``chain_memcpy`` (a chain whose every sixth node is a device-to-device memcpy, as torch captures a
+same-dtype ``copy_``), and ``split`` (the forked graph's work as two chains launched one after the other on two streams, the side's
 kernels ordered by flags instead of edges: the host's cost of both launches). Each graph is also launched through
 ``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Prints us per
 launch and per node, the driver's version, and writes a JSON record.
@@ -43,6 +44,8 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
                 with torch.cuda.stream(side):
                     y.add_(1.0)
                 torch.cuda.current_stream(device).wait_stream(side)
+            elif shape == "chain_memcpy" and i % 6 == 5:
+                y.copy_(x)  # a device-to-device memcpy node, as torch's same-dtype copy_ is captured
             else:
                 x.add_(1.0)
 
@@ -124,7 +127,7 @@ def driver_version() -> int | None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
-    ap.add_argument("--shapes", nargs="+", default=["chain", "forked", "split"], choices=["chain", "forked", "split"])
+    ap.add_argument("--shapes", nargs="+", default=["chain", "chain_memcpy", "forked", "split"], choices=["chain", "chain_memcpy", "forked", "split"])
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
