@@ -31,7 +31,7 @@ FIELDS = ("selected", "prefetch_copies", "demand_copies", "replaced")
 
 def policies() -> dict[str, dict]:
     entries = [exact_lru(), exact_a_pf(), cache_prior(0.2), cache_prior(0.2, top_j=2, running=True),
-               psr(0.3, 1), psr(0.3, 2, eviction="lru"), spec()]
+               psr(0.3, 1), psr(0.3, 1, distance=2), psr(0.3, 2, eviction="lru"), spec()]
     return {entry_name(e): e for e in entries}
 
 
