@@ -106,14 +106,29 @@ def graph_census(raw_graph: int) -> dict | None:
     err, nodes, count = runtime.cudaGraphGetNodes(graph, count)
     types: dict[str, int] = {}
     forks = 0
+    sequence = []
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
         name = str(kind).rsplit(".", 1)[-1]
         types[name] = types.get(name, 0) + 1
         err, _, successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)
         forks += successors > 1
+        sequence.append(_kernel_name(node) if "KERNEL" in name else name)
     err, _, _, edges = runtime.cudaGraphGetEdges(graph, 0)
-    return {"nodes": int(count), "types": types, "edges": int(edges), "forking_nodes": int(forks)}
+    return {"nodes": int(count), "types": types, "edges": int(edges), "forking_nodes": int(forks),
+            "first_nodes": sequence[:80]}
+
+
+def _kernel_name(node: object) -> str:
+    """A kernel node's function name (driver API), or "KERNEL" where the driver does not say."""
+    try:
+        from cuda.bindings import driver
+
+        err, params = driver.cuGraphKernelNodeGetParams(driver.CUgraphNode(init_value=int(node)))
+        err, name = driver.cuFuncGetName(params.func)
+        return name.decode()[:60] if isinstance(name, bytes) else str(name)[:60]
+    except Exception as exc:  # an older driver or binding: the type alone
+        return f"KERNEL ({type(exc).__name__})"
 
 
 def driver_version() -> int | None:

@@ -153,7 +153,10 @@ def main() -> None:
         from graph_launch_probe import raw_launch_us
 
         raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
-        census = _census(decoder)
+        try:
+            census = _census(decoder)
+        except Exception as exc:  # the census is a diagnostic: the profile goes on without it
+            census = {"error": repr(exc)}
         kernels = _kernels(decoder, token, 16, args.top)
         host_profile = _host_profile(decoder, token, 64, args.top)
         floor = statistics.median(floors)
