@@ -4,10 +4,12 @@ graph's host time per step, about 25 us per MoE layer in `psr-hf bench`, is most
 Graphs of N tiny kernels (an in-place add on a 256-element tensor), captured by torch, are replayed with the GPU
 synchronised before each replay (as the bench's decode steps are): the host's time inside ``replay()`` per
 launch, and the GPU's time per replay back to back. Shapes: ``chain`` (one stream, each kernel after the last),
-``forked`` (the token graph's: every 16 kernels a side stream forks off and joins later, as its prefetch copies
-do), ``chain_memcpy`` (a chain whose every sixth node is a device-to-device memcpy, as torch captures a
-same-dtype ``copy_``), and ``split`` (the forked graph's work as two chains launched one after the other on two streams, the side's
-kernels ordered by flags instead of edges: the host's cost of both launches). Each graph is also launched through
+``chain_memcpy`` (a chain whose every sixth node is a device-to-device memcpy, as torch captures a same-dtype
+``copy_``), ``host_read`` (a chain whose every 16th kernel is the token graph's copy kernel, reading mapped pinned
+host memory), ``forked`` (every 16 kernels one kernel on a side stream, joined at once), ``branches`` (the token
+graph's topology: every 16 kernels two kernels fork off on a side stream, joined 16 kernels later, as its prefetch
+copies are), and ``split`` (a chain's work as two chains launched one after the other: the host's cost of both
+launches). Each graph is also launched through
 ``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Prints us per
 launch and per node, the driver's version, and writes a JSON record.
 
@@ -26,6 +28,9 @@ from psr_hf.bench.common import timed_us
 from psr_hf.cli.console import write_json
 
 
+SHAPES = ("chain", "chain_memcpy", "host_read", "forked", "branches", "split")
+
+
 def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]:
     if shape == "split":
         main_graph, keep = _capture(nodes - nodes // 16, "chain", device)
@@ -33,9 +38,31 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
         return main_graph + side_graph, keep + keep_side
     x = torch.zeros(256, device=device)
     y = torch.zeros(256, device=device)
+    if shape == "host_read":  # the token graph's copy kernel: 64 KiB of one pinned expert into a slot, each time
+        from psr_hf.engine.device_copies import LayerCopies
+
+        host_copies = LayerCopies([torch.zeros(2, 16384, pin_memory=True)], [torch.zeros(2, 16384, device=device)])
+        copy_list = torch.tensor([[1, 1, 0]], dtype=torch.int32, device=device)
     side = torch.cuda.Stream(device)
     main = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
+
+    joins: list[torch.cuda.Event] = []
+
+    def fork(i: int) -> None:
+        """The token graph's prefetch branch: two kernels on the side stream that the main stream joins 16 nodes
+        later (every earlier branch joined first)."""
+        main_now = torch.cuda.current_stream(device)
+        while joins:
+            main_now.wait_event(joins.pop())
+        side.wait_stream(main_now)
+        with torch.cuda.stream(side):
+            y.add_(1.0)
+            y.add_(1.0)
+            done = torch.cuda.Event()
+            done.record(side)
+        joins.append(done)
+        x.add_(1.0)
 
     def body() -> None:
         for i in range(nodes):
@@ -44,10 +71,16 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
                 with torch.cuda.stream(side):
                     y.add_(1.0)
                 torch.cuda.current_stream(device).wait_stream(side)
+            elif shape == "branches" and i % 16 == 0:
+                fork(i)
             elif shape == "chain_memcpy" and i % 6 == 5:
                 y.copy_(x)  # a device-to-device memcpy node, as torch's same-dtype copy_ is captured
+            elif shape == "host_read" and i % 16 == 0:
+                host_copies.launch(copy_list, 0, 0, 8)  # a kernel reading mapped pinned host memory
             else:
                 x.add_(1.0)
+        while joins:
+            torch.cuda.current_stream(device).wait_event(joins.pop())
 
     main.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(main):
@@ -114,7 +147,7 @@ def graph_census(raw_graph: int) -> dict | None:
         err, _, successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)
         forks += successors > 1
         sequence.append(_kernel_name(node) if "KERNEL" in name else name)
-    err, _, _, edges = runtime.cudaGraphGetEdges(graph, 0)
+    edges = runtime.cudaGraphGetEdges(graph, 0)[-1]  # the count is last (cuda-bindings 12 and 13 differ before)
     return {"nodes": int(count), "types": types, "edges": int(edges), "forking_nodes": int(forks),
             "first_nodes": sequence[:80]}
 
@@ -142,7 +175,7 @@ def driver_version() -> int | None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
-    ap.add_argument("--shapes", nargs="+", default=["chain", "chain_memcpy", "forked", "split"], choices=["chain", "chain_memcpy", "forked", "split"])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -4,8 +4,8 @@ For the resident model (exact, every expert cached) and an offloaded routed row:
 back with no host work between replays (the GPU's own time per token), the host's time per step (the call's wall
 time, the GPU not waited for), and the CUDA kernels of the replays under torch.profiler (count and device time per
 token, by kernel, with the bytes of weights a token reads and the bandwidth that implies), the token graph's nodes
-by type, edges and forks (captured again with ``keep_graph=True``), and the host's time of ``cudaGraphLaunch``
-alone on the token graph (cuda-python). Prints a table and writes a JSON record.
+by type, edges and forks, and the host's time of ``cudaGraphLaunch`` alone on the token graph (cuda-python), as
+built and with its prefetch branch on the main stream. Prints a table and writes a JSON record.
 
     python benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing --json OUT.json
 """
@@ -63,17 +63,26 @@ def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
     return spent
 
 
-def _census(decoder: TokenGraphDecoder) -> dict | None:
-    """The token graph's nodes by type (the same body captured again, kept, never replayed)."""
-    from graph_launch_probe import graph_census
+def _launch_variants(decoder: TokenGraphDecoder) -> dict:
+    """The token graph's body captured again, kept, twice: as built (prefetch copies on a side branch) and with
+    the side branch on the main stream (no fork); for each its nodes by type (cuda-python's census) and the host's
+    ``cudaGraphLaunch`` alone. Replaying them decides and copies for real, on the decoder's own state and slots,
+    as a step does (the position is not advanced)."""
+    from graph_launch_probe import graph_census, raw_launch_us
 
-    stream, side = torch.cuda.Stream(), torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        decoder._token_body(side)
-    census = graph_census(graph.raw_cuda_graph())
-    del graph
-    return census
+    out = {}
+    for name, separate in (("as_built", True), ("no_side_branch", False)):
+        stream = torch.cuda.Stream()
+        side = torch.cuda.Stream() if separate else stream
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            decoder._token_body(side)
+        census = graph_census(graph.raw_cuda_graph())
+        graph.instantiate()
+        raw = raw_launch_us([graph.raw_cuda_graph_exec()], 32, torch.device("cuda"))
+        out[name] = {"census": census, "raw_launch_us_median": None if raw is None else statistics.median(raw)}
+        del graph
+    return out
 
 
 def _host_profile(decoder: TokenGraphDecoder, token: int, n: int, top: int) -> list[dict]:
@@ -154,15 +163,15 @@ def main() -> None:
 
         raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
         try:
-            census = _census(decoder)
-        except Exception as exc:  # the census is a diagnostic: the profile goes on without it
+            census = _launch_variants(decoder)
+        except Exception as exc:  # a diagnostic: the profile goes on without it
             census = {"error": repr(exc)}
         kernels = _kernels(decoder, token, 16, args.top)
         host_profile = _host_profile(decoder, token, 64, args.top)
         floor = statistics.median(floors)
         out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
-               "raw_launch_us_median": None if raw is None else statistics.median(raw), "graph_census": census,
+               "raw_launch_us_median": None if raw is None else statistics.median(raw), "launch_variants": census,
                **kernels, "host_profile": host_profile}
         if offload is None:
             out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
@@ -173,7 +182,9 @@ def main() -> None:
               f"{kernels['kernels_per_token']:.0f} kernels/token, {kernels['kernel_ms_per_token']:.3f} kernel ms/token"
               + ("" if offload is not None else f", {out['achieved_tb_per_s_back_to_back']:.2f} TB/s of weights "
                  f"(bound {out['memory_bound_ms']} ms)"), flush=True)
-        print(f"   cudaGraphLaunch alone: {out['raw_launch_us_median']} us; nodes: {census}")
+        print(f"   cudaGraphLaunch alone: {out['raw_launch_us_median']} us")
+        for variant, v in census.items():
+            print(f"   {variant}: {v if isinstance(v, str) else json.dumps(v)[:3000]}")
         for k in kernels["top"]:
             print(f"   {k['us_per_token']:8.1f} us/token {k['per_token']:6.1f}/token  {k['kernel']}")
         print("   host, by own time (cProfile, us per step: own / cumulative):")

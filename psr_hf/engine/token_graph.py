@@ -25,6 +25,7 @@ import torch
 
 from psr_hf.hf.patching import controller as _controller
 from psr_hf.hf.prefetch_sources import PregateRanking
+from psr_hf.offload.cuda_runtime import raw_current_stream
 from . import device_decisions as D
 from .device_copies import LayerCopies
 from .device_state import DeviceState
@@ -166,6 +167,7 @@ class TokenGraphDecoder(GraphDecoder):
             self._token_body(side)
         torch.cuda.synchronize(device)
         self._token_graph = graph
+        self._launch_token = self._launcher(graph)
         if self.offloaded:  # the warm-up's copies moved experts the device maps name
             ctl.expert_store.return_slots(self.dstate.slot_of.cpu().numpy().astype(np.int64), 0, 0)
 
@@ -266,7 +268,7 @@ class TokenGraphDecoder(GraphDecoder):
         self.layers.check_prefetch_source(self.controller)
         self.layers.sync_routers(self.decode_handle)
         self._write_inputs(write, position)
-        self._token_graph.replay()
+        self._launch_token(raw_current_stream(self.device))
         if overlap is not None:
             overlap()
         self.position = self._decided_to = position + 1
