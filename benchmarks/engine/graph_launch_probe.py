@@ -126,17 +126,18 @@ def raw_launch_us(execs: list[int], replays: int, device: torch.device) -> list[
     return spent
 
 
-def graph_census(raw_graph: int) -> dict | None:
+def graph_census(raw_graph: int, dot_path: str | None = None) -> dict | None:
     """Node types of a ``cudaGraph_t`` (``raw_cuda_graph()`` of a graph captured with ``keep_graph=True``), its
     edges and how many nodes fork (more than one successor): what decides whether the driver launches it in
-    constant time (a straight line of kernel nodes). None without cuda-python."""
+    constant time (a straight line of kernel nodes); ``dot_path``: also the graph as a DOT file, with each node's
+    parameters. None without cuda-python."""
     try:
         from cuda.bindings import runtime
     except ImportError:
         return None
     graph = runtime.cudaGraph_t(init_value=raw_graph)
-    err, nodes, count = runtime.cudaGraphGetNodes(graph, 0)
-    err, nodes, count = runtime.cudaGraphGetNodes(graph, count)
+    count = runtime.cudaGraphGetNodes(graph, 0)[-1]
+    nodes = runtime.cudaGraphGetNodes(graph, count)[1]
     types: dict[str, int] = {}
     forks = 0
     sequence = []
@@ -144,10 +145,12 @@ def graph_census(raw_graph: int) -> dict | None:
         err, kind = runtime.cudaGraphNodeGetType(node)
         name = str(kind).rsplit(".", 1)[-1]
         types[name] = types.get(name, 0) + 1
-        err, _, successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)
+        successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)[-1]  # the count is last
         forks += successors > 1
         sequence.append(_kernel_name(node) if "KERNEL" in name else name)
     edges = runtime.cudaGraphGetEdges(graph, 0)[-1]  # the count is last (cuda-bindings 12 and 13 differ before)
+    if dot_path:
+        runtime.cudaGraphDebugDotPrint(graph, dot_path.encode(), 1 << 0 | 1 << 1 | 1 << 2)  # verbose, params
     return {"nodes": int(count), "types": types, "edges": int(edges), "forking_nodes": int(forks),
             "first_nodes": sequence[:80]}
 

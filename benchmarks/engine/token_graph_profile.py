@@ -63,24 +63,36 @@ def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
     return spent
 
 
-def _launch_variants(decoder: TokenGraphDecoder) -> dict:
-    """The token graph's body captured again, kept, twice: as built (prefetch copies on a side branch) and with
-    the side branch on the main stream (no fork); for each its nodes by type (cuda-python's census) and the host's
-    ``cudaGraphLaunch`` alone. Replaying them decides and copies for real, on the decoder's own state and slots,
-    as a step does (the position is not advanced)."""
+def _launch_variants(decoder: TokenGraphDecoder, dot_dir: str | None, row: str) -> dict:
+    """The token graph's body captured again, kept, in variants: as built (prefetch copies on a side branch),
+    with the side branch on the main stream (no fork), without prefetch copies, and without any copy; for each its
+    nodes by type (cuda-python's census; ``dot_dir``: its DOT file too) and the host's ``cudaGraphLaunch`` alone.
+    Replaying a variant without copies leaves slots the device maps unfilled: run it after every timing."""
     from graph_launch_probe import graph_census, raw_launch_us
+    from psr_hf.engine import device_copies
 
+    launch = device_copies.LayerCopies.launch
     out = {}
-    for name, separate in (("as_built", True), ("no_side_branch", False)):
-        stream = torch.cuda.Stream()
-        side = torch.cuda.Stream() if separate else stream
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            decoder._token_body(side)
-        census = graph_census(graph.raw_cuda_graph())
+    variants = (("as_built", True, None), ("no_side_branch", False, None), ("no_prefetch_copies", True, 0),
+                ("no_copies", True, -1))
+    for name, separate, keep_column in variants:
+        if keep_column is not None:  # copy launches skipped: all, or all but the demand copies (column 0)
+            device_copies.LayerCopies.launch = (
+                lambda self, copies, layer, column, *a, keep=keep_column, **k:
+                launch(self, copies, layer, column, *a, **k) if column == keep else None)
+        try:
+            stream = torch.cuda.Stream()
+            side = torch.cuda.Stream() if separate else stream
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                decoder._token_body(side)
+        finally:
+            device_copies.LayerCopies.launch = launch
+        dot = None if dot_dir is None else f"{dot_dir}/{row.replace('@', '_at_')}_{name}.dot"
+        census = graph_census(graph.raw_cuda_graph(), dot)
         graph.instantiate()
         raw = raw_launch_us([graph.raw_cuda_graph_exec()], 32, torch.device("cuda"))
-        out[name] = {"census": census, "raw_launch_us_median": None if raw is None else statistics.median(raw)}
+        out[name] = {"raw_launch_us_median": None if raw is None else statistics.median(raw), "census": census}
         del graph
     return out
 
@@ -130,6 +142,7 @@ def main() -> None:
     ap.add_argument("--decide-warps", type=int, nargs="+", default=[1],
                     help="the decision kernel's warps; each value profiles every row again")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dot-dir", default=None, help="write each launch variant's graph as a DOT file here")
     args = ap.parse_args()
     source, tokenizer, info_model = load_model(args.model, "cuda")
     calibration = info_model.get("calibration_file")
@@ -162,12 +175,12 @@ def main() -> None:
         from graph_launch_probe import raw_launch_us
 
         raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
-        try:
-            census = _launch_variants(decoder)
-        except Exception as exc:  # a diagnostic: the profile goes on without it
-            census = {"error": repr(exc)}
         kernels = _kernels(decoder, token, 16, args.top)
         host_profile = _host_profile(decoder, token, 64, args.top)
+        try:  # last: its variants without copies leave the slots unfilled
+            census = _launch_variants(decoder, args.dot_dir, row)
+        except Exception as exc:  # a diagnostic: the profile goes on without it
+            census = {"error": repr(exc)}
         floor = statistics.median(floors)
         out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
