@@ -4,6 +4,7 @@ graph's host time per step, about 25 us per MoE layer in `psr-hf bench`, is most
 Graphs of N tiny kernels (an in-place add on a 256-element tensor), captured by torch, are replayed with the GPU
 synchronised before each replay (as the bench's decode steps are): the host's time inside ``replay()`` per
 launch, and the GPU's time per replay back to back. Shapes: ``chain`` (one stream, each kernel after the last),
+``chain_kept`` (the same captured with ``keep_graph=True`` and instantiated by ``instantiate()``),
 ``chain_memcpy`` (a chain whose every sixth node is a device-to-device memcpy, as torch captures a same-dtype
 ``copy_``), ``host_read`` (a chain whose every 16th kernel is the token graph's copy kernel, reading mapped pinned
 host memory), ``forked`` (every 16 kernels one kernel on a side stream, joined at once), ``branches`` (the token
@@ -28,7 +29,7 @@ from psr_hf.bench.common import timed_us
 from psr_hf.cli.console import write_json
 
 
-SHAPES = ("chain", "chain_memcpy", "host_read", "forked", "branches", "split")
+SHAPES = ("chain", "chain_kept", "chain_memcpy", "host_read", "forked", "branches", "split")
 
 
 def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]:
@@ -45,7 +46,7 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
         copy_list = torch.tensor([[1, 1, 0]], dtype=torch.int32, device=device)
     side = torch.cuda.Stream(device)
     main = torch.cuda.Stream(device)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=shape == "chain_kept")
 
     joins: list[torch.cuda.Event] = []
 
@@ -88,6 +89,8 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
     torch.cuda.synchronize(device)
     with torch.cuda.graph(graph, stream=main):
         body()
+    if shape == "chain_kept":
+        graph.instantiate()
     torch.cuda.synchronize(device)
     return [graph], [x, y]
 

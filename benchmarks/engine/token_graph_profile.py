@@ -64,14 +64,16 @@ def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
 
 
 def _launch_variants(decoder: TokenGraphDecoder, dot_dir: str | None, row: str) -> dict:
-    """The token graph's body captured again, kept, in variants: as built (prefetch copies on a side branch),
-    with the side branch on the main stream (no fork), without prefetch copies, and without any copy; for each its
-    nodes by type (cuda-python's census; ``dot_dir``: its DOT file too) and the host's ``cudaGraphLaunch`` alone.
-    Replaying a variant without copies leaves slots the device maps unfilled: run it after every timing."""
+    """The token graph captured again by the decoder itself (``_capture_token``, as a step uses it) in variants:
+    as built (prefetch copies on a side branch), with the side branch on the main stream (no fork), without
+    prefetch copies, and without any copy; for each the host's ``cudaGraphLaunch`` alone, and the census of the
+    same body captured once more with ``keep_graph=True`` (never launched; ``dot_dir``: its DOT file too). A
+    variant without copies leaves slots the device maps unfilled: run this after every timing."""
     from graph_launch_probe import graph_census, raw_launch_us
     from psr_hf.engine import device_copies
 
     launch = device_copies.LayerCopies.launch
+    body = TokenGraphDecoder._token_body
     out = {}
     variants = (("as_built", True, None), ("no_side_branch", False, None), ("no_prefetch_copies", True, 0),
                 ("no_copies", True, -1))
@@ -80,20 +82,22 @@ def _launch_variants(decoder: TokenGraphDecoder, dot_dir: str | None, row: str) 
             device_copies.LayerCopies.launch = (
                 lambda self, copies, layer, column, *a, keep=keep_column, **k:
                 launch(self, copies, layer, column, *a, **k) if column == keep else None)
+        if not separate:  # the prefetch copies on the stream being captured
+            decoder._token_body = lambda side: body(decoder, torch.cuda.current_stream())
         try:
+            decoder._capture_token()
             stream = torch.cuda.Stream()
-            side = torch.cuda.Stream() if separate else stream
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                decoder._token_body(side)
+            kept = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(kept, stream=stream, capture_error_mode="thread_local"):
+                decoder._token_body(torch.cuda.Stream())
         finally:
             device_copies.LayerCopies.launch = launch
+            decoder.__dict__.pop("_token_body", None)
         dot = None if dot_dir is None else f"{dot_dir}/{row.replace('@', '_at_')}_{name}.dot"
-        census = graph_census(graph.raw_cuda_graph(), dot)
-        graph.instantiate()
-        raw = raw_launch_us([graph.raw_cuda_graph_exec()], 32, torch.device("cuda"))
+        census = graph_census(kept.raw_cuda_graph(), dot)
+        del kept
+        raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
         out[name] = {"raw_launch_us_median": None if raw is None else statistics.median(raw), "census": census}
-        del graph
     return out
 
 
