@@ -205,6 +205,47 @@ def test_step_inputs_keep_every_steps_token_while_the_host_runs_ahead_of_the_gpu
     torch.testing.assert_close(seen.cpu(), expected, rtol=0, atol=0)
 
 
+def _read_every_row(device: str, steps: int, rows: int, interpret: bool, delay: bool = False) -> list:
+    """``steps`` reads of a :class:`GraphStepInputs` of ``rows`` rows, each after its write (a ``None`` token every
+    third step, which keeps the token the buffer holds), the buffers seen after each read."""
+    from psr_hf.engine.step_inputs import GraphStepInputs
+
+    pair = torch.zeros(2, dtype=torch.int64, device=device)
+    inputs = GraphStepInputs(pair[0:1], pair[1:2], rows=rows)
+    inputs.restart()
+    seen = torch.zeros(steps + 1, 2, dtype=torch.int64, device=device)
+    inputs.keep()  # changes nothing
+    pair.fill_(7)
+    inputs.read(interpret)
+    seen[steps].copy_(pair)
+    for i in range(steps):
+        if delay:  # the GPU is held back, so the host is far ahead of it
+            torch.cuda._sleep(200_000)
+        inputs.write(None if i % 3 == 2 else 1000 + i, i)
+        inputs.read(interpret)
+        seen[i].copy_(pair)
+    return seen.cpu().tolist()
+
+
+def _expected_rows(steps: int) -> list:
+    rows, token = [], None
+    for i in range(steps):
+        token = token if i % 3 == 2 else 1000 + i
+        rows.append([token, i])
+    return rows + [[7, 7]]
+
+
+def test_graph_step_inputs_read_each_steps_row_and_keep_what_a_row_says_to_keep(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _read_every_row("cpu", 11, rows=4, interpret=True) == _expected_rows(11)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_graph_step_inputs_keep_every_steps_token_while_the_host_runs_ahead_of_the_gpu():
+    assert _read_every_row("cuda", 40, rows=4, interpret=False, delay=True) == _expected_rows(40)
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])

@@ -11,8 +11,10 @@ host memory), ``forked`` (every 16 kernels one kernel on a side stream, joined a
 graph's topology: every 16 kernels two kernels fork off on a side stream, joined 16 kernels later, as its prefetch
 copies are), and ``split`` (a chain's work as two chains launched one after the other: the host's cost of both
 launches). Each graph is also launched through
-``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Prints us per
-launch and per node, the driver's version, and writes a JSON record.
+``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Then a chain of
+400 launched right after another operation on its stream (a copy from pinned memory, an event record, a kernel),
+as a decode step enqueues its inputs before the token graph. Prints us per launch and per node, the driver's
+version, and writes a JSON record.
 
     python benchmarks/engine/graph_launch_probe.py --json OUT.json
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -95,16 +98,38 @@ def _capture(nodes: int, shape: str, device: torch.device) -> tuple[list[torch.c
     return [graph], [x, y]
 
 
-def _host_us(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device) -> list[float]:
+def _host_us(graphs: list[torch.cuda.CUDAGraph], replays: int, device: torch.device,
+             before: Callable[[], None] | None = None) -> list[float]:
     spent = []
     for _ in range(replays):
         torch.cuda.synchronize(device)
+        if before is not None:  # work enqueued on the launch's stream just before it, outside the timing
+            before()
         begin = time.perf_counter()
         for graph in graphs:
             graph.replay()
         spent.append((time.perf_counter() - begin) * 1e6)
     torch.cuda.synchronize(device)
     return spent
+
+
+def _before_launch(replays: int, device: torch.device) -> list[dict]:
+    """A 400-kernel chain launched on an idle stream, and right after one more operation on that stream (a
+    16-byte copy from pinned memory, an event record, a kernel), as a decode step enqueues its inputs' copy
+    before the token graph: the host's us per launch for each."""
+    graphs, keep = _capture(400, "chain", device)
+    pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    target = torch.zeros(2, dtype=torch.int64, device=device)
+    event = torch.cuda.Event()
+    before = {"idle": None, "h2d_copy": lambda: target.copy_(pinned, non_blocking=True),
+              "event_record": lambda: event.record(), "kernel": lambda: target.add_(1)}
+    rows = []
+    for name, call in before.items():
+        median = statistics.median(_host_us(graphs, replays, device, call))
+        rows.append({"before": name, "nodes": 400, "host_us_median": median})
+        print(f"chain 400 nodes launched after {name:<12}: {median:8.1f} us on the host", flush=True)
+    del graphs, keep
+    return rows
 
 
 def raw_launch_us(execs: list[int], replays: int, device: torch.device) -> list[float] | None:
@@ -206,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"node; cudaGraphLaunch alone {raw_median if raw_median is None else round(raw_median, 1)} us), "
                   f"{gpu:8.1f} us on the GPU back to back", flush=True)
             del graphs, keep
-    record = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    before_rows = _before_launch(args.replays, device)
+    record = {"device": torch.cuda.get_device_name(device), "before_launch": before_rows, "torch": torch.__version__,
               "cuda": torch.version.cuda, "driver": driver_version(), "replays": args.replays, "rows": rows}
     if args.json:
         write_json(args.json, record)

@@ -32,6 +32,7 @@ from .device_state import DeviceState
 from .graphs import GraphDecoder
 from .moe import triton_available
 from .slot_moe import filled_slots
+from .step_inputs import GraphStepInputs
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
@@ -112,6 +113,7 @@ class TokenGraphDecoder(GraphDecoder):
                 host, slots = store.expert_weights(m), filled_slots(store, m)
                 self._copies.append(LayerCopies([host[name] for name in slots], list(slots.values())))
         self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
+        self._step_inputs = GraphStepInputs(b.token, b.position)
         self._capture_token()
 
     # ------------------------------------------------------------------ the token graph
@@ -123,6 +125,7 @@ class TokenGraphDecoder(GraphDecoder):
         state = self.dstate
         ahead = state.kernel_settings()["constexprs"]["DISTANCE"]  # layer m decides the prefetches of m + ahead
         inserts = state.kernel_settings()["constexprs"]["INSERTS"]
+        self._step_inputs.read(D.interpreting())  # first: nothing is enqueued on the stream before the launch
         for m, d in enumerate(self.moe_layers):
             self._body_a(m, range(previous + 1, d), d, d2h=False)()
             state.decide(m)
@@ -159,6 +162,7 @@ class TokenGraphDecoder(GraphDecoder):
         stream = torch.cuda.Stream(device)
         side = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        self._step_inputs.keep()  # the warm-up reads the token and position the buffers hold
         with torch.cuda.stream(stream):
             self._token_body(side)
         torch.cuda.synchronize(device)
@@ -210,6 +214,7 @@ class TokenGraphDecoder(GraphDecoder):
         ctl = self.controller
         self._upload(ctl.expert_store.lend_slots())
         self._lent_from = self._decided_to = self.position
+        self._step_inputs.restart()
         self._counters_at_lend = ctl.cache.counters[:, 0].copy()
         self.decode_handle.lend_state(self)
 
@@ -267,7 +272,7 @@ class TokenGraphDecoder(GraphDecoder):
         self._check_slot_buffers()
         self.layers.check_prefetch_source(self.controller)
         self.layers.sync_routers(self.decode_handle)
-        self._write_inputs(write, position)
+        self._step_inputs.write(write, position)  # read by the token graph's first kernel
         self._launch_token(raw_current_stream(self.device))
         if overlap is not None:
             overlap()
