@@ -13,7 +13,8 @@ copies are), and ``split`` (a chain's work as two chains launched one after the 
 launches). Each graph is also launched through
 ``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Then a chain of
 400 launched right after another operation on its stream (a copy from pinned memory, an event record, a kernel),
-as a decode step enqueues its inputs before the token graph. Prints us per launch and per node, the driver's
+as a decode step enqueues its inputs before the token graph, and the launch of the first and the newest of N such
+chains while the process holds N of them (``--graphs-alive``). Prints us per launch and per node, the driver's
 version, and writes a JSON record.
 
     python benchmarks/engine/graph_launch_probe.py --json OUT.json
@@ -132,6 +133,23 @@ def _before_launch(replays: int, device: torch.device) -> list[dict]:
     return rows
 
 
+def _graphs_alive(counts: list[int], replays: int, device: torch.device) -> list[dict]:
+    """The host's us per launch of the first and of the newest 400-kernel chain while a process holds ``count``
+    of them (captured one after another, each kept alive): whether the driver's fast launch depends on how many
+    graphs a process holds (the token graph's launch varied 15x between captures of one graph)."""
+    held: list = []
+    rows = []
+    for count in counts:
+        while len(held) < count:
+            held.append(_capture(400, "chain", device))
+        first = statistics.median(_host_us(held[0][0], replays, device))
+        newest = statistics.median(_host_us(held[-1][0], replays, device))
+        rows.append({"graphs_alive": count, "first_host_us_median": first, "newest_host_us_median": newest})
+        print(f"{count:>4} chains of 400 alive: launch of the first {first:8.1f} us, of the newest {newest:8.1f} us",
+              flush=True)
+    return rows
+
+
 def raw_launch_us(execs: list[int], replays: int, device: torch.device) -> list[float] | None:
     """The host's us per launch of the graph execs ``execs`` (``raw_cuda_graph_exec()``) through cuda-python's
     ``cudaGraphLaunch`` on the current stream, the GPU synchronised before each (None: no cuda-python)."""
@@ -208,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--nodes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--replays", type=int, default=300)
+    ap.add_argument("--graphs-alive", type=int, nargs="*", default=[1, 4, 16, 64],
+                    help="launch times while the process holds this many 400-kernel graphs (none: skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{gpu:8.1f} us on the GPU back to back", flush=True)
             del graphs, keep
     before_rows = _before_launch(args.replays, device)
-    record = {"device": torch.cuda.get_device_name(device), "before_launch": before_rows, "torch": torch.__version__,
+    alive_rows = _graphs_alive(args.graphs_alive, args.replays, device) if args.graphs_alive else []
+    record = {"device": torch.cuda.get_device_name(device), "before_launch": before_rows, "graphs_alive": alive_rows, "torch": torch.__version__,
               "cuda": torch.version.cuda, "driver": driver_version(), "replays": args.replays, "rows": rows}
     if args.json:
         write_json(args.json, record)
