@@ -150,6 +150,35 @@ def test_graph_decoder_routes_on_the_device_and_follows_a_reconfigure():
 
 @pytest.mark.cuda
 @needs_cuda
+def test_reset_after_a_reconfigure_captures_the_token_graph_before_the_sequence_not_inside_a_step():
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    tokens = [5, 9, 13, 17, 21, 25]
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        ctl = psr_hf.controller(model)
+        decoder = TokenGraphDecoder(model, MAX_LEN)
+        decoder.reset()
+        for token in tokens:
+            decoder.step(token)
+        ctl.reconfigure(RoutingConfig(**POLICIES["cache_prior"]))
+        before = decoder._token_graph
+        decoder.reset()  # the bench's window start, outside its timed steps
+        assert decoder.dstate.cache is ctl.cache and decoder._token_graph is not before
+        captured = decoder._token_graph
+        for token in tokens:
+            logits = decoder.step(token).clone()
+        assert decoder._token_graph is captured  # no capture inside the steps
+        assert ctl.decode_handle().lent is decoder
+        fresh = TokenGraphDecoder(model, MAX_LEN)
+        fresh.reset()
+        for token in tokens:
+            expected = fresh.step(token).clone()
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_attach_generates_the_same_tokens_routed_on_the_device_as_on_the_host():
     from psr_hf.engine import attach, attached, detach
     from psr_hf.engine.token_graph import TokenGraphDecoder

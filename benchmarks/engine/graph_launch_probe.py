@@ -14,7 +14,8 @@ launches). Each graph is also launched through
 ``cudaGraphLaunch`` itself (cuda-python), without torch's ``replay()``, where cuda-python imports. Then a chain of
 400 launched right after another operation on its stream (a copy from pinned memory, an event record, a kernel),
 as a decode step enqueues its inputs before the token graph, and the launch of the first and the newest of N such
-chains while the process holds N of them (``--graphs-alive``). Prints us per launch and per node, the driver's
+chains while the process holds N of them (``--graphs-alive``), and last a launch before and after a torch.profiler
+session (``--profiler-effect``). Prints us per launch and per node, the driver's
 version, and writes a JSON record.
 
     python benchmarks/engine/graph_launch_probe.py --json OUT.json
@@ -150,6 +151,24 @@ def _graphs_alive(counts: list[int], replays: int, device: torch.device) -> list
     return rows
 
 
+def _profiler_effect(replays: int, device: torch.device) -> dict:
+    """The launch of one 400-kernel chain before and after a torch.profiler session of a few replays in the same
+    process (the token graph's launches measured after torch.profiler had run were 4-50x slower)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, keep = _capture(400, "chain", device)
+    before = statistics.median(_host_us(graphs, replays, device))
+    with profile(activities=[ProfilerActivity.CUDA]):
+        for _ in range(4):
+            graphs[0].replay()
+        torch.cuda.synchronize(device)
+    after = statistics.median(_host_us(graphs, replays, device))
+    print(f"chain 400 nodes: launch {before:8.1f} us before a torch.profiler session, {after:8.1f} us after",
+          flush=True)
+    del graphs, keep
+    return {"nodes": 400, "before_host_us_median": before, "after_host_us_median": after}
+
+
 def raw_launch_us(execs: list[int], replays: int, device: torch.device) -> list[float] | None:
     """The host's us per launch of the graph execs ``execs`` (``raw_cuda_graph_exec()``) through cuda-python's
     ``cudaGraphLaunch`` on the current stream, the GPU synchronised before each (None: no cuda-python)."""
@@ -228,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--graphs-alive", type=int, nargs="*", default=[1, 4, 16, 64],
                     help="launch times while the process holds this many 400-kernel graphs (none: skip)")
+    ap.add_argument("--profiler-effect", action=argparse.BooleanOptionalAction, default=True,
+                    help="last, a launch before and after a torch.profiler session")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -253,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
             del graphs, keep
     before_rows = _before_launch(args.replays, device)
     alive_rows = _graphs_alive(args.graphs_alive, args.replays, device) if args.graphs_alive else []
-    record = {"device": torch.cuda.get_device_name(device), "before_launch": before_rows, "graphs_alive": alive_rows, "torch": torch.__version__,
+    profiler = _profiler_effect(args.replays, device) if args.profiler_effect else None  # last: it may stay
+    record = {"device": torch.cuda.get_device_name(device), "before_launch": before_rows, "graphs_alive": alive_rows, "profiler_effect": profiler, "torch": torch.__version__,
               "cuda": torch.version.cuda, "driver": driver_version(), "replays": args.replays, "rows": rows}
     if args.json:
         write_json(args.json, record)

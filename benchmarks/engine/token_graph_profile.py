@@ -3,9 +3,11 @@
 For the resident model (exact, every expert cached) and an offloaded routed row: the token graph replayed back to
 back with no host work between replays (the GPU's own time per token), the host's time per step (the call's wall
 time, the GPU not waited for), and the CUDA kernels of the replays under torch.profiler (count and device time per
-token, by kernel, with the bytes of weights a token reads and the bandwidth that implies), the token graph's nodes
-by type, edges and forks, and the host's time of ``cudaGraphLaunch`` alone on the token graph (cuda-python), as
-built and with its prefetch branch on the main stream. Prints a table and writes a JSON record.
+token, by kernel, with the bytes of weights a token reads and the bandwidth that implies), and the host's time of
+``cudaGraphLaunch`` alone on the token graph (cuda-python); with ``--launch-variants`` also the token graph
+captured again in variants (no side branch, no prefetch copies, no copies), each with its nodes by type. The
+kernel profile runs last in each row: once torch.profiler has run, later launches in the process are slower, so
+with it only the first row's launch and host figures are clean (``--no-kernel-profile`` for clean ones). Prints a table and writes a JSON record.
 
     python benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing --json OUT.json
 """
@@ -147,6 +149,11 @@ def main() -> None:
                     help="the decision kernel's warps; each value profiles every row again")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dot-dir", default=None, help="write each launch variant's graph as a DOT file here")
+    ap.add_argument("--launch-variants", action="store_true",
+                    help="also capture the token graph again in variants and time cudaGraphLaunch on each")
+    ap.add_argument("--kernel-profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="the kernels by device time under torch.profiler, after the row's timings (default on; "
+                         "off: every row's launch and host figures are free of the profiler)")
     args = ap.parse_args()
     source, tokenizer, info_model = load_model(args.model, "cuda")
     calibration = info_model.get("calibration_file")
@@ -179,12 +186,17 @@ def main() -> None:
         from graph_launch_probe import raw_launch_us
 
         raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
-        kernels = _kernels(decoder, token, 16, args.top)
         host_profile = _host_profile(decoder, token, 64, args.top)
-        try:  # last: its variants without copies leave the slots unfilled
-            census = _launch_variants(decoder, args.dot_dir, row)
-        except Exception as exc:  # a diagnostic: the profile goes on without it
-            census = {"error": repr(exc)}
+        census = None
+        if args.launch_variants:
+            try:  # its variants without copies leave the slots unfilled: after every timing of the row
+                census = _launch_variants(decoder, args.dot_dir, row)
+            except Exception as exc:  # a diagnostic: the profile goes on without it
+                census = {"error": repr(exc)}
+        # torch.profiler last: once it has run, every later launch in the process is slower (CUPTI stays
+        # subscribed), so only the first row's launch figures are clean with --kernel-profile
+        kernels = (_kernels(decoder, token, 16, args.top) if args.kernel_profile
+                   else {"kernels_per_token": None, "kernel_ms_per_token": None, "top": []})
         floor = statistics.median(floors)
         out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
@@ -194,13 +206,15 @@ def main() -> None:
             out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
             out["memory_bound_ms"] = None if peak is None else weights["total"] / (peak * 1e12) * 1e3
         record["rows"][row] = out
+        counted = ("" if kernels["kernels_per_token"] is None else
+                   f"{kernels['kernels_per_token']:.0f} kernels/token, {kernels['kernel_ms_per_token']:.3f} kernel ms/token")
         print(f"== {row}: back to back {floor:.3f} ms/token (rounds {', '.join(f'{f:.3f}' for f in floors)}), "
               f"host {out['host_us_per_step_median']:.1f} us/step (p90 {out['host_us_per_step_p90']:.1f}), "
-              f"{kernels['kernels_per_token']:.0f} kernels/token, {kernels['kernel_ms_per_token']:.3f} kernel ms/token"
+              + counted
               + ("" if offload is not None else f", {out['achieved_tb_per_s_back_to_back']:.2f} TB/s of weights "
                  f"(bound {out['memory_bound_ms']} ms)"), flush=True)
         print(f"   cudaGraphLaunch alone: {out['raw_launch_us_median']} us")
-        for variant, v in census.items():
+        for variant, v in (census or {}).items():
             print(f"   {variant}: {v if isinstance(v, str) else json.dumps(v)[:3000]}")
         for k in kernels["top"]:
             print(f"   {k['us_per_token']:8.1f} us/token {k['per_token']:6.1f}/token  {k['kernel']}")

@@ -239,6 +239,15 @@ class TokenGraphDecoder(GraphDecoder):
                                                 int(delta[:, D.R_DEMAND].sum()), int(delta[:, D.R_PREFETCH].sum()))
 
     # ------------------------------------------------------------------ steps
+    def reset(self) -> None:
+        """Start a new sequence; after a ``Controller.reconfigure()`` (a new logical cache) the token graph is
+        captured again here, before the sequence, instead of inside its first device-decided step."""
+        super().reset()
+        ctl = self.controller
+        if (self.decode_handle.lent is None and self.dstate.cache is not ctl.cache
+                and device_routing_unsupported(ctl) is None):
+            self._bind()
+
     def _device_step_ready(self) -> bool:
         ctl, lent = self.controller, self.decode_handle.lent
         if lent is self:
