@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{c['numerator']} / {c['denominator']}: {c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
     for g in goals:
         print(_goal_line(g, device))
-    out = {"record": args.record, "drop": args.drop, "rows": rows, "comparisons": pairs, "goals": goals}
+    out = {"record": args.record, "drop": args.drop, "results": rows, "comparisons": pairs, "goals": goals}
     if args.json:
         write_json(args.json, out)
     return out
