@@ -7,9 +7,10 @@ The host-routed graphs wait for every layer anyway, but the token graph (:mod:`p
 prompt stepped token by token let the host run several steps ahead of the GPU. So each step writes the next of a
 few pinned rows, and waits for that row's previous reader only when the host is that many steps ahead.
 
-Why the token graph reads its inputs itself: on the lent H100, the launch of a CUDA graph right after a copy on
-the same stream took 80-120 us on the host where the same launch on an idle stream took 3-10 us
-(``benchmarks/engine/graph_launch_probe.py``, "launched after").
+Why the token graph reads its inputs itself: a step then makes one runtime call (the launch) instead of three
+(the copy, an event record, the launch). On the lent H100 a launch after a copy costs what a launch on an idle
+stream does (``benchmarks/engine/graph_launch_probe.py``, "launched after"), so what this saves is the two calls'
+own host time.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class TokenGraphDecoder(GraphDecoder):
         state = self.dstate
         ahead = state.kernel_settings()["constexprs"]["DISTANCE"]  # layer m decides the prefetches of m + ahead
         inserts = state.kernel_settings()["constexprs"]["INSERTS"]
-        self._step_inputs.read(D.interpreting())  # first: nothing is enqueued on the stream before the launch
+        self._step_inputs.read(D.interpreting())  # first: a step enqueues nothing but the launch
         for m, d in enumerate(self.moe_layers):
             self._body_a(m, range(previous + 1, d), d, d2h=False)()
             state.decide(m)
