@@ -208,11 +208,11 @@ def graph_census(raw_graph: int, dot_path: str | None = None) -> dict | None:
     sequence = []
     for node in nodes:
         err, kind = runtime.cudaGraphNodeGetType(node)
-        name = str(kind).rsplit(".", 1)[-1]
+        name = getattr(kind, "name", str(kind))
         types[name] = types.get(name, 0) + 1
         successors = runtime.cudaGraphNodeGetDependentNodes(node, 0)[-1]  # the count is last
         forks += successors > 1
-        sequence.append(_kernel_name(node) if "KERNEL" in name else name)
+        sequence.append(_kernel_name(node) if "kernel" in name.lower() else name)
     edges = runtime.cudaGraphGetEdges(graph, 0)[-1]  # the count is last (cuda-bindings 12 and 13 differ before)
     if dot_path:
         runtime.cudaGraphDebugDotPrint(graph, dot_path.encode(), 1 << 0 | 1 << 1 | 1 << 2)  # verbose, params

@@ -193,8 +193,8 @@ def main() -> None:
                 census = _launch_variants(decoder, args.dot_dir, row)
             except Exception as exc:  # a diagnostic: the profile goes on without it
                 census = {"error": repr(exc)}
-        # torch.profiler last: once it has run, every later launch in the process is slower (CUPTI stays
-        # subscribed), so only the first row's launch figures are clean with --kernel-profile
+        # torch.profiler last: once it has run, later launches in the process were 4-50x slower (CUPTI staying
+        # subscribed, likely), so only the first row's launch figures are clean with --kernel-profile
         kernels = (_kernels(decoder, token, 16, args.top) if args.kernel_profile
                    else {"kernels_per_token": None, "kernel_ms_per_token": None, "top": []})
         floor = statistics.median(floors)
