@@ -6,13 +6,17 @@
 # graph's launch and host time per step without torch.profiler in the process (token_graph_launch.*), then its
 # profile (token_graph_profile.py: its GPU time per token
 # replayed back to back, the host's time per step with cProfile's split, the kernels by device time) all resident
-# and PSR at 50%, with 4 decision warps. On the lent H100 of 2026-12-07 the token graph was slower than the host
+# and PSR at 50%, with 4 decision warps; with TESTS=1 the token graph's cuda tests run first. On the lent H100 of 2026-12-07 the token graph was slower than the host
 # path whenever it copied (0.77x at 50%): this says whether its copies or its launch are why. TOTAL_S bounds the call.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
 left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
 cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+if [ "${TESTS:-0}" = 1 ]; then  # first, the token graph's cuda tests (the reset after a reconfigure, the inputs' ring)
+  timeout "$(cap "${TESTS_S:-300}")" python3 -m pytest -q -m cuda tests/test_engine_token_graph.py 2>&1 | tail -4 \
+      | tee "$OUT/cuda_token_graph_tests.txt"
+fi
 PYTHONUNBUFFERED=1 timeout "$(cap "${PROBE_S:-60}")" python3 benchmarks/engine/graph_launch_probe.py \
     --json "$OUT/graph_launch.json" 2>&1 | tee "$OUT/graph_launch.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${COPY_S:-120}")" python3 benchmarks/engine/copy_kernel_bench.py \
