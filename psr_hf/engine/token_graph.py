@@ -245,8 +245,8 @@ class TokenGraphDecoder(GraphDecoder):
         super().reset()
         ctl = self.controller
         if (self.decode_handle.lent is None and self.dstate.cache is not ctl.cache
-                and device_routing_unsupported(ctl) is None):
-            self._bind()
+                and device_routing_unsupported(ctl) is None and self.layers.ranks_like(ctl)):
+            self._bind()  # (stacks built for another ranking: the next step refuses, saying so)
 
     def _device_step_ready(self) -> bool:
         ctl, lent = self.controller, self.decode_handle.lent
