@@ -22,7 +22,7 @@ import numpy as np
 
 from psr_hf.bench.common import summarize
 from psr_hf.bench.goals import compare_rows, comparisons, evaluate_goals
-from psr_hf.bench.report import _goal_line
+from psr_hf.bench.report import goal_line
 from psr_hf.cli.console import write_json
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         if c is not None and c.get("ratio") is not None:
             print(f"{c['numerator']} / {c['denominator']}: {c['ratio']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
     for g in goals:
-        print(_goal_line(g, device))
+        print(goal_line(g, device))
     out = {"record": args.record, "drop": args.drop, "results": rows, "comparisons": pairs, "goals": goals}
     if args.json:
         write_json(args.json, out)

@@ -107,7 +107,8 @@ def _in_prefetch_comparison(name: str) -> bool:
             and (row.routing_name == EXACT_LRU or row.routing.prefetch in PREFETCH_STEMS))
 
 
-def _goal_line(g: Mapping[str, Any], device: str) -> str:
+def goal_line(g: Mapping[str, Any], device: str) -> str:
+    """One goal's verdict as the bench prints it (also for records judged again: bench_steady_state.py)."""
     if g["status"] == NEEDS_GPU:
         return (f"goal {g['goal']}: {NEEDS_GPU} (this run: {device}; the goals were set for a lent H100 or H200 "
                 "and are judged on CUDA only)")
@@ -139,7 +140,7 @@ def report_lines(record: Mapping[str, Any]) -> list[str]:
                      f"copy) where the policy prefetches, twin + demand copies x one copy where it does not; one "
                      f"copy: {copy['ms_median']:.3f} ms for {copy['bytes'] / 1e6:.1f} MB (median of "
                      f"{len(copy['ms'])}, measured in this run)")
-    lines += [_goal_line(g, machine["device"]) for g in record["goals"]]
+    lines += [goal_line(g, machine["device"]) for g in record["goals"]]
     n = model["parameters"]
     size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
     lines.append("")
