@@ -200,11 +200,11 @@ def test_the_benchmark_runs_on_the_cpu_and_reports_a_failing_configuration(tmp_p
     bench = load_module("gemv_bench", ROOT / "benchmarks" / "engine" / "gemv_bench.py")
     path = tmp_path / "record.json"
     bench.main(["--device", "cpu", "--hidden", "64", "--shapes", "router", "--configs", "64x64x4x1", "64x64x4x2",
-                "12x64x4x1", "--rounds", "1", "--json", str(path)])
+                "64x32x4x1x2", "12x64x4x1", "--rounds", "1", "--json", str(path)])
     rows = {row["config"]: row for row in json.loads(path.read_text())["shapes"]["router"]["rows_timed"]}
-    assert set(rows) == {"cublas", "64x64x4x1", "64x64x4x2", "12x64x4x1"}
+    assert set(rows) == {"cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2", "12x64x4x1"}
     assert "power of two" in rows["12x64x4x1"]["error"]
-    for name in ("cublas", "64x64x4x1", "64x64x4x2"):
+    for name in ("cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2"):
         assert rows[name]["us_median"] > 0 and rows[name]["vs_cublas"] < 1e-2 and rows[name]["vs_fp32"] < 1e-2
 
 

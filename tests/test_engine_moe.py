@@ -21,6 +21,7 @@ H=2048, I=1024, K=8 and I=1408, K=6 in a one-off run):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -365,6 +366,58 @@ def test_triton_interpreted_equals_the_transformers_experts_module(family):
     _close(got, want, rtol=1e-5, atol=5e-6)
 
 
+def _tiles_agree(device):
+    """Other tiles give the same MoE up to the float32 sums' order; pipeline stages and kernel 2's unroll of its
+    loop over k keep that order, so they give the same bits (warps change how a tile's sum is split over threads)."""
+    H, I, C, K = 64, 48, 6, 3
+    x, slots, weights, gate_up, down = _data(H, I, C, K, device=device, slots=[4, 1, 2])
+    default = moe.triton_blocks(H, I)
+    want = moe_slots_triton(x, slots, weights, gate_up, down, torch.empty(H, device=device))
+    same_order = {**default, "STAGES1": 1, "STAGES2": 2, "UNROLL2": 4}
+    got = moe_slots_triton(x, slots, weights, gate_up, down, torch.empty(H, device=device), blocks=same_order)
+    assert torch.equal(got, want)
+    other = {**default, "BLOCK_I1": 8, "BLOCK_H1": 32, "WARPS1": 8, "BLOCK_O2": 16, "BLOCK_I2": 32, "WARPS2": 2,
+             "UNROLL2": 2}
+    got = moe_slots_triton(x, slots, weights, gate_up, down, torch.empty(H, device=device), blocks=other)
+    _close(got, want, rtol=1e-5, atol=5e-6)
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_triton_interpreted_tiles_change_only_the_sums_order():
+    _tiles_agree("cpu")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"BLOCK_O2": 3}, "BLOCK_O2=3"),
+    ({"UNROLL2": 0}, "UNROLL2=0"),
+    ({"STAGES1": 0}, "STAGES1=0"),
+    ({"num_warps": 4}, "expected the keys"),
+])
+def test_bad_tiles_are_clear_value_errors(change, message):
+    blocks = {**moe.triton_blocks(2048, 1024), **change}
+    with pytest.raises(ValueError, match=message):
+        moe.check_blocks(blocks)
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_the_tiles_benchmark_runs_on_the_cpu_and_keeps_a_failing_tile(tmp_path):
+    from module_files import ROOT, load_module
+
+    bench = load_module("moe_tiles_bench", ROOT / "benchmarks" / "engine" / "moe_tiles_bench.py")
+    path = tmp_path / "tiles.json"
+    bench.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--rounds", "2", "--replays", "1",
+                "--tiles1", "8,64,4,1", "16,32,8,3", "--tiles2", "4,64,4,1,1", "3,64,4,1,1", "--json", str(path)])
+    record = json.loads(path.read_text())
+    assert [row["tile"]["BLOCK_O2"] for row in record["down"]][-1] == 3  # the failing tile, last
+    assert "powers of two" in record["down"][-1]["error"]
+    for row in record["gate_up"] + record["down"][:1]:
+        assert row["median"] > 0 and row["difference"] < 1e-5
+    assert moe.check_blocks(record["chosen"]) == record["chosen"]
+    assert record["chosen"]["BLOCK_H1"] in (64, 32) and len(record["both"]["chosen_over_default"]["rounds"]) == 2
+
+
 @needs_triton
 @pytest.mark.usefixtures("compiled")
 def test_triton_refuses_cpu_tensors_outside_the_interpreter():
@@ -390,6 +443,14 @@ def test_triton_on_cuda_matches_the_reference(H, I, C, K, slots, weight_dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_triton_on_cuda_takes_strided_inputs():
     _strided_inputs_match("cuda")
+
+
+@pytest.mark.usefixtures("compiled")
+@needs_triton
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_triton_on_cuda_tiles_change_only_the_sums_order():
+    _tiles_agree("cuda")
 
 
 @pytest.mark.usefixtures("compiled")

@@ -14,8 +14,8 @@ compile, runs out of resources) is reported on its row and the others still run.
     python benchmarks/engine/gemv_bench.py --device cpu --hidden 64 --shapes router --configs auto --rounds 1
 
 A configuration is ``auto`` (linear_many's defaults) or ``BNxBHxWxS``: rows per program, H columns per loop step,
-warps, programs per row block along H (``split_h``). On the CPU the kernel runs in Triton's interpreter, once, to
-check that the script runs (its times mean nothing).
+warps, programs per row block along H (``split_h``), optionally ``xP``: the loop's software-pipeline stages. On
+the CPU the kernel runs in Triton's interpreter, once, to check that the script runs (its times mean nothing).
 """
 
 from __future__ import annotations
@@ -38,14 +38,18 @@ CONFIGS = ["auto", "4x512x4x1", "8x512x4x1", "16x512x4x1", "16x256x4x1", "32x256
 
 
 def parse_config(text: str) -> dict:
-    """``auto`` -> {} (the defaults); ``BNxBHxWxS`` -> linear_many's keywords."""
+    """``auto`` -> {} (the defaults); ``BNxBHxWxS`` or ``BNxBHxWxSxP`` -> linear_many's keywords (``P``: stages)."""
     if text == "auto":
         return {}
     try:
-        block_n, block_h, warps, split = (int(v) for v in text.split("x"))
+        values = [int(v) for v in text.split("x")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"config {text!r}: 'auto' or BNxBHxWxS (e.g. 16x512x4x1)") from None
-    return {"block_n": block_n, "block_h": block_h, "num_warps": warps, "split_h": split}
+        values = []
+    if len(values) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"config {text!r}: 'auto', BNxBHxWxS or BNxBHxWxSxP (e.g. 16x512x4x1, "
+                                         "4x1024x4x1x2)")
+    keys = ("block_n", "block_h", "num_warps", "split_h", "num_stages")
+    return dict(zip(keys, values))
 
 
 def _copies(rows: tuple, hidden: int, min_bytes: int, max_copies: int) -> int:

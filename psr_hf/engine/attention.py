@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,16 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     if kernel:
         return torch.ops.psr_hf.decode_attention(q, keys, values, position, scaling)
     return masked_attention(q, keys, values, position, slots, scaling)
+
+
+def output_projection(x: torch.Tensor, weight_bias: tuple, kernels: bool) -> torch.Tensor:
+    """The attention's output projection of one token ``x [1, nH * Dv]``: the fused GEMV
+    (``torch.ops.psr_hf.linear_many``, registered by :mod:`psr_hf.engine.gemv_kernel`) with the attention
+    kernels, which streams the weight faster than cuBLAS's batch-1 kernel; ``F.linear`` without them."""
+    if kernels:
+        weight, bias = weight_bias
+        return torch.ops.psr_hf.linear_many(x, [weight], [bias])[0]
+    return F.linear(x, *weight_bias)
 
 
 def write_kv(cache: torch.Tensor, position: torch.Tensor, row: torch.Tensor) -> None:

@@ -174,7 +174,7 @@ def _checked(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[
 def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 biases: Sequence[torch.Tensor | None] | None = None, *, block_n: int | None = None,
                 block_h: int | None = None, num_warps: int | None = None,
-                split_h: int = 1) -> tuple[torch.Tensor, ...]:
+                split_h: int = 1, num_stages: int | None = None) -> tuple[torch.Tensor, ...]:
     """``x @ W_i^T (+ b_i)`` for each of 1 to 4 ``weights`` ``[N_i, H]`` in one kernel launch (two more with
     ``split_h > 1``), each ``[1, N_i]`` in ``x``'s dtype (written into ``outs[i]``, ``[1, N_i]`` or ``[N_i]``, and
     returned, where given). ``x``: ``[H]`` or ``[1, H]``; the weights: any row stride, a unit stride along H (an
@@ -186,7 +186,8 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     Tuning: ``block_n`` rows and ``block_h`` columns per program and loop step (powers of two; by default
     :func:`default_blocks`), ``num_warps`` per program (default :data:`DEFAULT_WARPS`), ``split_h`` programs per
     row block along H, whose float32 partial sums are added atomically into a workspace and then cast (default 1:
-    one launch, one program per row block)."""
+    one launch, one program per row block), ``num_stages`` the software pipeline's stages of the loop over H
+    (default: triton's)."""
     H, weights, biases, outs = _checked(x, weights, biases, outs)
     why = unsupported(x.device)
     if why is not None:
@@ -202,6 +203,9 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
             raise ValueError(f"{name} = {value}: a power of two expected")
     if split_h < 1:
         raise ValueError(f"split_h = {split_h}: 1 (no split) or more programs per row block expected")
+    if num_stages is not None and int(num_stages) < 1:
+        raise ValueError(f"num_stages = {num_stages}: at least 1 expected (or None: triton's default)")
+    launch = {} if num_stages is None else {"num_stages": int(num_stages)}
     if outs is None:
         outs = tuple(x.new_empty(1, n) for n in rows)
     n = len(weights)
@@ -231,7 +235,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
                 HAS_B0=biases[0] is not None, HAS_B1=n > 1 and biases[1] is not None,
                 HAS_B2=n > 2 and biases[2] is not None, HAS_B3=n > 3 and biases[3] is not None,
                 SPLIT=split_h > 1, EVEN_H=H % block_h == 0, BLOCK_N=block_n, BLOCK_H=block_h,
-                num_warps=num_warps)
+                num_warps=num_warps, **launch)
     if split_h > 1:
         for out, part in zip(outs, work.split(rows)):
             out.copy_(part.view(out.shape))

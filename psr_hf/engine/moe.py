@@ -243,12 +243,14 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
 
     @triton.jit
     def down_kernel(h_ptr, slots_ptr, dn_ptr, out_ptr, res_ptr, H, I, K, stride_s, stride_de, stride_dr, stride_dc,
-                    stride_o, stride_r, HAS_RESIDUAL: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
-        # program (block of H): out[rows] = (residual[rows] +) sum_k down[s_k, rows, :] . h[k, :], float32
+                    stride_o, stride_r, HAS_RESIDUAL: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                    UNROLL: tl.constexpr):
+        # program (block of H): out[rows] = (residual[rows] +) sum_k down[s_k, rows, :] . h[k, :], float32;
+        # UNROLL: the loop over k unrolled by that factor, so that several experts' loads can be in flight
         rows = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
         row_ok = rows < H
         acc = tl.full((BLOCK_O, BLOCK_I), 0.0, tl.float32)
-        for k in range(0, K):
+        for k in tl.range(0, K, loop_unroll_factor=UNROLL):
             slot = tl.load(slots_ptr + k * stride_s).to(tl.int64)
             base = dn_ptr + slot * stride_de + rows.to(tl.int64)[:, None] * stride_dr
             for start in range(0, I, BLOCK_I):
@@ -274,21 +276,43 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+#: the keys of a tile configuration (:func:`triton_blocks`): kernel 1's rows of gate and of up per program, its
+#: columns per loop step, its warps and software-pipelining stages; kernel 2's output rows per program, its columns
+#: per loop step, warps, stages and the unroll factor of its loop over the K experts (1: not unrolled)
+BLOCK_KEYS = ("BLOCK_I1", "BLOCK_H1", "WARPS1", "STAGES1", "BLOCK_O2", "BLOCK_I2", "WARPS2", "STAGES2", "UNROLL2")
+
+
 @functools.lru_cache(maxsize=None)
 def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
-    """Block sizes, fixed (no autotuning; not yet measured on a GPU), chosen for H=2048 with I=1024 (OLMoE-1B-7B)
-    or I=1408 (Moonlight), K 6-8, bf16 weights, so that both kernels have 500+ programs (about 4 per SM of an
-    H100/H200, all resident at once) and each program keeps 8-16 KiB of weight loads in flight per step:
+    """Tile sizes, fixed (no autotuning: a tile decides the float32 sums' order, so a choice made by timing at run
+    time would make outputs depend on timing), chosen for H=2048 with I=1024 (OLMoE-1B-7B) or I=1408 (Moonlight),
+    K 6-8, bf16 weights, so that both kernels have 500+ programs (about 4 per SM of an H100/H200, all resident at
+    once) and each program keeps 8-16 KiB of weight loads in flight per step:
 
     - kernel 1 (gate/up): ``BLOCK_I1`` = 16 rows of gate and of up per program times ``BLOCK_H1`` = 256 columns
       per step (grid K x I/16: 512 programs for OLMoE, 528 for Moonlight; 8 KiB of bf16 per matrix per step);
     - kernel 2 (down): ``BLOCK_O2`` = 4 output rows per program times ``BLOCK_I2`` = 1024 columns per step
       (grid H/4 = 512 programs; 8 KiB of bf16 per step; I=1408 takes two steps, the second 3/8 used).
 
-    Smaller dimensions (tiny test models) get the next power of two above them."""
+    Warps 4, stages 3 (triton's default for CUDA) for both, kernel 2's loop over k not unrolled.
+    ``benchmarks/engine/moe_tiles_bench.py`` times other tiles. Smaller dimensions (tiny test models) get the next
+    power of two above them."""
     H, I = int(hidden), int(intermediate)
-    return dict(BLOCK_I1=min(16, _pow2(I)), BLOCK_H1=min(256, _pow2(H)), BLOCK_O2=min(4, _pow2(H)),
-                BLOCK_I2=min(1024, _pow2(I)), num_warps=4)
+    return dict(BLOCK_I1=min(16, _pow2(I)), BLOCK_H1=min(256, _pow2(H)), WARPS1=4, STAGES1=3,
+                BLOCK_O2=min(4, _pow2(H)), BLOCK_I2=min(1024, _pow2(I)), WARPS2=4, STAGES2=3, UNROLL2=1)
+
+
+def check_blocks(blocks: dict[str, int]) -> dict[str, int]:
+    """``blocks`` when its keys are :data:`BLOCK_KEYS` and every value is a power of two (stages: any count from
+    1); ``ValueError`` otherwise."""
+    if set(blocks) != set(BLOCK_KEYS):
+        raise ValueError(f"psr_hf engine MoE: blocks {sorted(blocks)}; expected the keys {list(BLOCK_KEYS)}")
+    bad = [f"{key}={value}" for key, value in blocks.items()
+           if not isinstance(value, int) or value < 1 or (not key.startswith("STAGES") and value & (value - 1))]
+    if bad:
+        raise ValueError(f"psr_hf engine MoE: blocks {', '.join(bad)}; block sizes, warps and the unroll factor must be "
+                         "powers of two, stages at least 1")
+    return blocks
 
 
 def triton_prologue(what: str, fallback: str, x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor,
@@ -313,29 +337,54 @@ def triton_prologue(what: str, fallback: str, x: torch.Tensor, slots: torch.Tens
     return interpret, H, I, K, h, res, guard
 
 
+def launch_gate_up(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   h: torch.Tensor, blocks: dict[str, int], interpret: bool) -> None:
+    """Kernel 1 alone: ``h[k] = weights[k] * silu(gate) * up`` (``h`` the float32 ``[K, I]`` workspace), with the
+    tiles ``blocks`` (:data:`BLOCK_KEYS`); on the current device. :func:`moe_slots_triton` launches it, and
+    benchmarks time it by itself."""
+    _, two_i, H = gate_up.shape
+    I, K = two_i // 2, slots.shape[0]
+    gate_up_kernel, _ = _kernels(interpret)
+    gate_up_kernel[(K, _cdiv(I, blocks["BLOCK_I1"]))](
+        x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
+        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], num_warps=blocks["WARPS1"],
+        num_stages=blocks["STAGES1"], enable_fp_fusion=True)
+
+
+def launch_down(h: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None, blocks: dict[str, int], interpret: bool) -> None:
+    """Kernel 2 alone: ``out = (residual +) sum_k down[s_k] @ h[k]``, with the tiles ``blocks``; on the current
+    device (see :func:`launch_gate_up`)."""
+    _, H, I = down.shape
+    K = slots.shape[0]
+    res = residual if residual is not None else out
+    _, down_kernel = _kernels(interpret)
+    down_kernel[(_cdiv(H, blocks["BLOCK_O2"]),)](
+        h, slots, down, out, res, H, I, K, slots.stride(0), down.stride(0), down.stride(1), down.stride(2),
+        out.stride(0), res.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_O=blocks["BLOCK_O2"], BLOCK_I=blocks["BLOCK_I2"],
+        UNROLL=blocks["UNROLL2"], num_warps=blocks["WARPS2"], num_stages=blocks["STAGES2"], enable_fp_fusion=True)
+
+
 def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-                     workspace: torch.Tensor | None = None) -> torch.Tensor:
+                     workspace: torch.Tensor | None = None, *, blocks: dict[str, int] | None = None
+                     ) -> torch.Tensor:
     """Two Triton kernels: kernel 1 the gate and up rows of a block of ``I`` per selected expert, ``h[k] =
     weights[k] * silu(gate) * up``; kernel 2 a block of ``H`` outputs, summed over ``k`` and ``I``. Float32
     accumulation throughout, every selected weight read once; the slot ids and routing weights are read from
-    device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``:
-    the float32 ``[K, I]`` scratch (:func:`new_workspace`; allocated per call when None). Writes and returns
-    ``out``. ``ImportError`` when triton is not installed."""
-    interpret, H, I, K, h, res, guard = triton_prologue("psr_hf engine MoE", "moe_slots_reference", x, slots,
+    device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors,
+    or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``: the float32 ``[K, I]``
+    scratch (:func:`new_workspace`; allocated per call when None); ``blocks``: tiles other than
+    :func:`triton_blocks`' (:func:`check_blocks`; for benchmarks). Writes and returns ``out``. ``ImportError``
+    when triton is not installed."""
+    interpret, H, I, K, h, _, guard = triton_prologue("psr_hf engine MoE", "moe_slots_reference", x, slots,
                                                          gate_up, out, residual, workspace)
-    gate_up_kernel, down_kernel = _kernels(interpret)
-    b = triton_blocks(H, I)
+    b = check_blocks(blocks) if blocks is not None else triton_blocks(H, I)
     with guard:
-        gate_up_kernel[(K, _cdiv(I, b["BLOCK_I1"]))](
-            x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
-            gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-            BLOCK_I=b["BLOCK_I1"], BLOCK_H=b["BLOCK_H1"], num_warps=b["num_warps"], enable_fp_fusion=True)
-        down_kernel[(_cdiv(H, b["BLOCK_O2"]),)](
-            h, slots, down, out, res, H, I, K, slots.stride(0), down.stride(0), down.stride(1), down.stride(2),
-            out.stride(0), res.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_O=b["BLOCK_O2"], BLOCK_I=b["BLOCK_I2"], num_warps=b["num_warps"],
-            enable_fp_fusion=True)
+        launch_gate_up(x, slots, weights, gate_up, h, b, interpret)
+        launch_down(h, slots, down, out, residual, b, interpret)
     return out
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .. import decode_attention_kernel, gemv_kernel
 from ..attention import (StaticKVCache, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
-                         rms_norm, write_kv)
+                         output_projection, rms_norm, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -131,4 +131,4 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
     write_kv(keys, position, k)
     write_kv(values, position, v.view(nKV, D))
     out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels)  # [nH, D]
-    return F.linear(out.reshape(1, nH * D), *a["o_proj"])
+    return output_projection(out.reshape(1, nH * D), a["o_proj"], s.kernels)

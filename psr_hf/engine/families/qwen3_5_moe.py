@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel
 from ..attention import (apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
-                         write_kv, zero_centred_rms_norm)
+                         output_projection, write_kv, zero_centred_rms_norm)
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
 from . import register_layers
@@ -273,7 +273,7 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     write_kv(keys, position, k)
     write_kv(values, position, v)
     out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels).reshape(1, nH * D)
-    return F.linear(out * torch.sigmoid(gate.reshape(1, nH * D)), *a["o_proj"])
+    return output_projection(out * torch.sigmoid(gate.reshape(1, nH * D)), a["o_proj"], s.kernels)
 
 
 def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
