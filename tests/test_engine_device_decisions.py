@@ -105,7 +105,9 @@ def _check_slots(dev, host: LogicalCache, m: int, plan: np.ndarray, pplan: np.nd
 
 
 def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int, device: str,
-                offloaded: bool = False) -> None:
+                offloaded: bool = False, logits_dtype: torch.dtype | None = None) -> None:
+    """``logits_dtype``: the kernel reads the scores in that dtype (a softmax router's bf16 logits, which it
+    widens itself), the host decides on the same values widened to float32."""
     from psr_hf.engine.device_state import DeviceState
 
     rng = np.random.default_rng(seed)
@@ -114,7 +116,8 @@ def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int,
     kwargs = dict(num_layers=L, num_experts=E, top_k=K, calibration=calibration, vocab_size=V)
     host = LogicalCache(config, **kwargs)
     mirror = LogicalCache(config, **kwargs)  # uploaded once, then advanced only by the device
-    dev = DeviceState(mirror, device, max_positions=tokens, offloaded=offloaded)
+    logits = None if logits_dtype is None else torch.zeros(2 * E, dtype=logits_dtype, device=device)
+    dev = DeviceState(mirror, device, max_positions=tokens, offloaded=offloaded, scores=logits)
     slots = np.full((L, E), -1)
     for layer in range(L):  # the warm set in ascending order in slots 0.. C - 1
         held = np.flatnonzero(mirror.state[layer, 0, 3])
@@ -124,11 +127,13 @@ def _device_run(name: str, seed: int, ties: bool, with_prior: bool, tokens: int,
     for t in range(tokens):
         token = int(rng.integers(0, V))
         z = np.stack([_scores(rng, ties) for _ in range(L)])  # [L, 2E]: z | layer m + D's pre-gate
+        if logits_dtype is not None:
+            z = torch.from_numpy(z).to(logits_dtype).float().numpy()
         plans, pplans = _host_token(host, token, z, saved)
         dev.token.fill_(token)
         dev.position.fill_(t)
         for m in range(L):
-            dev.scores.copy_(torch.from_numpy(z[m]))
+            dev.scores.copy_(torch.from_numpy(z[m]))  # exact: z holds values of the scores' dtype
             dev.decide(m)
             assert dev.plans[m].cpu().numpy().tolist() == plans[m].tolist(), (t, m, "select plan")
             if pplans[m] is not None:
@@ -156,6 +161,13 @@ def interpreter(monkeypatch):
 def test_device_decisions_equal_the_numba_kernels_bitwise(name, ties, with_prior):
     _device_run(name, seed=hash((name, ties, with_prior)) % 2**32, ties=ties, with_prior=with_prior, tokens=6,
                 device="cpu")
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("name", ["exact", "cache_prior", "psr_running"])
+def test_device_decisions_on_bf16_logits_equal_the_numba_kernels_on_them_widened(name):
+    _device_run(name, seed=5, ties=True, with_prior=True, tokens=4, device="cpu", offloaded=True,
+                logits_dtype=torch.bfloat16)
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -206,6 +218,8 @@ def test_device_decisions_compiled_on_the_gpu_equal_the_numba_kernels_bitwise(na
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for ties in (False, True):
         _device_run(name, seed=7, ties=ties, with_prior=True, tokens=24, device="cuda", offloaded=ties)
+    _device_run(name, seed=8, ties=True, with_prior=True, tokens=12, device="cuda", offloaded=True,
+                logits_dtype=torch.bfloat16)
 
 
 @pytest.mark.usefixtures("interpreter")

@@ -137,7 +137,7 @@ def decide_kernel(
     cbase = counters_ptr + layer * 8
     step = tl.load(cbase + 2)
 
-    z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG)
+    z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG).to(tl.float32)  # float32, or the router's logits
     bad = tl.reduce(((z32 != z32) | (z32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
     finite = tl.reduce((emask & (z32 != NEG)).to(tl.int32), 0, tl.standard._sum_combine)
     error = tl.where((error == 0) & ((bad > 0) | (finite < K)), 1, error)
@@ -264,7 +264,7 @@ def decide_kernel(
     n_ins = 0
     if INSERTS:
         if nxt < L:
-            g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG)
+            g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG).to(tl.float32)
             gbad = tl.reduce(((g32 != g32) | (g32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
             error = tl.where((error == 0) & (gbad > 0), 1, error)
             ok = error == 0

@@ -21,7 +21,8 @@ from . import device_decisions as D
 class DeviceState:
     """Device arrays of one row's logical cache for ``cache`` (a :class:`~psr_hf.policy.LogicalCache` whose
     kernels' config the decisions follow), on ``device``. ``scores``, ``token``, ``position``: the buffers the
-    decision kernel reads (``[>= E]`` float32 joint scores ``z | g_next``, int64 token and position; default: own
+    decision kernel reads (``[>= E]`` joint scores ``z | g_next``, float32, or a softmax router's logits in their
+    own dtype, which the kernel widens to float32 as it loads them; int64 token and position; default: own
     buffers, filled by the caller). ``offloaded``: keep slot maps of ``capacity`` slots and write copy lists.
     ``max_positions``: positions the score record holds (0: no record). ``num_warps``: the decision kernel's warps
     (4; on an H100, 8 took 5.71 against 6.11 us per layer for psr resident, the offloaded variants not yet timed:

@@ -144,7 +144,7 @@ class GraphDecoder(DecoderBase):
         L.dense_mlp(d, b.normed, b.mlp_out)
         b.hidden.add_(b.mlp_out)
 
-    def _body_a(self, m: int, dense: range, d: int, d2h: bool = True) -> Callable[[], None]:
+    def _body_a(self, m: int, dense: range, d: int, d2h: bool = True, scores: bool = True) -> Callable[[], None]:
         L, b = self.layers, self.layers.buffers
         width = self._widths[m]
         logits = b.router_logits[:, :width]
@@ -158,7 +158,8 @@ class GraphDecoder(DecoderBase):
                 self._dense(i)
             L.attention_block(d, b.hidden, b.position, b.hidden, b.normed)
             L.router_logits(d, b.normed, logits)
-            L.router_scores(d, logits, scores_f32)  # float32, as Decoder's scores.float()
+            if scores:  # (else the device's decision kernel reads the logits themselves)
+                L.router_scores(d, logits, scores_f32)  # float32, as Decoder's scores.float()
             if d2h:
                 host.copy_(scores_f32, non_blocking=True)  # D2H into the pinned buffer (captured)
 

@@ -593,6 +593,12 @@ class DecodeLayers(abc.ABC):
         else:
             out.copy_(F.linear(normed.to(dt), r.stacked.to(dt)))
 
+    def scores_are_logits(self, layer: int) -> bool:
+        """Whether this layer's joint scores are its router logits themselves (a softmax router, no learned
+        predictor): then :meth:`router_scores` only widens them to float32, which a reader of the logits' dtype
+        (the device's decision kernel) does as it loads them."""
+        return self._raw_logit_scores and not self._moe(layer).predicted
+
     @torch.no_grad()
     def router_scores(self, layer: int, logits: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (same shape as ``logits``): the family's selection scores of this layer and the pre-gate of
@@ -602,7 +608,7 @@ class DecodeLayers(abc.ABC):
         E = self.num_experts
         self._check_row(logits, "router logits", r.stacked.shape[0])
         self._check_row(out, "router scores out", r.stacked.shape[0])
-        if self._raw_logit_scores and not r.predicted:  # softmax routers: the scores are the logits, one copy
+        if self.scores_are_logits(layer):  # softmax routers: the scores are the logits, one copy
             out.copy_(logits)
             return
         out[:, :E].copy_(self.family.selection_scores(r.router, logits[:, :E]))

@@ -101,7 +101,10 @@ class TokenGraphDecoder(GraphDecoder):
         them (again after a ``reconfigure()`` made a new cache)."""
         ctl, b = self.controller, self.layers.buffers
         self._token_graph = None
-        self.dstate = DeviceState(ctl.cache, self.device, scores=self._scores_f32[0], token=b.token.view(-1),
+        # softmax routers: the decision kernel widens the logits to float32 itself (one kernel less per layer)
+        self._reads_logits = all(self.layers.scores_are_logits(d) for d in self.moe_layers)
+        scores = b.router_logits[0] if self._reads_logits else self._scores_f32[0]
+        self.dstate = DeviceState(ctl.cache, self.device, scores=scores, token=b.token.view(-1),
                                   position=b.position.view(-1), offloaded=self.offloaded,
                                   max_positions=self._max_len, num_warps=self.decide_warps)
         self.dstate.ids = b.expert_ids[0]
@@ -127,7 +130,7 @@ class TokenGraphDecoder(GraphDecoder):
         inserts = state.kernel_settings()["constexprs"]["INSERTS"]
         self._step_inputs.read(D.interpreting())  # first: a step enqueues nothing but the launch
         for m, d in enumerate(self.moe_layers):
-            self._body_a(m, range(previous + 1, d), d, d2h=False)()
+            self._body_a(m, range(previous + 1, d), d, d2h=False, scores=not self._reads_logits)()
             state.decide(m)
             if self.offloaded:
                 decided = torch.cuda.Event()
