@@ -200,11 +200,11 @@ def test_the_benchmark_runs_on_the_cpu_and_reports_a_failing_configuration(tmp_p
     bench = load_module("gemv_bench", ROOT / "benchmarks" / "engine" / "gemv_bench.py")
     path = tmp_path / "record.json"
     bench.main(["--device", "cpu", "--hidden", "64", "--shapes", "router", "--configs", "64x64x4x1", "64x64x4x2",
-                "64x32x4x1x2", "12x64x4x1", "--rounds", "1", "--json", str(path)])
+                "64x32x4x1x2x1", "12x64x4x1", "--rounds", "1", "--json", str(path)])
     rows = {row["config"]: row for row in json.loads(path.read_text())["shapes"]["router"]["rows_timed"]}
-    assert set(rows) == {"cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2", "12x64x4x1"}
+    assert set(rows) == {"cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2x1", "12x64x4x1"}
     assert "power of two" in rows["12x64x4x1"]["error"]
-    for name in ("cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2"):
+    for name in ("cublas", "64x64x4x1", "64x64x4x2", "64x32x4x1x2x1"):
         assert rows[name]["us_median"] > 0 and rows[name]["vs_cublas"] < 1e-2 and rows[name]["vs_fp32"] < 1e-2
 
 
@@ -241,3 +241,40 @@ def test_compiled_kernel_replays_in_a_cuda_graph_after_x_changes_in_place(split_
         graph.replay()
         torch.cuda.synchronize()
         _check(outs, x, weights, biases)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("block_h", [512, 2048])
+def test_programmatic_dependent_launches_in_a_graph_read_what_the_kernels_before_them_wrote(block_h):
+    """A chain captured in one graph: a copy writes x, then three dependent launches each read the one before's
+    output; every replay with a new x gives the non-PDL launches' bits."""
+    g = torch.Generator().manual_seed(5)
+    H = 2048
+    weights = [(torch.randn(H, H, generator=g) / H ** 0.5).to(device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    source = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty_like(source)
+    outs = [torch.empty(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def chain(pdl: bool) -> None:
+        x.copy_(source)
+        previous = x
+        for w, out in zip(weights, outs):
+            linear_many(previous, [w], [out], block_n=4, block_h=block_h, pdl=pdl)
+            previous = out
+
+    source.normal_()
+    chain(True)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True)
+    for _ in range(3):
+        source.copy_(torch.randn(1, H, generator=g).to(device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o.clone() for o in outs]
+        chain(False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, outs))

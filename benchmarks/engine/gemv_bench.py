@@ -14,7 +14,8 @@ compile, runs out of resources) is reported on its row and the others still run.
     python benchmarks/engine/gemv_bench.py --device cpu --hidden 64 --shapes router --configs auto --rounds 1
 
 A configuration is ``auto`` (linear_many's defaults) or ``BNxBHxWxS``: rows per program, H columns per loop step,
-warps, programs per row block along H (``split_h``), optionally ``xP``: the loop's software-pipeline stages. On
+warps, programs per row block along H (``split_h``), optionally ``xP``: the loop's software-pipeline stages, and
+``xD``: 1 for programmatic dependent launches (each call may start while the one before it runs). On
 the CPU the kernel runs in Triton's interpreter, once, to check that the script runs (its times mean nothing).
 """
 
@@ -38,17 +39,18 @@ CONFIGS = ["auto", "4x512x4x1", "8x512x4x1", "16x512x4x1", "16x256x4x1", "32x256
 
 
 def parse_config(text: str) -> dict:
-    """``auto`` -> {} (the defaults); ``BNxBHxWxS`` or ``BNxBHxWxSxP`` -> linear_many's keywords (``P``: stages)."""
+    """``auto`` -> {} (the defaults); ``BNxBHxWxS``, ``BNxBHxWxSxP`` or ``BNxBHxWxSxPxD`` -> linear_many's keywords
+    (``P``: stages, ``D``: 1 for a programmatic dependent launch)."""
     if text == "auto":
         return {}
     try:
         values = [int(v) for v in text.split("x")]
     except ValueError:
         values = []
-    if len(values) not in (4, 5):
-        raise argparse.ArgumentTypeError(f"config {text!r}: 'auto', BNxBHxWxS or BNxBHxWxSxP (e.g. 16x512x4x1, "
-                                         "4x1024x4x1x2)")
-    keys = ("block_n", "block_h", "num_warps", "split_h", "num_stages")
+    if len(values) not in (4, 5, 6) or (len(values) == 6 and values[5] not in (0, 1)):
+        raise argparse.ArgumentTypeError(f"config {text!r}: 'auto', BNxBHxWxS, BNxBHxWxSxP or BNxBHxWxSxPxD, D 0 or 1 "
+                                         "(e.g. 16x512x4x1, 4x1024x4x1x2, 4x2048x4x1x1x1)")
+    keys = ("block_n", "block_h", "num_warps", "split_h", "num_stages", "pdl")
     return dict(zip(keys, values))
 
 

@@ -45,6 +45,7 @@ from .device_decisions import interpreting, shared_helpers, triton_module
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the programmatic dependent launch's waits)
 except ImportError:
     triton = tl = None
 
@@ -174,7 +175,7 @@ def _checked(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[
 def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 biases: Sequence[torch.Tensor | None] | None = None, *, block_n: int | None = None,
                 block_h: int | None = None, num_warps: int | None = None,
-                split_h: int = 1, num_stages: int | None = None) -> tuple[torch.Tensor, ...]:
+                split_h: int = 1, num_stages: int | None = None, pdl: bool = False) -> tuple[torch.Tensor, ...]:
     """``x @ W_i^T (+ b_i)`` for each of 1 to 4 ``weights`` ``[N_i, H]`` in one kernel launch (two more with
     ``split_h > 1``), each ``[1, N_i]`` in ``x``'s dtype (written into ``outs[i]``, ``[1, N_i]`` or ``[N_i]``, and
     returned, where given). ``x``: ``[H]`` or ``[1, H]``; the weights: any row stride, a unit stride along H (an
@@ -187,7 +188,10 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     :func:`default_blocks`), ``num_warps`` per program (default :data:`DEFAULT_WARPS`), ``split_h`` programs per
     row block along H, whose float32 partial sums are added atomically into a workspace and then cast (default 1:
     one launch, one program per row block), ``num_stages`` the software pipeline's stages of the loop over H
-    (default: triton's)."""
+    (default: triton's). ``pdl``: a programmatic dependent launch (Hopper and later): the kernel may start while
+    the one before it on the stream runs, loads its first weight tile, then waits for that kernel's writes; it
+    lets the next kernel start the same way. In triton's interpreter, which runs one kernel at a time, it is the
+    same as ``pdl=False``."""
     H, weights, biases, outs = _checked(x, weights, biases, outs)
     why = unsupported(x.device)
     if why is not None:
@@ -206,6 +210,9 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     if num_stages is not None and int(num_stages) < 1:
         raise ValueError(f"num_stages = {num_stages}: at least 1 expected (or None: triton's default)")
     launch = {} if num_stages is None else {"num_stages": int(num_stages)}
+    pdl = bool(pdl) and not interpreting()
+    if pdl:
+        launch["launch_pdl"] = True
     if outs is None:
         outs = tuple(x.new_empty(1, n) for n in rows)
     n = len(weights)
@@ -234,7 +241,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
                 NUM=n, END0=ends[0], END1=ends[1], END2=ends[2],
                 HAS_B0=biases[0] is not None, HAS_B1=n > 1 and biases[1] is not None,
                 HAS_B2=n > 2 and biases[2] is not None, HAS_B3=n > 3 and biases[3] is not None,
-                SPLIT=split_h > 1, EVEN_H=H % block_h == 0, BLOCK_N=block_n, BLOCK_H=block_h,
+                SPLIT=split_h > 1, EVEN_H=H % block_h == 0, BLOCK_N=block_n, BLOCK_H=block_h, PDL=pdl,
                 num_warps=num_warps, **launch)
     if split_h > 1:
         for out, part in zip(outs, work.split(rows)):
@@ -266,10 +273,21 @@ _jit, _sum, _rounded = _helpers.jit, _helpers.reduce_sum, _helpers.rounded
 
 
 @_jit
+def _tile(tiles, h, stop, row_ok, cols, EVEN_H: tl.constexpr):
+    # the weight tile at column h as float32 (zeros past the rows, past H, or at h >= stop)
+    if EVEN_H:
+        return tl.load(tiles + h, mask=row_ok[:, None] & (cols * 0 + h < stop)[None, :], other=0.0).to(tl.float32)
+    else:
+        return tl.load(tiles + h, mask=row_ok[:, None] & (h + cols < stop)[None, :], other=0.0).to(tl.float32)
+
+
+@_jit
 def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, N, H, chunk, block,
           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_H: tl.constexpr):
-    # rows block * BLOCK_N ... of one weight (over H columns chunk * split ... when split)
+          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    # rows block * BLOCK_N ... of one weight (over H columns chunk * split ... when split). Each step loads the next
+    # step's weight tile before it multiplies, so that a tile is always in flight; with PDL the first tile is
+    # loaded before the wait for the kernels this one follows (the weights are not theirs to write)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_H)
@@ -281,15 +299,17 @@ def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, N,
         stop = H
     tiles = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
     acc = tl.full([BLOCK_N, BLOCK_H], 0.0, tl.float32)
+    w = _tile(tiles, start, stop, row_ok, cols, EVEN_H)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for h in range(start, stop, BLOCK_H):
         if EVEN_H:
             xs = tl.load(x_ptr + (h + cols) * stride_x).to(tl.float32)
-            w = tl.load(tiles + h, mask=row_ok[:, None], other=0.0).to(tl.float32)
         else:
-            col_ok = h + cols < H
-            xs = tl.load(x_ptr + (h + cols) * stride_x, mask=col_ok, other=0.0).to(tl.float32)
-            w = tl.load(tiles + h, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            xs = tl.load(x_ptr + (h + cols) * stride_x, mask=h + cols < H, other=0.0).to(tl.float32)
+        following = _tile(tiles, h + BLOCK_H, stop, row_ok, cols, EVEN_H)
         acc += w * xs[None, :]
+        w = following
     y = _sum(acc, 1)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rows * stride_b, mask=row_ok, other=0.0).to(tl.float32)
@@ -309,22 +329,25 @@ def linear_many_kernel(x_ptr, w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0
                        sb0, sb1, sb2, sb3, sy0, sy1, sy2, sy3, stride_x, H, chunk, NUM: tl.constexpr,
                        END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, HAS_B0: tl.constexpr,
                        HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_B3: tl.constexpr, SPLIT: tl.constexpr,
-                       EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+                       EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # program p: row block p of the concatenated outputs; weight i holds blocks END(i-1) .. END(i) - 1
     p = tl.program_id(0)
+    if PDL:  # the kernel launched after this one may start as this one's programs are all running
+        tl.extra.cuda.gdc_launch_dependents()
     if p < END0:
-        _rows(x_ptr, stride_x, w0, sw0, b0, sb0, y0, sy0, n0, H, chunk, p, HAS_B0, SPLIT, EVEN_H, BLOCK_N, BLOCK_H)
+        _rows(x_ptr, stride_x, w0, sw0, b0, sb0, y0, sy0, n0, H, chunk, p, HAS_B0, SPLIT, EVEN_H, BLOCK_N, BLOCK_H,
+              PDL)
     else:
         if NUM > 1:
             if p < END1:
                 _rows(x_ptr, stride_x, w1, sw1, b1, sb1, y1, sy1, n1, H, chunk, p - END0, HAS_B1, SPLIT, EVEN_H,
-                      BLOCK_N, BLOCK_H)
+                      BLOCK_N, BLOCK_H, PDL)
             else:
                 if NUM > 2:
                     if p < END2:
                         _rows(x_ptr, stride_x, w2, sw2, b2, sb2, y2, sy2, n2, H, chunk, p - END1, HAS_B2, SPLIT,
-                              EVEN_H, BLOCK_N, BLOCK_H)
+                              EVEN_H, BLOCK_N, BLOCK_H, PDL)
                     else:
                         if NUM > 3:
                             _rows(x_ptr, stride_x, w3, sw3, b3, sb3, y3, sy3, n3, H, chunk, p - END2, HAS_B3,
-                                  SPLIT, EVEN_H, BLOCK_N, BLOCK_H)
+                                  SPLIT, EVEN_H, BLOCK_N, BLOCK_H, PDL)
