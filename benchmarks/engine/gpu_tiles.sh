@@ -2,7 +2,8 @@
 # Issue 53, the kernels' tiles: one device call (snapshot of HEAD; records under $OUT). First the cuda tests of the
 # kernels whose tiles or callers changed (the slot MoE, the fused GEMV now also the attention's output projection,
 # the attention kernels in every family's engine), then the slot MoE's tiles (moe_tiles_bench.py: each kernel by
-# itself), the fused GEMV's configurations on q/k/v, o_proj and the router (gemv_bench.py, against cuBLAS), the
+# itself), the fused GEMV's configurations on q/k/v, o_proj and the router (gemv_bench.py, against cuBLAS; with
+# programmatic dependent launches too), the
 # decode attention's splits at short contexts, and, with TESTS=1, the token graph's cuda tests last. TOTAL_S bounds
 # the call.
 set -uo pipefail
@@ -22,7 +23,8 @@ PYTHONUNBUFFERED=1 timeout "$(cap "${TILES_S:-200}")" python3 benchmarks/engine/
 PYTHONUNBUFFERED=1 timeout "$(cap "${GEMV_S:-100}")" python3 benchmarks/engine/gemv_bench.py --shapes qkv o_proj router \
     --hbm-tbps "$(python3 -c "print($HBM / 1000)")" --configs auto 4x512x4x1 8x512x4x1 2x1024x4x1 4x1024x4x1 \
     4x1024x8x1 8x1024x8x1 2x2048x4x1 4x2048x4x1 4x2048x8x1 1x2048x4x1 4x512x4x1x1 4x1024x4x1x1 8x256x4x1 \
-    4x512x2x1 4x256x4x1 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | grep -v "^ *[0-9]*x" | tail -12
+    4x512x2x1 4x256x4x1 4x512x4x1x1x1 4x1024x4x1x1x1 4x2048x4x1x1x1 4x2048x8x1x1x1 2x2048x4x1x1x1 \
+    8x1024x8x1x1x1 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | grep -v "^ *[0-9]*x" | tail -12
 PYTHONUNBUFFERED=1 timeout "$(cap "${ATT_S:-60}")" python3 benchmarks/engine/decode_attention_bench.py \
     --lengths 1024 --positions 100 300 --splits 1 2 4 8 16 --block-t 32 64 --rounds 5 --replays 100 \
     --json "$OUT/decode_attention_splits.json" 2>&1 | tee "$OUT/decode_attention_splits.txt" | tail -4
