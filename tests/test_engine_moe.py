@@ -415,7 +415,9 @@ def test_the_tiles_benchmark_runs_on_the_cpu_and_keeps_a_failing_tile(tmp_path):
     for row in record["gate_up"] + record["down"][:1]:
         assert row["median"] > 0 and row["difference"] < 1e-5
     assert moe.check_blocks(record["chosen"]) == record["chosen"]
-    assert record["chosen"]["BLOCK_H1"] in (64, 32) and len(record["both"]["chosen_over_default"]["rounds"]) == 2
+    assert record["chosen"]["BLOCK_H1"] in (64, 32)
+    assert set(record["both"]) == {"default", "chosen", "chosen_pdl"} and record["both"]["chosen_pdl"]["blocks"]["PDL"]
+    assert len(record["both"]["chosen"]["over_default"]["rounds"]) == 2
 
 
 @needs_triton

@@ -4,8 +4,8 @@ of its loop over the K experts) stream the selected experts' weights fastest.
 
 A tile decides the order of the float32 sums, so the engine fixes its tiles (``triton_blocks``); this script is
 how they are chosen. Kernel 1 (gate/up) is swept with kernel 2 at the default, then kernel 2 with kernel 1 at the
-best found, then the default and the chosen pair are timed together in interleaved rounds (rotated order), paired
-by round. Each kernel is a CUDA graph of ``--layers`` launches, every layer with its own slot buffers and selection
+best found, then the default, the chosen pair and the chosen pair with programmatic dependent launches are timed together
+in interleaved rounds (rotated order), paired by round. Each kernel is a CUDA graph of ``--layers`` launches, every layer with its own slot buffers and selection
 (so the weights come from HBM, as in a decode step), replayed ``--replays`` times between two events; medians over
 ``--rounds``. The bandwidth is the selected experts' weight bytes over the time. Every tile's output is compared
 with the default tile's (largest |difference| over the largest |value|: a tile changes only the sums' order).
@@ -133,18 +133,20 @@ def sweep(which: str, base: dict, tiles: list[tuple], keys: tuple, layers: list[
     return sorted(rows, key=lambda r: r.get("median", float("inf")))
 
 
-def _pair(layers: list[dict], default: dict, chosen: dict, args: argparse.Namespace, device: torch.device,
-          interpret: bool) -> dict:
-    """Both kernels, default tiles against the chosen ones, in interleaved rounds (rotated order)."""
+def _compare(layers: list[dict], variants: dict[str, dict], args: argparse.Namespace, device: torch.device,
+             interpret: bool) -> dict:
+    """Both kernels with each variant's tiles, in interleaved rounds (rotated order); each variant's time over the
+    first's, paired by round."""
     replays = args.replays if device.type == "cuda" else 1
     graphs = {name: graph_replay(lambda b=b: _run(layers, b, "both", interpret), device)
-              for name, b in (("default", default), ("chosen", chosen))}
+              for name, b in variants.items()}
     times = {name: [] for name in graphs}
     for r in range(max(args.rounds, 2)):
         for name in rotated(list(graphs), r):
             times[name].append(timed_us(graphs[name], replays, device) / (replays * len(layers)))
-    return {"default": summarize(times["default"]), "chosen": summarize(times["chosen"]),
-            "chosen_over_default": paired_ratio(times["chosen"], times["default"])}
+    first = next(iter(variants))
+    return {name: {**summarize(times[name]), "blocks": variants[name],
+                   "over_" + first: paired_ratio(times[name], times[first])} for name in variants}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,16 +183,18 @@ def main(argv: list[str] | None = None) -> dict:
     best1 = {**default, **rows1[0]["tile"]} if "median" in rows1[0] else default
     rows2 = sweep("down", best1, args.tiles2, KEYS2, layers, reference, bytes2, args, device, interpret)
     chosen = {**best1, **rows2[0]["tile"]} if "median" in rows2[0] else best1
-    pair = _pair(layers, default, chosen, args, device, interpret)
-    ratio = pair["chosen_over_default"]
-    print(f"chosen {chosen}\n  both kernels: default {pair['default']['median']:.2f}, chosen "
-          f"{pair['chosen']['median']:.2f} us/layer; chosen/default {ratio['ratio']:.3f} "
-          f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] (paired over {len(ratio['rounds'])} rounds)")
+    both = _compare(layers, {"default": default, "chosen": chosen, "chosen_pdl": {**chosen, "PDL": 1}}, args,
+                    device, interpret)
+    print(f"chosen {chosen}")
+    for name, row in both.items():
+        ratio = row["over_default"]
+        print(f"  both kernels, {name:10s} {row['median']:8.2f} us/layer, over default {ratio['ratio']:.3f} "
+              f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] (paired over {len(ratio['rounds'])} rounds)")
     record = {"what": "the bf16 slot MoE's kernels by tile, us per layer, each kernel alone", "shape": args.shape,
               "sizes": {"hidden": H, "intermediate": I, "top_k": K, "capacity": shape.capacity},
               "bytes_per_layer": {"gate_up": bytes1, "down": bytes2}, "layers": args.layers, "rounds": args.rounds,
               "replays": args.replays, "graphs": device.type == "cuda", "hbm_gbps": args.hbm_gbps,
-              "default": default, "gate_up": rows1, "down": rows2, "chosen": chosen, "both": pair,
+              "default": default, "gate_up": rows1, "down": rows2, "chosen": chosen, "both": both,
               "machine": machine(device), "versions": versions()}
     if args.hbm_gbps:
         record["hbm_bound_us"] = {k: v / (args.hbm_gbps * 1e3) for k, v in record["bytes_per_layer"].items()}

@@ -213,11 +213,15 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
     which it adds its own ``tl``, so closure variables are not visible there)."""
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the programmatic dependent launch's waits)
 
     @triton.jit
     def gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gu_ptr, h_ptr, H, I, stride_x, stride_s, stride_w, stride_ge,
-                       stride_gr, stride_gc, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                       stride_gr, stride_gc, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         # program (k, block of I): h[k, rows] = weights[k] * silu(gate_rows . x) * (up_rows . x), float32
+        if PDL:  # a programmatic dependent launch: the next kernel may start; wait for the one before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         k = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         row_ok = rows < I
@@ -244,9 +248,12 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
     @triton.jit
     def down_kernel(h_ptr, slots_ptr, dn_ptr, out_ptr, res_ptr, H, I, K, stride_s, stride_de, stride_dr, stride_dc,
                     stride_o, stride_r, HAS_RESIDUAL: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    UNROLL: tl.constexpr, PDL: tl.constexpr):
         # program (block of H): out[rows] = (residual[rows] +) sum_k down[s_k, rows, :] . h[k, :], float32;
         # UNROLL: the loop over k unrolled by that factor, so that several experts' loads can be in flight
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         rows = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
         row_ok = rows < H
         acc = tl.full((BLOCK_O, BLOCK_I), 0.0, tl.float32)
@@ -278,8 +285,10 @@ def _pow2(n: int) -> int:
 
 #: the keys of a tile configuration (:func:`triton_blocks`): kernel 1's rows of gate and of up per program, its
 #: columns per loop step, its warps and software-pipelining stages; kernel 2's output rows per program, its columns
-#: per loop step, warps, stages and the unroll factor of its loop over the K experts (1: not unrolled)
-BLOCK_KEYS = ("BLOCK_I1", "BLOCK_H1", "WARPS1", "STAGES1", "BLOCK_O2", "BLOCK_I2", "WARPS2", "STAGES2", "UNROLL2")
+#: per loop step, warps, stages and the unroll factor of its loop over the K experts (1: not unrolled); and PDL, 1 for
+#: programmatic dependent launches of both (Hopper and later; the same as 0 in triton's interpreter)
+BLOCK_KEYS = ("BLOCK_I1", "BLOCK_H1", "WARPS1", "STAGES1", "BLOCK_O2", "BLOCK_I2", "WARPS2", "STAGES2", "UNROLL2",
+              "PDL")
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,7 +308,7 @@ def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
     power of two above them."""
     H, I = int(hidden), int(intermediate)
     return dict(BLOCK_I1=min(16, _pow2(I)), BLOCK_H1=min(256, _pow2(H)), WARPS1=4, STAGES1=3,
-                BLOCK_O2=min(4, _pow2(H)), BLOCK_I2=min(1024, _pow2(I)), WARPS2=4, STAGES2=3, UNROLL2=1)
+                BLOCK_O2=min(4, _pow2(H)), BLOCK_I2=min(1024, _pow2(I)), WARPS2=4, STAGES2=3, UNROLL2=1, PDL=0)
 
 
 def check_blocks(blocks: dict[str, int]) -> dict[str, int]:
@@ -308,10 +317,11 @@ def check_blocks(blocks: dict[str, int]) -> dict[str, int]:
     if set(blocks) != set(BLOCK_KEYS):
         raise ValueError(f"psr_hf engine MoE: blocks {sorted(blocks)}; expected the keys {list(BLOCK_KEYS)}")
     bad = [f"{key}={value}" for key, value in blocks.items()
-           if not isinstance(value, int) or value < 1 or (not key.startswith("STAGES") and value & (value - 1))]
+           if not isinstance(value, int) or (key == "PDL" and value not in (0, 1))
+           or (key != "PDL" and (value < 1 or (not key.startswith("STAGES") and value & (value - 1))))]
     if bad:
         raise ValueError(f"psr_hf engine MoE: blocks {', '.join(bad)}; block sizes, warps and the unroll factor must be "
-                         "powers of two, stages at least 1")
+                         "powers of two, stages at least 1, PDL 0 or 1")
     return blocks
 
 
@@ -337,6 +347,12 @@ def triton_prologue(what: str, fallback: str, x: torch.Tensor, slots: torch.Tens
     return interpret, H, I, K, h, res, guard
 
 
+def _pdl(blocks: dict[str, int], interpret: bool) -> dict[str, Any]:
+    """The kernels' PDL constexpr and launch option (off in the interpreter, which runs one kernel at a time)."""
+    pdl = bool(blocks["PDL"]) and not interpret
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def launch_gate_up(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    h: torch.Tensor, blocks: dict[str, int], interpret: bool) -> None:
     """Kernel 1 alone: ``h[k] = weights[k] * silu(gate) * up`` (``h`` the float32 ``[K, I]`` workspace), with the
@@ -348,8 +364,8 @@ def launch_gate_up(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     gate_up_kernel[(K, _cdiv(I, blocks["BLOCK_I1"]))](
         x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], num_warps=blocks["WARPS1"],
-        num_stages=blocks["STAGES1"], enable_fp_fusion=True)
+        BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], **_pdl(blocks, interpret),
+        num_warps=blocks["WARPS1"], num_stages=blocks["STAGES1"], enable_fp_fusion=True)
 
 
 def launch_down(h: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, out: torch.Tensor,
@@ -364,7 +380,8 @@ def launch_down(h: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, out: t
         h, slots, down, out, res, H, I, K, slots.stride(0), down.stride(0), down.stride(1), down.stride(2),
         out.stride(0), res.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_O=blocks["BLOCK_O2"], BLOCK_I=blocks["BLOCK_I2"],
-        UNROLL=blocks["UNROLL2"], num_warps=blocks["WARPS2"], num_stages=blocks["STAGES2"], enable_fp_fusion=True)
+        UNROLL=blocks["UNROLL2"], **_pdl(blocks, interpret), num_warps=blocks["WARPS2"], num_stages=blocks["STAGES2"],
+        enable_fp_fusion=True)
 
 
 def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
