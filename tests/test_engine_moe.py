@@ -367,13 +367,14 @@ def test_triton_interpreted_equals_the_transformers_experts_module(family):
 
 
 def _tiles_agree(device):
-    """Other tiles give the same MoE up to the float32 sums' order; pipeline stages and kernel 2's unroll of its
-    loop over k keep that order, so they give the same bits (warps change how a tile's sum is split over threads)."""
+    """Other tiles give the same MoE up to the float32 sums' order; pipeline stages, kernel 2's unroll of its loop
+    over k and programmatic dependent launches keep that order, so they give the same bits (warps change how a
+    tile's sum is split over threads)."""
     H, I, C, K = 64, 48, 6, 3
     x, slots, weights, gate_up, down = _data(H, I, C, K, device=device, slots=[4, 1, 2])
     default = moe.triton_blocks(H, I)
     want = moe_slots_triton(x, slots, weights, gate_up, down, torch.empty(H, device=device))
-    same_order = {**default, "STAGES1": 1, "STAGES2": 2, "UNROLL2": 4}
+    same_order = {**default, "STAGES1": 1, "STAGES2": 2, "UNROLL2": 4, "PDL": 1}
     got = moe_slots_triton(x, slots, weights, gate_up, down, torch.empty(H, device=device), blocks=same_order)
     assert torch.equal(got, want)
     other = {**default, "BLOCK_I1": 8, "BLOCK_H1": 32, "WARPS1": 8, "BLOCK_O2": 16, "BLOCK_I2": 32, "WARPS2": 2,

@@ -4,10 +4,10 @@ of its loop over the K experts) stream the selected experts' weights fastest.
 
 A tile decides the order of the float32 sums, so the engine fixes its tiles (``triton_blocks``); this script is
 how they are chosen. Kernel 1 (gate/up) is swept with kernel 2 at the default, then kernel 2 with kernel 1 at the
-best found, then the default, the chosen pair and the chosen pair with programmatic dependent launches are timed together
-in interleaved rounds (rotated order), paired by round. Each kernel is a CUDA graph of ``--layers`` launches, every layer with its own slot buffers and selection
-(so the weights come from HBM, as in a decode step), replayed ``--replays`` times between two events; medians over
-``--rounds``. The bandwidth is the selected experts' weight bytes over the time. Every tile's output is compared
+best found, then the default, the chosen pair and the chosen pair with programmatic dependent launches are timed
+together in interleaved rounds (rotated order), paired by round. Each kernel is a CUDA graph of ``--layers``
+launches, every layer with its own slot buffers and selection (so the weights come from HBM, as in a decode step),
+replayed ``--replays`` times between two events; medians over ``--rounds``. The bandwidth is the selected experts' weight bytes over the time. Every tile's output is compared
 with the default tile's (largest |difference| over the largest |value|: a tile changes only the sums' order).
 
 On the lent GPU, from the repository root (``source benchmarks/device_env.sh`` first):
