@@ -5,7 +5,8 @@
 # (5 repetitions, 16 threads) all resident and with the experts of NCMOE layers on the CPU, and, with ENGINE=1,
 # `psr-hf bench --engine` on the main rows (5 rounds; device routing where the row allows it) within the time left;
 # with INTERLEAVED=1, llama-bench and the engine all resident in interleaved rounds (llamacpp/interleaved.py: the
-# goal against llama.cpp paired by round).
+# goal against llama.cpp paired by round). SAVE_BUILD=1 returns the build (build_bin.tar.xz.part-*; put them in
+# .llama and carry it to skip the build in a later call).
 # Records under $OUT: llamacpp_ncmoe<N>.json, bench_engine.{json,txt}, judged.txt (the goal against llama.cpp:
 # benchmarks/engine/llamacpp/judge.py).
 set -uo pipefail
@@ -13,6 +14,11 @@ START=$SECONDS
 source benchmarks/device_env.sh
 MODEL=${MODEL:-grown-olmoe-routing}
 MODEL=$MODEL bash benchmarks/engine/llamacpp/build.sh || exit 1
+export LD_LIBRARY_PATH=$PWD/.llama/build/bin:${LD_LIBRARY_PATH:-}  # also where an unpacked build's libraries lie
+if [ "${SAVE_BUILD:-0}" = 1 ]; then  # the built llama-bench and its libraries back, in parts a call returns
+  tar -C .llama -cJf - build/bin | split -b 15M - "$OUT/build_bin.tar.xz.part-"
+  ls -la "$OUT"/build_bin.tar.xz.part-*
+fi
 for n in ${NCMOE:-0 8 12}; do
   .llama/build/bin/llama-bench -m ".llama/$MODEL.gguf" -p 0 -n 64 -r 5 -t 16 -ngl 99 --n-cpu-moe "$n" -o json \
       > "$OUT/llamacpp_ncmoe$n.json" 2> "$OUT/llamacpp_ncmoe$n.err" || tail -5 "$OUT/llamacpp_ncmoe$n.err"

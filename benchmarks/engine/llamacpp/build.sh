@@ -13,6 +13,11 @@ TAR=.llama/llama.cpp.tar.xz
 if [ ! -d "$SRC/conversion" ]; then
     rm -rf "$SRC" && mkdir -p "$SRC" && tar xJf "$TAR" -C "$SRC"
 fi
+# A build brought back from an earlier call (SAVE_BUILD=1 in gpu_vs_llamacpp.sh: .llama/build_bin.tar.xz.part-*,
+# carried in .llama) is unpacked instead of built again
+if [ ! -x .llama/build/bin/llama-bench ] && ls .llama/build_bin.tar.xz.part-* > /dev/null 2>&1; then
+    cat .llama/build_bin.tar.xz.part-* | tar xJf - -C .llama && echo "llama-bench unpacked from an earlier build"
+fi
 if [ ! -x .llama/build/bin/llama-bench ]; then
     printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\n' \
         > "$SRC/tools/CMakeLists.txt"  # llama-bench alone (the trimmed source has no other tool)
