@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from psr_hf.engine.decode_attention_kernel import (MAX_FLOAT32_HEAD, decode_attention, decode_attention_reference,
-                                                    new_workspace, plan)
+                                                    new_locks, new_workspace, plan)
 from psr_hf.engine.moe import triton_available
 
 TRITON_OK, TRITON_WHY = triton_available()
@@ -171,6 +171,35 @@ def test_the_module_loads_without_triton_and_its_reference_runs(monkeypatch):
         module.decode_attention(*args)
 
 
+def _one_launch_equals_two(device: str, t: int, positions: tuple, shapes: tuple) -> None:
+    """With counters the kernel combines in its last program per key-value head: the same bits as the two
+    launches, the counters zero again after every call."""
+    for group, d, dv, view in shapes:
+        q, keys, values = _cache(group, d, dv, view, torch.bfloat16, device, t=t)
+        locks = new_locks(keys)
+        for p in positions:
+            position = torch.tensor(p, device=device)
+            two = decode_attention(q, keys, values, position, d ** -0.5)
+            one = decode_attention(q, keys, values, position, d ** -0.5, locks=locks)
+            assert torch.equal(one, two), (group, d, p)
+            assert locks.eq(0).all()
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_one_launch_with_counters_equals_the_two_launches():
+    _one_launch_equals_two("cpu", T, (0, 15, 16, 40, T - 1), ((1, 32, 32, False), (4, 16, 8, True)))
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_counters_of_another_shape_are_refused():
+    q, keys, values = _cache(1, 16, 16, False, torch.float32, t=20)
+    for bad in (torch.zeros(KV_HEADS + 1, dtype=torch.int32), torch.zeros(KV_HEADS, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="new_locks"):
+            decode_attention(q, keys, values, torch.tensor(3), 0.25, locks=bad)
+
+
 @needs_triton
 @pytest.mark.usefixtures("interpreter")
 def test_the_custom_op_passes_torchs_checks_and_compiles_without_a_graph_break():
@@ -178,6 +207,7 @@ def test_the_custom_op_passes_torchs_checks_and_compiles_without_a_graph_break()
     position = torch.tensor(11)
     op = torch.ops.psr_hf.decode_attention
     torch.library.opcheck(op.default, (q, keys, values, position, 0.25))
+    torch.library.opcheck(op.default, (q, keys, values, position, 0.25, new_locks(keys)))
     compiled = torch.compile(lambda *a: op(*a, 0.25) * 2.0, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, keys, values, position),
                                2.0 * decode_attention_reference(q, keys, values, position, 0.25))
@@ -196,7 +226,7 @@ def test_the_benchmark_runs_on_the_cpu_and_writes_its_record(tmp_path):
     assert json.loads(path.read_text())["shape"]["head_dim"] == 16
     assert [(row["length"], row["position"]) for row in record["rows"]] == [(40, 5), (40, 39)]  # 1000 > T - 1
     for row in record["rows"]:
-        assert set(row["us_per_call"]) == {"torch", "kernel", "kernel_s2"}
+        assert set(row["us_per_call"]) == {"torch", "kernel", "kernel_s2", "kernel_one", "kernel_s2_one"}
         assert max(row["max_abs_diff_vs_torch"].values()) < 2e-2
 
 
@@ -238,6 +268,32 @@ def test_compiled_kernel_follows_the_position_in_a_cuda_graph(compiled):
         graph.replay()
         torch.cuda.synchronize()
         _close(out, q, keys, values, position, 128 ** -0.5)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_one_launch_with_counters_equals_the_two_launches_on_the_gpu(compiled):
+    _one_launch_equals_two("cuda", 4096, (0, 63, 64, 1000, 4095), ((1, 128, 128, False), (8, 128, 128, False),
+                                                                    (16, 576, 512, True)))
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_one_launch_with_counters_follows_the_position_in_a_cuda_graph(compiled):
+    q, keys, values = _cache(1, 128, 128, False, torch.bfloat16, "cuda", t=4096, kv_heads=16)
+    position = torch.tensor(0, device="cuda")
+    locks = new_locks(keys)
+    decode_attention(q, keys, values, position, 128 ** -0.5, locks=locks)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, keys, values, position, 128 ** -0.5, locks=locks)
+    for p in (7, 4095, 1000, 63, 64, 0):
+        position.fill_(p)
+        for _ in range(20):  # replays back to back: each finds the counters zero
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode_attention(q, keys, values, position, 128 ** -0.5)) and locks.eq(0).all()
 
 
 @pytest.mark.cuda

@@ -10,7 +10,8 @@ events, in interleaved rounds (the order rotated by one per round). The table gi
 rounds, the 95% t-interval of the mean), the speed-up over torch paired by round and the GB/s achieved on the keys
 and values a call must read (slots ``0 .. position``). Before timing, each kernel variant's output is compared
 with the torch path's and with the same math in float32 (largest |difference| in the table and the record).
-Kernel variants beyond the default plan: ``--splits``, ``--block-t``, ``--num-warps`` (every combination given).
+Kernel variants beyond the default plan: ``--splits``, ``--block-t``, ``--num-warps`` (every combination given);
+each variant also in one launch (``_one``: the last program per key-value head combines the chunks).
 
 On the lent GPU, from the repository root (``source benchmarks/device_env.sh`` first):
     python3 benchmarks/engine/decode_attention_bench.py --json "$OUT/decode_attention.json"
@@ -32,21 +33,30 @@ import torch
 
 from psr_hf.bench.common import graph_replay, machine, paired_ratio, rotated, summarize, timed_us, versions
 from psr_hf.engine.decode_attention_kernel import (attended_bytes, decode_attention, decode_attention_reference,
-                                                    new_workspace, plan)
+                                                    new_locks, new_workspace, plan)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TORCH = "torch"
 
 
 def _variants(args: argparse.Namespace) -> dict[str, dict]:
-    """Name -> the kernel's keywords: the default plan, then every combination of the overrides given."""
+    """Name -> the kernel's keywords: the default plan, then every combination of the overrides given; each also in
+    one launch (``_one``: counters, the last program per key-value head combining)."""
     out = {"kernel": {}}
     for splits, block_t, warps in itertools.product(args.splits or [None], args.block_t or [None],
                                                     args.num_warps or [None]):
         kw = {k: v for k, v in (("splits", splits), ("block_t", block_t), ("num_warps", warps)) if v is not None}
         if kw:
             out["kernel" + "".join(f"_{k[0]}{v}" for k, v in kw.items())] = kw
-    return out
+    return {**out, **{name + "_one": {**kw, "one_launch": True} for name, kw in out.items()}}
+
+
+def _keywords(kw: dict, keys: torch.Tensor) -> dict:
+    """A variant's keywords for decode_attention (``one_launch``: counters of their own)."""
+    kw = dict(kw)
+    if kw.pop("one_launch", False):
+        kw["locks"] = new_locks(keys)
+    return kw
 
 
 def _layers(args: argparse.Namespace, length: int, dtype: torch.dtype, device: torch.device,
@@ -74,10 +84,11 @@ def _calls(name: str, kw: dict, layers: list, position: torch.Tensor, scaling: f
     outs = [torch.empty(q.shape[0], values.shape[-1], dtype=q.dtype, device=q.device) for q, _, values in layers]
     spaces = [new_workspace(q, keys, values, splits=kw.get("splits"), block_t=kw.get("block_t"))
               for q, keys, values in layers]
+    keywords = [_keywords(kw, keys) for _, keys, _ in layers]
 
     def run() -> None:
-        for (q, keys, values), out, space in zip(layers, outs, spaces):
-            decode_attention(q, keys, values, position, scaling, out=out, workspace=space, **kw)
+        for (q, keys, values), out, space, kws in zip(layers, outs, spaces, keywords):
+            decode_attention(q, keys, values, position, scaling, out=out, workspace=space, **kws)
     return run
 
 
@@ -129,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             exact = decode_attention_reference(q.float(), keys.float(), values.float(), position, scaling)
             diff, diff_exact = {}, {}
             for name, kw in variants.items():
-                got = decode_attention(q, keys, values, position, scaling, **kw).float()
+                got = decode_attention(q, keys, values, position, scaling, **_keywords(kw, keys)).float()
                 diff[name] = float((got - want).abs().max())
                 diff_exact[name] = float((got - exact).abs().max())
             times = {name: [] for name in names}

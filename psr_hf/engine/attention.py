@@ -78,12 +78,13 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                    slots: torch.Tensor, scaling: float, kernel: bool) -> torch.Tensor:
+                    slots: torch.Tensor, scaling: float, kernel: bool, locks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """:func:`masked_attention`, or with ``kernel`` the same attention over the filled slots only by the custom op
     ``torch.ops.psr_hf.decode_attention`` (registered by :mod:`psr_hf.engine.decode_attention_kernel`, which a
-    family that chose it has imported)."""
+    family that chose it has imported); with the layer's ``locks`` (:class:`StaticKVCache`) in one launch."""
     if kernel:
-        return torch.ops.psr_hf.decode_attention(q, keys, values, position, scaling)
+        return torch.ops.psr_hf.decode_attention(q, keys, values, position, scaling, locks)
     return masked_attention(q, keys, values, position, slots, scaling)
 
 
@@ -189,6 +190,8 @@ class StaticKVCache:
                            for _ in range(num_layers)]
             self.separate_values = True
         self.slots = torch.arange(max_len, dtype=torch.int64, device=device)  # [max_len]
+        # the decode attention kernel's counters (one per head, zero between calls: decode_attention_kernel.new_locks)
+        self.locks = [torch.zeros(heads, dtype=torch.int32, device=device) for _ in range(num_layers)]
 
     def write(self, layer: int, position: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
         """Write ``key`` (and ``value``) ``[heads, dim]`` of one token at ``position`` (0-d int64)."""

@@ -34,7 +34,7 @@ standard library's combine functions, and is loaded once per mode
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -156,14 +156,16 @@ def unsupported(device: torch.device, num_heads: int, num_kv_heads: int, k_dim: 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                      scaling: float, *, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
                      splits: int | None = None, block_t: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, locks: torch.Tensor | None = None) -> torch.Tensor:
     """One token's attention over the cache's slots ``0 .. position`` (see the module docstring for the
     arguments) as two kernel launches whose grids do not depend on the position, which is read on the device:
     capturable in a CUDA graph (the first call compiles: make it before capture). CUDA tensors, or CPU tensors in
     Triton's interpreter (``TRITON_INTERPRET=1``). Returns ``out`` (``[nH, Dv]``, q's dtype, any strides) or a new
     tensor. ``workspace``: from :func:`new_workspace` (with the same ``splits`` and ``block_t``), else allocated
     here; ``splits``, ``block_t``: :func:`plan`'s; ``num_warps``: per program of the first kernel, default 4 (8
-    for a head size over 256)."""
+    for a head size over 256). ``locks``: :func:`new_locks`' zeroed counters, one per key-value head: then one
+    launch, whose last program per key-value head combines the chunks (the counters are zero again when it
+    returns; calls that share them must not run at the same time)."""
     check_inputs(q, keys, values, position)
     nH, D = q.shape
     T, nKV, Dv = values.shape
@@ -183,8 +185,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         raise ValueError(f"workspace {tuple(workspace.shape)} {workspace.dtype} on {workspace.device}: expected a "
                          f"contiguous float32 ({nH}, {splits}, {Dv + 2}) on {q.device} (new_workspace with the same "
                          f"splits and block_t)")
+    if locks is not None and (tuple(locks.shape) != (nKV,) or locks.dtype != torch.int32
+                              or locks.device != q.device or not locks.is_contiguous()):
+        raise ValueError(f"locks {tuple(locks.shape)} {locks.dtype} on {locks.device}: expected contiguous zeroed "
+                         f"int32 ({nKV},) on {q.device} (new_locks)")
     group = nH // nKV
     block_d, block_dv = max(16, _pow2(D)), max(16, _pow2(Dv))
+    combine = dict(BLOCK_ALL=_pow2(splits), BLOCK_S=min(_pow2(splits), max(1, 4096 // block_dv)))
     dot = group > 1  # one query head per key-value head: elementwise products, no padding to tl.dot's 16 rows
     block_g = max(16, _pow2(group)) if dot else 1
     if num_warps is None:
@@ -198,15 +205,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     with guard:  # triton launches on the current device
         kernels.decode_split_kernel[(nKV, splits)](
             q, keys, values, position, workspace, T, float(scaling), q.stride(0), q.stride(1), keys.stride(0),
-            keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2), out, out.stride(0),
+            out.stride(1), locks if locks is not None else position,
             G=group, D=D, DV=Dv, SPLITS=splits, BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d,
             BLOCK_DV=block_dv, DOT=dot, DOT_F32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
-            WIDE=reach >= 2 ** 31, num_warps=num_warps)
-        kernels.decode_combine_kernel[(nH,)](
-            workspace, position, out, T, out.stride(0), out.stride(1), DV=Dv, SPLITS=splits, BLOCK_T=block_t,
-            BLOCK_ALL=_pow2(splits), BLOCK_S=min(_pow2(splits), max(1, 4096 // block_dv)), BLOCK_DV=block_dv,
-            num_warps=4)
+            WIDE=reach >= 2 ** 31, FUSED=locks is not None, **combine, num_warps=num_warps)
+        if locks is None:
+            kernels.decode_combine_kernel[(nH,)](
+                workspace, position, out, T, out.stride(0), out.stride(1), DV=Dv, SPLITS=splits, BLOCK_T=block_t,
+                BLOCK_DV=block_dv, **combine, num_warps=4)
     return out
+
+
+def new_locks(keys: torch.Tensor) -> torch.Tensor:
+    """Zeroed int32 counters, one per key-value head of the cache ``keys [T, nKV, D]``, for :func:`decode_attention`
+    in one launch (``locks=``); one set per attention that may run at the same time as another."""
+    return torch.zeros(keys.shape[1], dtype=torch.int32, device=keys.device)
 
 
 def attended_bytes(num_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, position: int) -> int:
@@ -220,10 +234,11 @@ def attended_bytes(num_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype
 # Its first call compiles the kernels: make it before any capture. Registered by the package's import of this file
 # only, not by triton_module's copies of it (which run the file again and would register the name twice).
 if __name__ == "psr_hf.engine.decode_attention_kernel":
+    # ``locks`` is declared unmutated: the kernel counts on it and leaves it zero again, as it found it
     @torch.library.custom_op("psr_hf::decode_attention", mutates_args=())
     def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                             scaling: float) -> torch.Tensor:
-        return decode_attention(q, keys, values, position, scaling)
+                             scaling: float, locks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return decode_attention(q, keys, values, position, scaling, locks=locks)
 
     @_decode_attention_op.register_fake
     def _(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -258,10 +273,11 @@ def _span(pos_ptr, T, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
 
 @_jit
 def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, ws_ptr, T, scaling, stride_qh, stride_qd, stride_kt,
-                        stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, G: tl.constexpr, D: tl.constexpr,
-                        DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                        WIDE: tl.constexpr):
+                        stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, out_ptr, stride_oh, stride_od, locks_ptr,
+                        G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        DOT: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
+                        BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr):
     h = tl.program_id(0)  # the key-value head
     split = tl.program_id(1)
     n, chunk = _span(pos_ptr, T, SPLITS, BLOCK_T)
@@ -312,27 +328,54 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, ws_ptr, T, scaling, stride
     tl.store(row[:, None] + dv[None, :], acc, mask=written[:, None] & dv_ok[None, :])
     tl.store(row + DV, m, mask=written)
     tl.store(row + DV + 1, l, mask=written)
+    if FUSED:  # the last program of this key-value head to finish combines its query heads' chunks
+        tl.debug_barrier()  # every thread's workspace stores come before the count
+        arrived = tl.atomic_add(locks_ptr + h, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            tl.debug_barrier()
+            for gi in range(G):
+                _combine_head(ws_ptr, h * G + gi, n, chunk, out_ptr, stride_oh, stride_od, DV, SPLITS, BLOCK_ALL,
+                              BLOCK_S, BLOCK_DV, True)
+            tl.atomic_xchg(locks_ptr + h, 0)  # zero again for the next call
 
 
 @_jit
-def decode_combine_kernel(ws_ptr, pos_ptr, out_ptr, T, stride_oh, stride_od, DV: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_DV: tl.constexpr):
-    head = tl.program_id(0)  # the query head
-    n, chunk = _span(pos_ptr, T, SPLITS, BLOCK_T)
+def _combine_head(ws_ptr, head, n, chunk, out_ptr, stride_oh, stride_od, DV: tl.constexpr, SPLITS: tl.constexpr,
+                  BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, FRESH: tl.constexpr):
+    # one query head's output from its chunks' weighted values, maxima and sums; FRESH: other programs of this
+    # kernel wrote them, so the loads skip the SM's L1 (".cg")
     active = (n + chunk - 1) // chunk  # the splits that held slots (the others wrote nothing)
     row = ws_ptr + head * SPLITS * (DV + 2)
     s = tl.arange(0, BLOCK_ALL)
-    m = tl.load(row + s * (DV + 2) + DV, mask=s < active, other=float("-inf"))
+    if FRESH:
+        m = tl.load(row + s * (DV + 2) + DV, mask=s < active, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(row + s * (DV + 2) + DV + 1, mask=s < active, other=0.0, cache_modifier=".cg")
+    else:
+        m = tl.load(row + s * (DV + 2) + DV, mask=s < active, other=float("-inf"))
+        sums = tl.load(row + s * (DV + 2) + DV + 1, mask=s < active, other=0.0)
     top = _max(m, 0)
-    total = _sum(tl.load(row + s * (DV + 2) + DV + 1, mask=s < active, other=0.0) * tl.exp(m - top), 0)
+    total = _sum(sums * tl.exp(m - top), 0)
     dv = tl.arange(0, BLOCK_DV)
     dv_ok = dv < DV
     acc = tl.full([BLOCK_DV], 0.0, tl.float32)
     for s0 in range(0, active, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         ok = ss < active
-        weight = tl.exp(tl.load(row + ss * (DV + 2) + DV, mask=ok, other=float("-inf")) - top)
-        part = tl.load(row + ss[:, None] * (DV + 2) + dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
-        acc += _sum(part * weight[:, None], 0)
+        where = row + ss[:, None] * (DV + 2) + dv[None, :]
+        if FRESH:
+            maxima = tl.load(row + ss * (DV + 2) + DV, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(where, mask=ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+        else:
+            maxima = tl.load(row + ss * (DV + 2) + DV, mask=ok, other=float("-inf"))
+            part = tl.load(where, mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        acc += _sum(part * tl.exp(maxima - top)[:, None], 0)
     tl.store(out_ptr + head * stride_oh + dv * stride_od, _rounded(acc / total, out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+@_jit
+def decode_combine_kernel(ws_ptr, pos_ptr, out_ptr, T, stride_oh, stride_od, DV: tl.constexpr, SPLITS: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
+    n, chunk = _span(pos_ptr, T, SPLITS, BLOCK_T)
+    _combine_head(ws_ptr, tl.program_id(0), n, chunk, out_ptr, stride_oh, stride_od, DV, SPLITS, BLOCK_ALL, BLOCK_S,
+                  BLOCK_DV, False)

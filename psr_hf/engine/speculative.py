@@ -258,7 +258,7 @@ class SpeculativeEngine:
             torch.index_select(L.embed_weight, 0, self.tokens, out=self.hidden)
         (w_in, eps_in), (w_post, eps_post) = L._norms[m]
         _, static, tensors = L._layer_attention(m)
-        keys, values, slots = L._cache(m)
+        keys, values, slots = L._cache(m)[:3]  # (the decode kernel's locks are not used here)
         self.hidden.add_(block_attention(static, tensors, L.norm_fn(self.hidden, w_in, eps_in), self.positions, keys,
                                          values, slots))
         self.normed.copy_(L.norm_fn(self.hidden, w_post, eps_post))

@@ -123,7 +123,7 @@ class DeepseekV3Layers(DecodeLayers):
                              dtype=self.dtype, device=self.device)
 
     def _cache(self, layer: int) -> tuple:
-        return self.kv.keys[layer], self.kv.slots
+        return self.kv.keys[layer], self.kv.slots, self.kv.locks[layer]
 
     def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         s, a = self._static, self._attn[layer]
@@ -152,7 +152,7 @@ class _MlaStatic:
 
 
 def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
+                   slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 multi-head latent attention of one token (``keys [T, 1, r + rope]``, written at
     ``position``)."""
     nH, r, nope, rope, vd, T = s.num_heads, s.kv_lora_rank, s.nope_dim, s.rope_dim, s.v_dim, s.max_len
@@ -175,7 +175,7 @@ def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tens
         q_lat = torch.bmm(q_nope.unsqueeze(1), a["w_uk"]).squeeze(1)  # [nH, r]
         if s.kernels:  # the filled slots only; the values are the latent columns of the keys
             out_lat = torch.ops.psr_hf.decode_attention(torch.cat((q_lat, q_pe), dim=-1), keys, keys[..., :r],
-                                                        position, s.scaling)
+                                                        position, s.scaling, locks)
         else:
             scores = torch.matmul(torch.cat((q_lat, q_pe), dim=-1), cache.t()) * s.scaling  # [nH, T]
             scores = scores.masked_fill(future, float("-inf"))

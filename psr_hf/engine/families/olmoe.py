@@ -80,7 +80,7 @@ class OlmoeLayers(DecodeLayers):
                              dtype=self.dtype, device=self.device)
 
     def _cache(self, layer: int) -> tuple:
-        return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
+        return self.kv.keys[layer], self.kv.values[layer], self.kv.slots, self.kv.locks[layer]
 
     def _prompt_kv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         s, a = self._static, self._attn[layer]
@@ -111,7 +111,7 @@ class _OlmoeStatic:
 
 
 def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                     values: torch.Tensor, slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
     if s.kernels:
@@ -130,5 +130,5 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
     k = apply_rope(k.view(nKV, D), cos, sin, False)
     write_kv(keys, position, k)
     write_kv(values, position, v.view(nKV, D))
-    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels)  # [nH, D]
+    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels, locks)  # [nH, D]
     return output_projection(out.reshape(1, nH * D), a["o_proj"], s.kernels)

@@ -64,6 +64,8 @@ class HybridState:
         self.recurrent = [None if f else torch.zeros(value_heads, key_head_dim, value_head_dim, dtype=torch.float32,
                                                      device=device) for f in full]
         self.slots = torch.arange(max_len, dtype=torch.int64, device=device)
+        # the decode attention kernel's counters of the full-attention layers (zero between calls)
+        self.locks = [torch.zeros(kv_heads, dtype=torch.int32, device=device) if f else None for f in full]
 
     def clear_recurrent(self) -> None:
         """Zero the Gated DeltaNet layers' states (a new sequence starts from none)."""
@@ -201,7 +203,7 @@ class Qwen35MoeLayers(DecodeLayers):
 
     def _cache(self, layer: int) -> tuple:
         if self.layer_types[layer] == FULL:
-            return self.kv.keys[layer], self.kv.values[layer], self.kv.slots
+            return self.kv.keys[layer], self.kv.values[layer], self.kv.slots, self.kv.locks[layer]
         return self.kv.conv[layer], self.kv.recurrent[layer]
 
     def begin_sequence(self) -> None:
@@ -253,7 +255,7 @@ def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_
 
 
 def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                     values: torch.Tensor, slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """Qwen3.5's gated full attention of one token: the query and its gate from one projection, per-head
     zero-centred q/k norms, partial RoPE, grouped-query attention over the static cache, the output times
     ``sigmoid(gate)``."""
@@ -272,7 +274,7 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     k = _partial_rope(k, cos, sin, s.rotary_dim)
     write_kv(keys, position, k)
     write_kv(values, position, v)
-    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels).reshape(1, nH * D)
+    out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels, locks).reshape(1, nH * D)
     return output_projection(out * torch.sigmoid(gate.reshape(1, nH * D)), a["o_proj"], s.kernels)
 
 
