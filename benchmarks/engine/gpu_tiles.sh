@@ -26,7 +26,7 @@ PYTHONUNBUFFERED=1 timeout "$(cap "${GEMV_S:-100}")" python3 benchmarks/engine/g
     4x512x2x1 4x256x4x1 4x512x4x1x1x1 4x1024x4x1x1x1 4x2048x4x1x1x1 4x2048x8x1x1x1 2x2048x4x1x1x1 \
     8x1024x8x1x1x1 --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | grep -v "^ *[0-9]*x" | tail -12
 PYTHONUNBUFFERED=1 timeout "$(cap "${ATT_S:-60}")" python3 benchmarks/engine/decode_attention_bench.py \
-    --lengths 1024 --positions 100 300 --splits 1 2 4 8 16 --block-t 32 64 --rounds 5 --replays 100 \
+    --lengths 1024 --positions 100 300 --splits 2 4 8 16 --block-t 64 --rounds 5 --replays 100 \
     --json "$OUT/decode_attention_splits.json" 2>&1 | tee "$OUT/decode_attention_splits.txt" | tail -4
 if [ "${TESTS:-0}" = 1 ]; then
   timeout "$(left)" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_engine_token_graph.py \
