@@ -16,7 +16,7 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
   *) HBM=3350 ;;
 esac
 timeout "$(cap "${KTEST_S:-150}")" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_moe.py \
-    tests/test_engine_gemv_kernel.py tests/test_engine_attention_kernels.py 2>&1 | tail -15 \
+    tests/test_engine_gemv_kernel.py tests/test_engine_decode_attention_kernel.py tests/test_engine_attention_kernels.py 2>&1 | tail -15 \
     | tee "$OUT/kernels_cuda_tests.txt" | tail -4
 PYTHONUNBUFFERED=1 timeout "$(cap "${TILES_S:-200}")" python3 benchmarks/engine/moe_tiles_bench.py \
     --hbm-gbps "$HBM" --json "$OUT/moe_tiles.json" 2>&1 | tee "$OUT/moe_tiles.txt" | tail -8
