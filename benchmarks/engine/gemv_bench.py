@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-copies", type=int, default=1024)
     ap.add_argument("--hbm-tbps", type=float, default=3.35, help="the HBM bandwidth the bound is quoted at")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--table", default=None,
+                    help="write each shape's fastest configuration (one launch, no PDL) into this tuned-tiles table "
+                         "(psr_hf/engine/tuned_tiles.json) when its slowest round beats the defaults' fastest")
     args = ap.parse_args(argv)
     for c in args.configs:
         try:
@@ -159,10 +163,37 @@ def main(argv: list[str] | None = None) -> dict:
               "rounds": args.rounds, "configs": args.configs, "shapes": {}}
     for name in args.shapes:
         record["shapes"][name] = bench_shape(name, args, device)
+    if args.table:
+        for name, result in record["shapes"].items():
+            print(f"table {args.table}, {name}: {choose_for_table(result, args.table, device)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
     return record
+
+
+def choose_for_table(result: dict, table: str, device: torch.device) -> str:
+    """Writes the shape's fastest one-launch configuration without PDL into the table when its slowest round beats
+    the defaults' fastest; says what it did."""
+    from psr_hf.engine import tuned_tiles
+    from psr_hf.engine.gemv_kernel import shape_key
+
+    timed = {row["config"]: row for row in result["rows_timed"] if "us_median" in row}
+    auto = timed.get("auto")
+    candidates = [row for name, row in timed.items() if name not in ("auto", "cublas")
+                  and parse_config(name).get("split_h") == 1 and not parse_config(name).get("pdl")]
+    if auto is None or not candidates or device.type != "cuda":
+        return "left as it was (no defaults' row, no candidate, or not on a GPU)"
+    best = min(candidates, key=lambda row: row["us_median"])
+    if max(best["us_rounds"]) >= min(auto["us_rounds"]):
+        return f"left as it was (the fastest, {best['config']}, does not beat the defaults in every round)"
+    tiles = {k: v for k, v in parse_config(best["config"]).items() if k not in ("split_h", "pdl")}
+    evidence = {"benchmark": "benchmarks/engine/gemv_bench.py", "us_defaults": auto["us_median"],
+                "us_chosen": best["us_median"], "us_rounds_defaults": auto["us_rounds"],
+                "us_rounds_chosen": best["us_rounds"]}
+    tuned_tiles.record("linear_many", device, shape_key(result["rows"], result["hidden"]), tiles, evidence,
+                       Path(table))
+    return f"{best['config']} written ({best['us_median']:.2f} against {auto['us_median']:.2f} us)"
 
 
 if __name__ == "__main__":

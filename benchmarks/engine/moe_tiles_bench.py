@@ -23,10 +23,12 @@ import argparse
 import itertools
 import json
 import os
+from pathlib import Path
 
 import torch
 
 from psr_hf.bench.common import graph_replay, machine, paired_ratio, rotated, summarize, timed_us, versions
+from psr_hf.engine import tuned_tiles
 from psr_hf.engine.moe import (
     MoeShape,
     check_blocks,
@@ -34,6 +36,7 @@ from psr_hf.engine.moe import (
     launch_gate_up,
     moe_slots_triton,
     new_workspace,
+    shape_key,
     triton_blocks,
 )
 
@@ -161,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiles2", type=_tile(KEYS2), nargs="+", default=GRID2, metavar=",".join(KEYS2))
     p.add_argument("--hbm-gbps", type=float, default=None, help="the memory's peak GB/s (H100 SXM 3350, H200 4800)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the record here")
+    p.add_argument("--table", default=None, metavar="TABLE",
+                   help="write the chosen tiles into this tuned-tiles table (psr_hf/engine/tuned_tiles.json) when "
+                        "the pair's whole 95%% interval is faster than the defaults")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -190,6 +196,15 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = row["over_default"]
         print(f"  both kernels, {name:10s} {row['median']:8.2f} us/layer, over default {ratio['ratio']:.3f} "
               f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] (paired over {len(ratio['rounds'])} rounds)")
+    faster = both["chosen"]["over_default"]["ci95"][1] < 1.0
+    if args.table and faster and device.type == "cuda":
+        evidence = {"benchmark": "benchmarks/engine/moe_tiles_bench.py",
+                    "us_per_layer_default": both["default"]["median"], "us_per_layer_chosen": both["chosen"]["median"],
+                    "chosen_over_default": both["chosen"]["over_default"]}
+        tuned_tiles.record("slot_moe", device, shape_key(H, I, K), chosen, evidence, Path(args.table))
+    if args.table:
+        print(f"table {args.table}: " + ("chosen tiles written" if faster and device.type == "cuda" else
+                                         "left as it was (the chosen tiles are not shown faster, or not on a GPU)"))
     record = {"what": "the bf16 slot MoE's kernels by tile, us per layer, each kernel alone", "shape": args.shape,
               "sizes": {"hidden": H, "intermediate": I, "top_k": K, "capacity": shape.capacity},
               "bytes_per_layer": {"gate_up": bytes1, "down": bytes2}, "layers": args.layers, "rounds": args.rounds,

@@ -96,6 +96,20 @@ def default_blocks(rows: Sequence[int], hidden: int, device: torch.device) -> tu
     return block_n, block_h
 
 
+def shape_key(rows: Sequence[int], hidden: int) -> str:
+    """The shape's key in the tuned tiles' table (:mod:`psr_hf.engine.tuned_tiles`)."""
+    return f"H{int(hidden)}_rows{'-'.join(str(int(r)) for r in rows)}"
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_config(rows: tuple[int, ...], hidden: int, device: torch.device) -> dict[str, int]:
+    """``block_n``, ``block_h``, ``num_warps``, ``num_stages`` measured best for this GPU model and shape where the
+    shipped table has them (:mod:`psr_hf.engine.tuned_tiles`), else {} (:func:`default_blocks`)."""
+    from .tuned_tiles import lookup
+
+    return lookup("linear_many", torch.device(device), shape_key(rows, hidden)) or {}
+
+
 def linear_many_reference(x: torch.Tensor, weights: Sequence[torch.Tensor],
                           biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, W_i, b_i)`` per weight, each ``[1, N_i]`` (the kernel's reference, and what the engine calls
@@ -184,10 +198,11 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     (``TRITON_INTERPRET=1``); capturable in a CUDA graph (the first call of a shape compiles: make it before
     capture).
 
-    Tuning: ``block_n`` rows and ``block_h`` columns per program and loop step (powers of two; by default
-    :func:`default_blocks`), ``num_warps`` per program (default :data:`DEFAULT_WARPS`), ``split_h`` programs per
-    row block along H, whose float32 partial sums are added atomically into a workspace and then cast (default 1:
-    one launch, one program per row block), ``num_stages`` the software pipeline's stages of the loop over H
+    Tuning: ``block_n`` rows and ``block_h`` columns per program and loop step (powers of two; by default the
+    shipped table's for this GPU model and shape, :func:`tuned_config`, else :func:`default_blocks`),
+    ``num_warps`` per program (default :data:`DEFAULT_WARPS`), ``split_h`` programs per row block along H, whose
+    float32 partial sums are added atomically into a workspace and then cast (default 1: one launch, one program
+    per row block), ``num_stages`` the software pipeline's stages of the loop over H
     (default: triton's). ``pdl``: a programmatic dependent launch (Hopper and later): the kernel may start while
     the one before it on the stream runs, loads its first weight tile, then waits for that kernel's writes; it
     lets the next kernel start the same way. In triton's interpreter, which runs one kernel at a time, it is the
@@ -197,6 +212,10 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     if why is not None:
         raise ValueError(f"{why}; linear_many_reference is the same in torch")
     rows = [w.shape[0] for w in weights]
+    if block_n is None and block_h is None and num_warps is None and num_stages is None and split_h == 1:
+        tuned = tuned_config(tuple(rows), H, x.device)  # the table's tiles for this GPU model and shape, if any
+        block_n, block_h = tuned.get("block_n"), tuned.get("block_h")
+        num_warps, num_stages = tuned.get("num_warps"), tuned.get("num_stages")
     auto_n, auto_h = default_blocks(rows, H, x.device)
     block_n = auto_n if block_n is None else int(block_n)
     block_h = auto_h if block_h is None else int(block_h)

@@ -311,6 +311,22 @@ def triton_blocks(hidden: int, intermediate: int) -> dict[str, int]:
                 BLOCK_O2=min(4, _pow2(H)), BLOCK_I2=min(1024, _pow2(I)), WARPS2=4, STAGES2=3, UNROLL2=1, PDL=0)
 
 
+def shape_key(hidden: int, intermediate: int, top_k: int) -> str:
+    """The shape's key in the tuned tiles' table (:mod:`psr_hf.engine.tuned_tiles`)."""
+    return f"H{int(hidden)}_I{int(intermediate)}_K{int(top_k)}"
+
+
+@functools.lru_cache(maxsize=None)
+def chosen_blocks(hidden: int, intermediate: int, top_k: int, device: torch.device) -> dict[str, int]:
+    """The tiles :func:`moe_slots_triton` runs with: those measured best for this GPU model and shape where the
+    shipped table has them (:mod:`psr_hf.engine.tuned_tiles`), else :func:`triton_blocks`'."""
+    from .tuned_tiles import lookup
+
+    default = triton_blocks(hidden, intermediate)
+    tuned = lookup("slot_moe", torch.device(device), shape_key(hidden, intermediate, top_k))
+    return check_blocks({**default, **tuned}) if tuned else default
+
+
 def check_blocks(blocks: dict[str, int]) -> dict[str, int]:
     """``blocks`` when its keys are :data:`BLOCK_KEYS` and every value is a power of two (stages: any count from
     1); ``ValueError`` otherwise."""
@@ -394,11 +410,11 @@ def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors,
     or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``: the float32 ``[K, I]``
     scratch (:func:`new_workspace`; allocated per call when None); ``blocks``: tiles other than
-    :func:`triton_blocks`' (:func:`check_blocks`; for benchmarks). Writes and returns ``out``. ``ImportError``
+    :func:`chosen_blocks`' (:func:`check_blocks`; for benchmarks). Writes and returns ``out``. ``ImportError``
     when triton is not installed."""
     interpret, H, I, K, h, _, guard = triton_prologue("psr_hf engine MoE", "moe_slots_reference", x, slots,
                                                          gate_up, out, residual, workspace)
-    b = check_blocks(blocks) if blocks is not None else triton_blocks(H, I)
+    b = check_blocks(blocks) if blocks is not None else chosen_blocks(H, I, K, x.device)
     with guard:
         launch_gate_up(x, slots, weights, gate_up, h, b, interpret)
         launch_down(h, slots, down, out, residual, b, interpret)
