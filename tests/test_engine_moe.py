@@ -58,6 +58,15 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def compiled_on_cuda(test):
+    """The marks of a test of the compiled kernels: run on the lent GPU (marked cuda), skipped without one or
+    without triton."""
+    for mark in (pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"), pytest.mark.cuda,
+                 needs_triton, pytest.mark.usefixtures("compiled")):
+        test = mark(test)
+    return test
+
+
 def _close(actual, expected, rtol, atol):
     """assert_close with ``atol`` relative to the expected output's largest magnitude."""
     expected = expected.float()
@@ -430,36 +439,24 @@ def test_triton_refuses_cpu_tensors_outside_the_interpreter():
 
 
 # the same tests compiled for the GPU (marked cuda: run on the lent GPU)
-@pytest.mark.usefixtures("compiled")
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@compiled_on_cuda
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("H, I, C, K, slots", TRITON_CASES, ids=TRITON_IDS)
 def test_triton_on_cuda_matches_the_reference(H, I, C, K, slots, weight_dtype):
     _triton_matches_reference("cuda", H, I, C, K, slots, weight_dtype)
 
 
-@pytest.mark.usefixtures("compiled")
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@compiled_on_cuda
 def test_triton_on_cuda_takes_strided_inputs():
     _strided_inputs_match("cuda")
 
 
-@pytest.mark.usefixtures("compiled")
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@compiled_on_cuda
 def test_triton_on_cuda_tiles_change_only_the_sums_order():
     _tiles_agree("cuda")
 
 
-@pytest.mark.usefixtures("compiled")
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@compiled_on_cuda
 @pytest.mark.parametrize("H, I, E, K", [(2048, 1024, 64, 8), (2048, 1408, 64, 6)], ids=["olmoe", "moonlight"])
 def test_triton_on_cuda_at_real_sizes_in_a_cuda_graph(H, I, E, K):
     """OLMoE-1B-7B and Moonlight sizes in bf16, captured in a CUDA graph with the reference: new slot ids and

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from psr_hf.bench.common import graph_replay, machine, paired_ratio, rotated, summarize, timed_us, versions
+from psr_hf.cli.console import write_json
 from psr_hf.engine import tuned_tiles
 from psr_hf.engine.moe import (
     MoeShape,
@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.hbm_gbps:
         record["hbm_bound_us"] = {k: v / (args.hbm_gbps * 1e3) for k, v in record["bytes_per_layer"].items()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return record
 
 
