@@ -32,7 +32,7 @@ def _engine_case(offload=None):
 
 
 @pytest.mark.parametrize("layer", [0, -1])  # a stacked router (with the next layer's) and the last one
-@pytest.mark.parametrize("how", ["copy_", "load_state_dict", "replace"])
+@pytest.mark.parametrize("how", ["copy_", "load_state_dict", "replace", "data"])
 def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(layer, how):
     model = _engine_case()
     ids = _ids(2, 1, 5)
@@ -43,9 +43,11 @@ def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(la
             router.weight.copy_(new)
     elif how == "load_state_dict":
         router.load_state_dict({"weight": new}, strict=False)
+    elif how == "data":  # the same Parameter over new memory: no version change, another address
+        router.weight.data = new.clone()
     else:
         router.weight = torch.nn.Parameter(new.clone())
-    if how == "replace" and layer == -1:  # the last router is read where it lives: refused, with what to do
+    if how in ("replace", "data") and layer == -1:  # the last router is read where it lives: refused, with what to do
         with pytest.raises(RuntimeError, match="attach the engine again"):
             _generate(model, ids)
         return

@@ -65,6 +65,33 @@ def _host_us(decoder: TokenGraphDecoder, token: int, n: int) -> list[float]:
     return spent
 
 
+def _host_parts(decoder: TokenGraphDecoder, token: int, n: int = 2000) -> dict[str, float]:
+    """Median us of each host check a step makes before its launch, each called alone ``n`` times (no profiler:
+    the step's host time less these is the inputs' write, the launch and the calls between them)."""
+    L, ctl, handle = decoder.layers, decoder.controller, decoder.decode_handle
+
+    def ready():
+        with handle.holding():
+            decoder._device_step_ready()
+
+    def no_grad():
+        with torch.no_grad():
+            pass
+
+    parts = {"one_token": lambda: decoder._one_token(token), "no_grad": no_grad,
+             "holding_and_ready": ready, "check_slot_buffers": decoder._check_slot_buffers,
+             "check_prefetch_source": lambda: L.check_prefetch_source(ctl), "sync_routers": lambda: L.sync_routers(handle)}
+    out = {}
+    for name, part in parts.items():
+        spent = []
+        for _ in range(n):
+            start = time.perf_counter()
+            part()
+            spent.append((time.perf_counter() - start) * 1e6)
+        out[name] = statistics.median(spent)
+    return out
+
+
 def _launch_variants(decoder: TokenGraphDecoder, dot_dir: str | None, row: str) -> dict:
     """The token graph captured again by the decoder itself (``_capture_token``, as a step uses it) in variants:
     as built (prefetch copies on a side branch), with the side branch on the main stream (no fork), without
@@ -186,6 +213,7 @@ def main() -> None:
         from graph_launch_probe import raw_launch_us
 
         raw = raw_launch_us([decoder._token_graph.raw_cuda_graph_exec()], 64, torch.device("cuda"))
+        parts = _host_parts(decoder, token)
         host_profile = _host_profile(decoder, token, 64, args.top)
         census = None
         if args.launch_variants:
@@ -201,7 +229,7 @@ def main() -> None:
         out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
                "raw_launch_us_median": None if raw is None else statistics.median(raw), "launch_variants": census,
-               **kernels, "host_profile": host_profile}
+               **kernels, "host_parts_us": parts, "host_profile": host_profile}
         if offload is None:
             out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
             out["memory_bound_ms"] = None if peak is None else weights["total"] / (peak * 1e12) * 1e3
@@ -214,6 +242,7 @@ def main() -> None:
               + ("" if offload is not None else f", {out['achieved_tb_per_s_back_to_back']:.2f} TB/s of weights "
                  f"(bound {out['memory_bound_ms']} ms)"), flush=True)
         print(f"   cudaGraphLaunch alone: {out['raw_launch_us_median']} us")
+        print("   host checks alone, median us: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
         for variant, v in (census or {}).items():
             print(f"   {variant}: {v if isinstance(v, str) else json.dumps(v)[:3000]}")
         for k in kernels["top"]:

@@ -39,11 +39,12 @@ from typing import Any, Optional
 import torch
 
 from .attention import masked_attention
-from .device_decisions import interpreting, shared_helpers, triton_module
+from .device_decisions import interpreting, pdl_supported, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the programmatic dependent launch's trigger)
 except ImportError:
     triton = tl = None
 
@@ -165,7 +166,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     here; ``splits``, ``block_t``: :func:`plan`'s; ``num_warps``: per program of the first kernel, default 4 (8
     for a head size over 256). ``locks``: :func:`new_locks`' zeroed counters, one per key-value head: then one
     launch, whose last program per key-value head combines the chunks (the counters are zero again when it
-    returns; calls that share them must not run at the same time)."""
+    returns; calls that share them must not run at the same time), and which lets a programmatic dependent launch
+    after it start as soon as all its programs run (:func:`pdl_supported` GPUs: the output projection's GEMV)."""
     check_inputs(q, keys, values, position)
     nH, D = q.shape
     T, nKV, Dv = values.shape
@@ -209,7 +211,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             out.stride(1), locks if locks is not None else position,
             G=group, D=D, DV=Dv, SPLITS=splits, BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d,
             BLOCK_DV=block_dv, DOT=dot, DOT_F32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
-            WIDE=reach >= 2 ** 31, FUSED=locks is not None, **combine, num_warps=num_warps)
+            WIDE=reach >= 2 ** 31, FUSED=locks is not None,
+            TRIGGER=locks is not None and pdl_supported(q.device), **combine, num_warps=num_warps)
         if locks is None:
             kernels.decode_combine_kernel[(nH,)](
                 workspace, position, out, T, out.stride(0), out.stride(1), DV=Dv, SPLITS=splits, BLOCK_T=block_t,
@@ -277,7 +280,9 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, ws_ptr, T, scaling, stride
                         G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         DOT: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
-                        BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr):
+                        TRIGGER: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_S: tl.constexpr):
+    if TRIGGER:  # a programmatic dependent launch after this one may start (it waits for this one's writes)
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)  # the key-value head
     split = tl.program_id(1)
     n, chunk = _span(pos_ptr, T, SPLITS, BLOCK_T)

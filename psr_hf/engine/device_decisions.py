@@ -45,6 +45,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` may be launched as a programmatic dependent launch (PDL): compiled (not in
+    the interpreter, which runs one kernel at a time) on a GPU of compute capability 9.0 or later (Hopper), whose
+    ``griddepcontrol`` instructions the kernels' PDL branches use."""
+    return device.type == "cuda" and not interpreting() and _capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 @functools.lru_cache(maxsize=None)
 def triton_module(filename: str, interpret: bool) -> Any:
     """The Triton source ``filename`` of this package loaded as a module of its own for one mode:

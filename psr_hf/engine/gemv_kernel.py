@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .device_decisions import interpreting, shared_helpers, triton_module
+from .device_decisions import interpreting, pdl_supported, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
@@ -205,8 +205,8 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     per row block), ``num_stages`` the software pipeline's stages of the loop over H
     (default: triton's). ``pdl``: a programmatic dependent launch (Hopper and later): the kernel may start while
     the one before it on the stream runs, loads its first weight tile, then waits for that kernel's writes; it
-    lets the next kernel start the same way. In triton's interpreter, which runs one kernel at a time, it is the
-    same as ``pdl=False``."""
+    lets the next kernel start the same way. Where PDL is not supported (:func:`pdl_supported`: triton's
+    interpreter, GPUs before Hopper) it is the same as ``pdl=False``."""
     H, weights, biases, outs = _checked(x, weights, biases, outs)
     why = unsupported(x.device)
     if why is not None:
@@ -229,7 +229,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     if num_stages is not None and int(num_stages) < 1:
         raise ValueError(f"num_stages = {num_stages}: at least 1 expected (or None: triton's default)")
     launch = {} if num_stages is None else {"num_stages": int(num_stages)}
-    pdl = bool(pdl) and not interpreting()
+    pdl = bool(pdl) and pdl_supported(x.device)
     if pdl:
         launch["launch_pdl"] = True
     if outs is None:
@@ -273,16 +273,17 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
 # an op returning new tensors, inductor calls it on the model's own weights (no copies) and a CUDA graph captures its
 # launch. Its first call for a shape compiles the kernel: make it before any capture. A custom op's signature is
 # fixed: a list of weights and a list of biases of the same length (None where none; an empty list: no biases), the
-# default blocks and warps. Registered once, by the package's module only: triton_module loads this file again as a
+# default blocks and warps, and ``pdl``. Registered once, by the package's module only: triton_module loads this file again as a
 # module of its own per mode.
 if __name__ == "psr_hf.engine.gemv_kernel":
     @torch.library.custom_op("psr_hf::linear_many", mutates_args=())
-    def _linear_many_op(x: torch.Tensor, weights: list[torch.Tensor],
-                        biases: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-        return list(linear_many(x, weights, biases=biases or None))
+    def _linear_many_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
+                        pdl: bool = False) -> list[torch.Tensor]:
+        return list(linear_many(x, weights, biases=biases or None, pdl=pdl))
 
     @_linear_many_op.register_fake
-    def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
+          pdl: bool = False) -> list[torch.Tensor]:
         return [x.new_empty(1, w.shape[0]) for w in weights]  # [1, N_i], new tensors as the kernel returns
 
 

@@ -81,19 +81,41 @@ class _Router:
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
-    """``module.weight`` without ``Module.__getattr__`` (about 1 us a call, and this is read before every step)."""
+    """``module.weight`` without ``Module.__getattr__`` (about 1 us a call)."""
     weight = module._parameters.get("weight")
     return module.weight if weight is None else weight
 
 
 def _router_source(router: nn.Module, following: nn.Module | None) -> tuple:
-    """What an in-place change (``_version``) or a replacement or conversion (``data_ptr``) of the router weights
-    that ``stacked`` is built from changes (read before every step: two attributes per weight)."""
-    a = _weight(router)
-    if following is None:
-        return a._version, a.data_ptr()
-    b = _weight(following)
-    return a._version, a.data_ptr(), b._version, b.data_ptr()
+    """What an in-place change (``_version``), a new ``Parameter`` (identity) or a replacement of its data
+    (``data_ptr``) of the router weights that ``stacked`` is built from changes: one ``(parameters, weight,
+    version, address)`` entry per weight (:func:`_unchanged` reads them before every step). ``parameters`` is the
+    module's parameter dict, or None where its weight is not a registered parameter (then never unchanged)."""
+    entries = []
+    for module in (router, following):
+        if module is None:
+            continue
+        weight = _weight(module)
+        params = module._parameters if module._parameters.get("weight") is weight else None
+        entries.append((params, weight, weight._version, weight.data_ptr()))
+    return tuple(entries)
+
+
+def _unchanged(entries: tuple) -> bool:
+    """Whether every weight of :func:`_router_source`'s ``entries`` is still the one it read, unchanged (a tight
+    loop of attribute reads: it runs before every step, on the host's path between two tokens)."""
+    for params, weight, version, address in entries:
+        if params is None:
+            return False
+        now = params.get("weight")
+        if now is not weight or now._version != version or now.data_ptr() != address:
+            return False
+    return True
+
+
+def _all_entries(routers: dict) -> tuple:
+    """Every router's :func:`_router_source` entries in one tuple (one :func:`_unchanged` pass checks them all)."""
+    return tuple(entry for r in routers.values() for entry in r.source)
 
 
 # ---------------------------------------------------------------------------------------------------- base class
@@ -142,6 +164,7 @@ class DecodeLayers(abc.ABC):
 
         self._build_rope()
         self._routers = self._build_routers()
+        self._router_entries = _all_entries(self._routers)
         for i, layer in enumerate(self.layers):
             if i not in self._routers:  # a dense layer (DeepSeek-V3's first first_k_dense_replace)
                 self._ref_mlp(f"layers.{i}.mlp", layer.mlp)
@@ -318,12 +341,14 @@ class DecodeLayers(abc.ABC):
         lives, must keep its memory (``RuntimeError`` otherwise). ``stacks``: where the fresh stacks come from (the
         controller's, kept by the same versions); ``moe_layers``: only the routers of these MoE layers (each before
         the first graph that reads it; default all)."""
+        if _unchanged(self._router_entries):
+            return
         for r in self._routers.values():
             if moe_layers is not None and r.moe_index not in moe_layers:
                 continue
-            source = _router_source(r.router, r.following)
-            if source == r.source:
+            if _unchanged(r.source):
                 continue
+            source = _router_source(r.router, r.following)
             if r.following is None:
                 if r.router.weight.data_ptr() != r.stacked.data_ptr() or r.router.weight.dtype != r.stacked.dtype:
                     raise RuntimeError(
@@ -340,6 +365,7 @@ class DecodeLayers(abc.ABC):
             logger.info("psr_hf engine: the router weights of MoE layer %d changed; the engine routes with the new "
                         "ones", r.moe_index)
             r.source = source
+        self._router_entries = _all_entries(self._routers)
 
     def _ref_mlp(self, name: str, mlp: nn.Module) -> None:
         for proj in ("gate_proj", "up_proj", "down_proj"):

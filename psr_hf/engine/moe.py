@@ -319,10 +319,12 @@ def shape_key(hidden: int, intermediate: int, top_k: int) -> str:
 @functools.lru_cache(maxsize=None)
 def chosen_blocks(hidden: int, intermediate: int, top_k: int, device: torch.device) -> dict[str, int]:
     """The tiles :func:`moe_slots_triton` runs with: those measured best for this GPU model and shape where the
-    shipped table has them (:mod:`psr_hf.engine.tuned_tiles`), else :func:`triton_blocks`'."""
+    shipped table has them (:mod:`psr_hf.engine.tuned_tiles`), else :func:`triton_blocks`', launched as
+    programmatic dependent launches where the GPU has them (the second kernel starts while the first finishes)."""
+    from .device_decisions import pdl_supported
     from .tuned_tiles import lookup
 
-    default = triton_blocks(hidden, intermediate)
+    default = {**triton_blocks(hidden, intermediate), "PDL": int(pdl_supported(torch.device(device)))}
     tuned = lookup("slot_moe", torch.device(device), shape_key(hidden, intermediate, top_k))
     return check_blocks({**default, **tuned}) if tuned else default
 
@@ -363,9 +365,12 @@ def triton_prologue(what: str, fallback: str, x: torch.Tensor, slots: torch.Tens
     return interpret, H, I, K, h, res, guard
 
 
-def _pdl(blocks: dict[str, int], interpret: bool) -> dict[str, Any]:
-    """The kernels' PDL constexpr and launch option (off in the interpreter, which runs one kernel at a time)."""
-    pdl = bool(blocks["PDL"]) and not interpret
+def _pdl(blocks: dict[str, int], device: torch.device) -> dict[str, Any]:
+    """The kernels' PDL constexpr and launch option (off where PDL is not supported: the interpreter, which runs
+    one kernel at a time, and GPUs before Hopper)."""
+    from .device_decisions import pdl_supported
+
+    pdl = bool(blocks["PDL"]) and pdl_supported(device)
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 
@@ -380,7 +385,7 @@ def launch_gate_up(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     gate_up_kernel[(K, _cdiv(I, blocks["BLOCK_I1"]))](
         x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], **_pdl(blocks, interpret),
+        BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], **_pdl(blocks, x.device),
         num_warps=blocks["WARPS1"], num_stages=blocks["STAGES1"], enable_fp_fusion=True)
 
 
@@ -396,7 +401,7 @@ def launch_down(h: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, out: t
         h, slots, down, out, res, H, I, K, slots.stride(0), down.stride(0), down.stride(1), down.stride(2),
         out.stride(0), res.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_O=blocks["BLOCK_O2"], BLOCK_I=blocks["BLOCK_I2"],
-        UNROLL=blocks["UNROLL2"], **_pdl(blocks, interpret), num_warps=blocks["WARPS2"], num_stages=blocks["STAGES2"],
+        UNROLL=blocks["UNROLL2"], **_pdl(blocks, h.device), num_warps=blocks["WARPS2"], num_stages=blocks["STAGES2"],
         enable_fp_fusion=True)
 
 

@@ -273,6 +273,10 @@ class TokenGraphDecoder(GraphDecoder):
 
     def _device_step(self, token: int | None, read_token: Callable[[], int | None],
                      overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
+        # what does not depend on the token is checked first, while the GPU may still be choosing it
+        self._check_slot_buffers()
+        self.layers.check_prefetch_source(self.controller)
+        self.layers.sync_routers(self.decode_handle)
         if token is None:
             token = read_token()  # the whole step changes the routing state: launched only for a real token
             if token is None:
@@ -281,9 +285,6 @@ class TokenGraphDecoder(GraphDecoder):
         else:
             write = int(token)
         position = self.position
-        self._check_slot_buffers()
-        self.layers.check_prefetch_source(self.controller)
-        self.layers.sync_routers(self.decode_handle)
         self._step_inputs.write(write, position)  # read by the token graph's first kernel
         self._launch_token(raw_current_stream(self.device))
         if overlap is not None:
