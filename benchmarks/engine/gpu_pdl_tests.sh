@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 53: this build's programmatic dependent launches (the one-launch attention to the output projection's GEMV,
+# the slot MoE's two kernels) and host checks, as one device call (snapshot of HEAD, with OLD=<commit> the build
+# before in _old for the same-call baseline; records under $OUT, the printed output in $OUT/log.txt). In order,
+# within TOTAL_S: the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
+# stepped (host time, and the host's checks alone), by the build before and this one alternately; the token
+# graph's cuda tests (bitwise the host path, with PDL where the GPU has it); the kernels' cuda tests.
+set -uo pipefail
+START=$SECONDS
+source benchmarks/device_env.sh
+LOG=$OUT/log.txt
+left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
+cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+for build in new old new old; do
+  [ "$(left)" -gt "${KEEP_S:-420}" ] || break
+  echo "== token graph, build $build" | tee -a "$LOG"
+  dir=.; [ "$build" = old ] && dir=_old
+  [ -d "$dir" ] || continue
+  n=$(ls "$OUT"/profile_"$build"_*.json 2>/dev/null | wc -l)
+  (cd "$dir" && PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout "$(cap 90)" python3 "$OLDPWD/benchmarks/engine/token_graph_profile.py" \
+      --model grown-olmoe-routing --decide-warps 4 --rounds 3 --no-kernel-profile \
+      --json "$OUT/profile_${build}_$n.json" 2>&1 | grep "==\|host checks" | tee -a "$LOG")
+done
+echo "== token graph cuda tests" | tee -a "$LOG"
+timeout "$(cap "${TG_S:-300}")" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_engine_token_graph.py \
+    2>&1 | tail -8 | tee -a "$LOG"
+echo "== kernel cuda tests" | tee -a "$LOG"
+timeout "$(cap 400)" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_gemv_kernel.py \
+    tests/test_engine_moe.py tests/test_engine_decode_attention_kernel.py tests/test_engine_device_decisions.py \
+    tests/test_engine_attention_kernels.py 2>&1 | tail -12 | tee -a "$LOG"
+echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"
