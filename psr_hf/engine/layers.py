@@ -127,6 +127,10 @@ class DecodeLayers(abc.ABC):
     (:class:`psr_hf.engine.families.EngineFamily`); an option of its own is a keyword-only argument of its
     constructor (:meth:`family_options`)."""
 
+    #: the family's ``attention_kernels`` option as chosen (a family that has the kernels sets it): with them the
+    #: router's product runs in the fused GEMV too (:meth:`router_logits`)
+    attention_kernels: bool = False
+
     def __init__(self, model: nn.Module, max_len: int):
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int, got {max_len!r}")
@@ -609,13 +613,19 @@ class DecodeLayers(abc.ABC):
     def router_logits(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:
         """``out [1, router_width(layer)]``: this layer's router logits, then (when there is a MoE layer
         ``distance`` ahead) that layer's pre-gate logits on the same input, from one matmul over the stacked
-        weights."""
+        weights: cuBLAS's, F.linear's own (the transformers path's bits), or with the attention kernels, whose
+        attention already rounds otherwise than torch's, the fused GEMV (float32 sums in a fixed order)."""
         r = self._moe(layer)
         self._check_row(normed, "normed", self.hidden_size)
         self._check_row(out, "router logits out", r.stacked.shape[0])
         dt = self.router_dtype  # a no-op cast but for a last layer whose weight is not in the router's dtype
         if out.dtype == dt and r.stacked.dtype == dt and normed.dtype == dt and out.is_contiguous():
-            torch.mm(normed, r.stacked.t(), out=out)  # F.linear's own product, written in place: one launch
+            if self.attention_kernels:  # the fused GEMV, written in place: one launch of about half cuBLAS's time
+                from .gemv_kernel import linear_many
+
+                linear_many(normed, [r.stacked], outs=[out])
+            else:
+                torch.mm(normed, r.stacked.t(), out=out)  # F.linear's own product, written in place: one launch
         else:
             out.copy_(F.linear(normed.to(dt), r.stacked.to(dt)))
 
