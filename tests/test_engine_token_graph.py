@@ -199,6 +199,43 @@ def test_attach_generates_the_same_tokens_routed_on_the_device_as_on_the_host():
         np.testing.assert_array_equal(getattr(outputs[None][1], field), getattr(outputs[False][1], field))
 
 
+class _RouterFlipper:
+    """A streamer that negates every router's weight in place when it is handed the ``at``-th new token."""
+
+    def __init__(self, routers, at: int):
+        self.routers, self.at, self.seen = routers, at, -1  # the first put is the prompt
+
+    def put(self, value):
+        self.seen += 1
+        if self.seen == self.at:
+            with torch.no_grad():
+                for router in self.routers:
+                    router.weight.mul_(-1)
+
+    def end(self):
+        pass
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_router_changed_by_a_streamer_routes_from_the_same_step_on_the_device_as_on_the_host():
+    from psr_hf.engine import attach, detach
+
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(5)).to("cuda")
+    outputs = {}
+    for device_routing, flip in ((False, True), (None, True), (False, False)):
+        model = tiny_model("olmoe", dtype=torch.float32).to("cuda")  # the same seeded weights each time
+        with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"])):
+            attach(model, max_len=MAX_LEN, device_routing=device_routing)
+            routers = [layer.router for layer in psr_hf.controller(model).layers]
+            streamer = _RouterFlipper(routers, at=3) if flip else None
+            outputs[device_routing, flip] = model.generate(ids, max_new_tokens=NEW, do_sample=False,
+                                                           streamer=streamer)
+            detach(model)
+    torch.testing.assert_close(outputs[None, True], outputs[False, True], rtol=0, atol=0)
+    assert not torch.equal(outputs[False, True], outputs[False, False])  # the flip changed the tokens
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_copy_timing_changes_no_token_graph_output():

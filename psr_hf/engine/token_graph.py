@@ -273,7 +273,9 @@ class TokenGraphDecoder(GraphDecoder):
 
     def _device_step(self, token: int | None, read_token: Callable[[], int | None],
                      overlap: Callable[[], None] | None) -> tuple[torch.Tensor | None, int | None]:
-        # what does not depend on the token is checked first, while the GPU may still be choosing it
+        # what does not depend on the token is checked first, while the GPU may still be choosing it (as the host
+        # path does: a change that a streamer or stopping criterion makes while the token is read applies from the
+        # next step on, on both paths)
         self._check_slot_buffers()
         self.layers.check_prefetch_source(self.controller)
         self.layers.sync_routers(self.decode_handle)
