@@ -17,15 +17,19 @@ def _record(tmp_path):
     rng = np.random.default_rng(0)
     ids = {text: [rng.integers(3, 2000, 20).tolist() for _ in range(3)] for text in ("selfgen", "heldout")}
     path = tmp_path / "record.json"
-    path.write_text(json.dumps({"selfgen": {"ids": ids["selfgen"]}, "heldout": {"ids": ids["heldout"]}}))
+    drawn = {"ids": ids["selfgen"], "prompt_tokens": [1, 1, 1], "tokens": 19, "seed": 0}
+    path.write_text(json.dumps({"selfgen": drawn, "heldout": {"ids": ids["heldout"]}}))
     return path
 
 
 def test_the_fp8_rows_excess_over_bf16_exact_is_their_own_plus_what_fp8_adds(tmp_path):
     out = fp8_divergence.main(["--model", "tiny-moe", "--record", str(_record(tmp_path)), "--configs",
                                "psr_lam0.3_n1", "--residencies", "0.5", "--json", str(tmp_path / "out.json")])
-    assert json.loads((tmp_path / "out.json").read_text())["texts"].keys() == {"selfgen", "heldout"}
-    for text in ("selfgen", "heldout"):
+    assert json.loads((tmp_path / "out.json").read_text())["texts"].keys() == {"selfgen", "heldout", "selfgen_fp8"}
+    sampled = out["selfgen_fp8"]["ids"]  # from FP8-exact, after the record's one-token prompts
+    assert [len(w) for w in sampled] == [20, 20, 20]
+    assert [w[0] for w in sampled] == [ids[0] for ids in json.loads(_record(tmp_path).read_text())["selfgen"]["ids"]]
+    for text in ("selfgen", "heldout", "selfgen_fp8"):
         t = out["texts"][text]
         gap = t["fp8_exact_vs_bf16_exact"]
         assert len(gap["window_excess"]) == 3
