@@ -101,6 +101,28 @@ def test_exact_routing_gives_hf_greedy_tokens_logits_and_stats(case, name):
     assert stats.total["replaced_per_token"] == 0.0  # exact: the router's own top-K everywhere
 
 
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+def test_the_triton_slot_moe_decodes_the_torch_ones_tokens_weighing_the_experts_itself(case, name):
+    """With the Triton slot MoE (triton's interpreter), a softmax router's weights (OLMoE) are computed inside its
+    first kernel and a sigmoid router's (DeepSeek-V3) beforehand; either way the tokens, the routing and the
+    weights left in the buffers are the torch slot MoE's."""
+    pytest.importorskip("triton")
+    model, ids, calibration, _ = case(name)
+    runs = {}
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), calibration=calibration):
+        for backend in ("torch", "triton"):
+            _fresh(model)
+            decoder = Decoder(model, MAX_LEN, backend=backend)
+            runs[backend] = (*_engine(model, ids, decoder), decoder.layers.buffers.expert_weights.clone())
+    (seq, logits, rec, stats, weights), (t_seq, t_logits, t_rec, t_stats, t_weights) = runs["torch"], runs["triton"]
+    torch.testing.assert_close(t_seq, seq, rtol=0, atol=0)
+    assert _rel(t_logits, logits) < LOGITS_TOL
+    _assert_same_selections(t_rec, rec)
+    _assert_same_stats(t_stats, stats)
+    torch.testing.assert_close(t_weights, weights, rtol=1e-5, atol=0)  # float32: a few ulps (summation order, exp)
+
+
 # ---------------------------------------------------------------------------------------------- policies
 @pytest.mark.parametrize("policy", ["psr", "spec", "psr_distance2"])
 @pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "shipped"])

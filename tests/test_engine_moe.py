@@ -36,6 +36,7 @@ import psr_hf
 from psr_hf import OffloadConfig, RoutingConfig
 from psr_hf.engine import moe
 from psr_hf.engine.moe import (
+    SoftmaxRouting,
     check_activation,
     check_experts_module,
     check_shapes,
@@ -44,6 +45,7 @@ from psr_hf.engine.moe import (
     moe_slots_reference,
     moe_slots_triton,
     new_workspace,
+    softmax_weights,
     triton_available,
 )
 from psr_hf.patches import get_patch
@@ -346,6 +348,52 @@ def _strided_inputs_match(device):
     want = moe_slots_reference(x, slots, weights, gate_up, down, torch.empty(64, device=device))
     _close(big[:, 1], want, rtol=1e-5, atol=5e-6)
     assert big[:, 0].eq(0).all() and big[:, 2].eq(0).all()
+
+
+def _softmax_weights_in_the_kernel(device, E, K, normalize, dtype):
+    """The slot MoE given a softmax router's logits computes the weights in its first kernel: into the weights
+    buffer (softmax_weights' values within a few float32 ulps, or one bf16 rounding step) and the output the
+    reference gives with them."""
+    H, I = 64, 32
+    x, slots, _, gate_up, down = _data(H, I, E, K, dtype=dtype, device=device, seed=E + K)
+    g = torch.Generator().manual_seed(E * K)
+    logits = (3 * torch.randn(E, generator=g)).to(dtype).to(device)
+    ids = slots.clone()  # resident: the slot of an expert is its id
+    routing = SoftmaxRouting(logits, ids, normalize)
+    want_weights = softmax_weights(routing, torch.empty(K, dtype=dtype, device=device))
+    probs = torch.softmax(logits.double(), dim=-1)[ids]
+    truth = probs / probs.sum() if normalize else probs
+    _close(want_weights, truth, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    weights = torch.full((K,), float("nan"), dtype=dtype, device=device)
+    out = torch.empty(H, dtype=torch.float32, device=device)
+    moe_slots_triton(x, slots, weights, gate_up, down, out, softmax=routing)
+    if dtype == torch.float32:  # a few ulps: the summation order, and the compiled exp's own rounding
+        _close(weights, want_weights, rtol=1e-5, atol=0)
+    else:  # the same float32 values but for the summation order, then one rounding: equal or one step apart
+        assert ((weights.float() - want_weights.float()).abs() <= want_weights.float().abs() / 128).all()
+    want = moe_slots_reference(x.float(), slots, weights, gate_up.float(), down.float(), torch.empty(H, device=device))
+    _close(out, want, rtol=1e-4, atol=1e-5)
+    ref_weights = torch.full((K,), float("nan"), dtype=dtype, device=device)
+    moe_slots_reference(x, slots, ref_weights, gate_up, down, torch.empty(H, dtype=dtype, device=device),
+                        softmax=routing)  # the reference computes them first, as softmax_weights does
+    assert torch.equal(ref_weights, want_weights)
+
+
+SOFTMAX_CASES = [(16, 4, False, torch.float32), (64, 8, False, torch.bfloat16), (60, 8, True, torch.bfloat16),
+                 (9, 9, True, torch.float32)]
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("E, K, normalize, dtype", SOFTMAX_CASES)
+def test_triton_interpreted_computes_a_softmax_routers_weights_itself(E, K, normalize, dtype):
+    _softmax_weights_in_the_kernel("cpu", E, K, normalize, dtype)
+
+
+@compiled_on_cuda
+@pytest.mark.parametrize("E, K, normalize, dtype", SOFTMAX_CASES)
+def test_triton_on_cuda_computes_a_softmax_routers_weights_itself(E, K, normalize, dtype):
+    _softmax_weights_in_the_kernel("cuda", E, K, normalize, dtype)
 
 
 @needs_triton

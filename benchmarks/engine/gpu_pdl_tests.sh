@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 53: this build's programmatic dependent launches (the one-launch attention to the output projection's GEMV,
-# the slot MoE's two kernels) and host checks, as one device call (snapshot of HEAD, with OLD=<commit> the build
+# the slot MoE's two kernels), router GEMV, softmax weights inside the slot MoE and host checks, as one device call (snapshot of HEAD, with OLD=<commit> the build
 # before in _old for the same-call baseline; records under $OUT, the printed output in $OUT/log.txt). In order,
 # within TOTAL_S: the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
 # stepped (host time, and the host's checks alone), by the build before and this one alternately; the token
-# graph's cuda tests (bitwise the host path, with PDL where the GPU has it); the kernels' cuda tests.
+# graph's cuda tests (bitwise the host path, with PDL where the GPU has it); the slot MoE's (its softmax weights
+# compiled), the graphs', the kernels' and FP8's cuda tests.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -26,7 +27,8 @@ echo "== token graph cuda tests" | tee -a "$LOG"
 timeout "$(cap "${TG_S:-300}")" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_engine_token_graph.py \
     2>&1 | tail -8 | tee -a "$LOG"
 echo "== kernel cuda tests" | tee -a "$LOG"
-timeout "$(cap 400)" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_gemv_kernel.py \
-    tests/test_engine_moe.py tests/test_engine_decode_attention_kernel.py tests/test_engine_device_decisions.py \
-    tests/test_engine_attention_kernels.py 2>&1 | tail -12 | tee -a "$LOG"
+timeout "$(cap 400)" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_moe.py \
+    tests/test_engine_graphs.py tests/test_engine_gemv_kernel.py tests/test_engine_decode_attention_kernel.py \
+    tests/test_engine_device_decisions.py tests/test_engine_attention_kernels.py tests/test_engine_fp8.py 2>&1 \
+    | tail -12 | tee -a "$LOG"
 echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"

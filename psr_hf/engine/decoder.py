@@ -24,7 +24,7 @@ from .families import build_layers
 from .layers import DecodeLayers
 from .prefill import prefill_block
 from .moe import check_experts_module
-from .slot_moe import SlotMoe, slot_moe
+from .slot_moe import slot_moe
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
@@ -261,7 +261,6 @@ class Decoder(DecoderBase):
             handle.prefetch(m + L.distance)  # part 1 of a later MoE layer: its copies run while this layer computes
         # the selected experts to the device (from the controller's staging buffer, pinned on CUDA)
         b.expert_ids.copy_(selection.tensor, non_blocking=True)
-        L.execution_weights(d, logits, b.expert_ids, b.expert_weights)  # from the unmodified logits
         shared = L.has_shared_experts(d)
         out, residual = (b.mlp_out, None) if shared else (b.hidden, b.hidden)
         # the copies of the layer's selection (issued by select) are waited for and its experts mapped to their
@@ -270,15 +269,11 @@ class Decoder(DecoderBase):
         # inside graph B; resident, graph B reads the expert ids themselves
         store = self.controller.expert_store
         slots = torch.from_numpy(store.decode_slots(m, selection.experts)).to(L.device)
-        self._moe(slot_moe(store, m, L.device), slots, out, residual)  # GRAPH: graph B
+        # weighed by the execution weights of the unmodified logits. GRAPH: graph B
+        L.routed_experts(d, slot_moe(store, m, L.device), slots, logits, out, residual, backend=self.backend)
         store.decode_done(m)  # the slots may be overwritten after this; GRAPH: after graph B's replay is enqueued
         if shared:  # transformers: routed + shared, then the residual
             L.shared_expert(d, b.normed, b.shared_out)
             b.mlp_out.add_(b.shared_out)
             b.hidden.add_(b.mlp_out)
-
-    def _moe(self, moe: SlotMoe, slots: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
-        b = self.layers.buffers
-        moe(b.normed[0], slots, b.expert_weights[0], out[0], None if residual is None else residual[0],
-            backend=self.backend)
 

@@ -182,9 +182,7 @@ class GraphDecoder(DecoderBase):
                 b.expert_ids.copy_(host_ids, non_blocking=True)  # H2D from the pinned buffer (captured)
                 if self.offloaded:
                     self._slot_ids.copy_(host_slots, non_blocking=True)
-            L.execution_weights(d, logits, b.expert_ids, b.expert_weights)
-            moe(b.normed[0], slots, b.expert_weights[0], out[0], None if residual is None else residual[0],
-                workspace=workspace, backend=backend)
+            L.routed_experts(d, moe, slots, logits, out, residual, workspace=workspace, backend=backend)
             if shared:
                 L.shared_expert(d, b.normed, b.shared_out)
                 b.mlp_out.add_(b.shared_out)

@@ -28,6 +28,7 @@ from torch import nn
 from psr_hf.patches import get_patch
 from psr_hf.patches.base import ArchitecturePatch
 from .attention import StaticKVCache, attention_block, check_rope, norm_params, rms_norm
+from .moe import SoftmaxRouting
 
 logger = logging.getLogger(__name__)
 
@@ -671,6 +672,24 @@ class DecodeLayers(abc.ABC):
                              out)
             return
         out.copy_(self.family.execution_weights(r.router, logits[:, : self.num_experts], expert_ids.reshape(1, -1)))
+
+    def routed_experts(self, layer: int, moe: Any, slots: torch.Tensor, logits: torch.Tensor, out: torch.Tensor,
+                       residual: torch.Tensor | None, workspace: torch.Tensor | None = None,
+                       backend: str = "auto") -> None:
+        """``out [1, H]`` (``residual +``): the layer's routed experts (``moe``, its
+        :class:`~psr_hf.engine.slot_moe.SlotMoe`, on ``slots``) on the buffers' normed input, weighed by
+        :meth:`execution_weights` of ``logits`` at the buffers' expert ids (written into the buffers' weights). A
+        softmax router's weights are computed inside the slot MoE's first kernel where it runs Triton (one launch
+        fewer per layer than the compiled weights' own two), else beforehand."""
+        b = self.buffers
+        if self._softmax_weights and moe.weighs_in_kernel(self.device, backend):
+            routing = SoftmaxRouting(logits[0, : self.num_experts], b.expert_ids[0],
+                                     bool(self.family.normalizes(self._moe(layer).router)))
+        else:
+            routing = None
+            self.execution_weights(layer, logits, b.expert_ids, b.expert_weights)
+        moe(b.normed[0], slots, b.expert_weights[0], out[0], None if residual is None else residual[0],
+            workspace=workspace, backend=backend, softmax=routing)
 
     @torch.no_grad()
     def dense_mlp(self, layer: int, normed: torch.Tensor, out: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -162,15 +162,38 @@ def new_workspace(top_k: int, intermediate: int, device: torch.device | str) -> 
     return torch.empty((top_k, intermediate), dtype=torch.float32, device=device)
 
 
+class SoftmaxRouting(NamedTuple):
+    """A softmax router's weights, computed by the slot MoE itself instead of beforehand (one launch fewer per
+    layer, two of inductor's for the Triton path): ``logits [E]`` the router's unmodified logits, ``ids [K]`` the
+    selected experts' ids (not their slots), ``normalize`` whether the weights are renormalised over the K."""
+
+    logits: torch.Tensor
+    ids: torch.Tensor
+    normalize: bool
+
+
+def softmax_weights(softmax: SoftmaxRouting, out: torch.Tensor) -> torch.Tensor:
+    """``out [K]``: softmax over the logits in float32, gathered at the ids, renormalised when asked, in ``out``'s
+    dtype (transformers' softmax routers' steps; the Triton kernel computes the same in its own summation order)."""
+    probs = torch.softmax(softmax.logits.float(), dim=-1).gather(0, softmax.ids)
+    if softmax.normalize:
+        probs = probs / probs.sum()
+    return out.copy_(probs)
+
+
 # ---------------------------------------------------------------------------------------------- reference
 def moe_slots_reference(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                         down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-                        workspace: torch.Tensor | None = None) -> torch.Tensor:
+                        workspace: torch.Tensor | None = None, *,
+                        softmax: SoftmaxRouting | None = None) -> torch.Tensor:
     """Pure torch: ``index_select`` the K slots, batched matmuls in the weights' dtype (as transformers'
     experts run), SiLU, the product and the weighted sum over ``k`` in float32. No host syncs, fixed shapes
     (CUDA-graph capturable). Writes ``out`` (``residual + moe`` when ``residual`` is given; ``residual`` may be
-    ``out`` itself) and returns it. ``workspace`` is accepted for the common signature and not used."""
+    ``out`` itself) and returns it. ``workspace`` is accepted for the common signature and not used; ``softmax``:
+    the weights computed first from a softmax router's logits (:func:`softmax_weights`) into ``weights``."""
     del workspace
+    if softmax is not None:
+        softmax_weights(softmax, weights)
     dtype = gate_up.dtype
     I = gate_up.shape[1] // 2
     gu = torch.matmul(gate_up.index_select(0, slots), x.to(dtype))  # [K, 2I]
@@ -216,13 +239,35 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
     import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: the programmatic dependent launch's waits)
 
     @triton.jit
-    def gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gu_ptr, h_ptr, H, I, stride_x, stride_s, stride_w, stride_ge,
-                       stride_gr, stride_gc, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-        # program (k, block of I): h[k, rows] = weights[k] * silu(gate_rows . x) * (up_rows . x), float32
+    def gate_up_kernel(x_ptr, slots_ptr, weights_ptr, gu_ptr, h_ptr, logits_ptr, ids_ptr, H, I, E, K, stride_x,
+                       stride_s, stride_w, stride_l, stride_i, stride_ge, stride_gr, stride_gc,
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, SOFTMAX: tl.constexpr,
+                       NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (k, block of I): h[k, rows] = weights[k] * silu(gate_rows . x) * (up_rows . x), float32;
+        # SOFTMAX: weights[k] from a softmax router's logits first (written into weights by the programs (k, 0))
         if PDL:  # a programmatic dependent launch: the next kernel may start; wait for the one before
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         k = tl.program_id(0)
+        if SOFTMAX:
+            # softmax over the E logits in float32, gathered at the K selected experts' ids, renormalised over them
+            # when NORMALIZE, rounded to the weights' dtype (softmax_execution_weights' steps)
+            e = tl.arange(0, BLOCK_E)
+            every = tl.load(logits_ptr + e * stride_l, mask=e < E, other=float("-inf")).to(tl.float32)
+            top = tl.reduce(every, 0, tl.standard._elementwise_max)
+            total = tl.reduce(tl.exp(every - top), 0, tl.standard._sum_combine)
+            j = tl.arange(0, BLOCK_K)
+            ids = tl.load(ids_ptr + j * stride_i, mask=j < K, other=0).to(tl.int64)
+            chosen = tl.load(logits_ptr + ids * stride_l, mask=j < K, other=float("-inf")).to(tl.float32)
+            probs = tl.exp(chosen - top) / total
+            if NORMALIZE:
+                probs = probs / tl.reduce(probs, 0, tl.standard._sum_combine)
+            rounded = probs.to(weights_ptr.dtype.element_ty)
+            w = tl.reduce(tl.where(j == k, rounded.to(tl.float32), 0.0), 0, tl.standard._sum_combine)
+            if tl.program_id(1) == 0:
+                tl.store(weights_ptr + k * stride_w, w.to(weights_ptr.dtype.element_ty))
+        else:
+            w = tl.load(weights_ptr + k * stride_w).to(tl.float32)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         row_ok = rows < I
         slot = tl.load(slots_ptr + k * stride_s).to(tl.int64)
@@ -241,7 +286,6 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
             acc_u += u * xv
         gate = tl.reduce(acc_g, 1, tl.standard._sum_combine)
         up = tl.reduce(acc_u, 1, tl.standard._sum_combine)
-        w = tl.load(weights_ptr + k * stride_w).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up * w  # silu(gate) * up * weight
         tl.store(h_ptr + k * I + rows, h, mask=row_ok)
 
@@ -375,17 +419,23 @@ def _pdl(blocks: dict[str, int], device: torch.device) -> dict[str, Any]:
 
 
 def launch_gate_up(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   h: torch.Tensor, blocks: dict[str, int], interpret: bool) -> None:
+                   h: torch.Tensor, blocks: dict[str, int], interpret: bool,
+                   softmax: SoftmaxRouting | None = None) -> None:
     """Kernel 1 alone: ``h[k] = weights[k] * silu(gate) * up`` (``h`` the float32 ``[K, I]`` workspace), with the
-    tiles ``blocks`` (:data:`BLOCK_KEYS`); on the current device. :func:`moe_slots_triton` launches it, and
-    benchmarks time it by itself."""
+    tiles ``blocks`` (:data:`BLOCK_KEYS`); on the current device; with ``softmax``, the weights computed first from
+    the router's logits and written into ``weights``. :func:`moe_slots_triton` launches it, and benchmarks time it
+    by itself."""
     _, two_i, H = gate_up.shape
     I, K = two_i // 2, slots.shape[0]
     gate_up_kernel, _ = _kernels(interpret)
+    logits, ids = (softmax.logits, softmax.ids) if softmax is not None else (weights, slots)  # unread without
+    E = logits.shape[0]
     gate_up_kernel[(K, _cdiv(I, blocks["BLOCK_I1"]))](
-        x, slots, weights, gate_up, h, H, I, x.stride(0), slots.stride(0), weights.stride(0),
-        gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        x, slots, weights, gate_up, h, logits, ids, H, I, E, K, x.stride(0), slots.stride(0), weights.stride(0),
+        logits.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         BLOCK_I=blocks["BLOCK_I1"], BLOCK_H=blocks["BLOCK_H1"], **_pdl(blocks, x.device),
+        SOFTMAX=softmax is not None, NORMALIZE=softmax is not None and softmax.normalize,
+        BLOCK_E=_pow2(E), BLOCK_K=_pow2(K),
         num_warps=blocks["WARPS1"], num_stages=blocks["STAGES1"], enable_fp_fusion=True)
 
 
@@ -407,21 +457,22 @@ def launch_down(h: torch.Tensor, slots: torch.Tensor, down: torch.Tensor, out: t
 
 def moe_slots_triton(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-                     workspace: torch.Tensor | None = None, *, blocks: dict[str, int] | None = None
-                     ) -> torch.Tensor:
+                     workspace: torch.Tensor | None = None, *, blocks: dict[str, int] | None = None,
+                     softmax: SoftmaxRouting | None = None) -> torch.Tensor:
     """Two Triton kernels: kernel 1 the gate and up rows of a block of ``I`` per selected expert, ``h[k] =
     weights[k] * silu(gate) * up``; kernel 2 a block of ``H`` outputs, summed over ``k`` and ``I``. Float32
     accumulation throughout, every selected weight read once; the slot ids and routing weights are read from
     device memory, so it is capturable (the first call JIT-compiles: call it once before capture). CUDA tensors,
     or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests). ``workspace``: the float32 ``[K, I]``
     scratch (:func:`new_workspace`; allocated per call when None); ``blocks``: tiles other than
-    :func:`chosen_blocks`' (:func:`check_blocks`; for benchmarks). Writes and returns ``out``. ``ImportError``
-    when triton is not installed."""
+    :func:`chosen_blocks`' (:func:`check_blocks`; for benchmarks); ``softmax``: kernel 1 computes the weights from a
+    softmax router's logits (:class:`SoftmaxRouting`) and writes them into ``weights``. Writes and returns ``out``.
+    ``ImportError`` when triton is not installed."""
     interpret, H, I, K, h, _, guard = triton_prologue("psr_hf engine MoE", "moe_slots_reference", x, slots,
                                                          gate_up, out, residual, workspace)
     b = check_blocks(blocks) if blocks is not None else chosen_blocks(H, I, K, x.device)
     with guard:
-        launch_gate_up(x, slots, weights, gate_up, h, b, interpret)
+        launch_gate_up(x, slots, weights, gate_up, h, b, interpret, softmax)
         launch_down(h, slots, down, out, residual, b, interpret)
     return out
 
@@ -467,6 +518,9 @@ _FUNCTIONS = {"torch": moe_slots_reference, "triton": moe_slots_triton}
 
 def moe_slots(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-              workspace: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """The batch-1 slot MoE by :func:`choose_backend`; writes and returns ``out``."""
-    return _FUNCTIONS[choose_backend(x.device, backend)](x, slots, weights, gate_up, down, out, residual, workspace)
+              workspace: torch.Tensor | None = None, backend: str = "auto",
+              softmax: SoftmaxRouting | None = None) -> torch.Tensor:
+    """The batch-1 slot MoE by :func:`choose_backend`; writes and returns ``out`` (and, with ``softmax``, the
+    weights into ``weights``)."""
+    return _FUNCTIONS[choose_backend(x.device, backend)](x, slots, weights, gate_up, down, out, residual, workspace,
+                                                         softmax=softmax)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .moe import check_shapes, moe_slots
+from .moe import SoftmaxRouting, check_shapes, choose_backend, moe_slots, softmax_weights
 from .moe_fp8 import check_fp8_shapes, moe_slots_fp8
 
 if TYPE_CHECKING:
@@ -56,14 +56,23 @@ class SlotMoe:
         else:
             check_shapes(x, slots, weights, self.gate_up, self.down, out, residual, hidden_act=hidden_act)
 
+    def weighs_in_kernel(self, device: torch.device, backend: str = "auto") -> bool:
+        """Whether a call with ``softmax=`` computes the weights inside its first kernel (the Triton path of the
+        model's own weights) rather than in torch before it."""
+        return not self.fp8 and choose_backend(device, backend) == "triton"
+
     def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                  residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", softmax: SoftmaxRouting | None = None) -> torch.Tensor:
+        """``out`` (``residual +``) the layer's routed experts on ``slots``, weighed by ``weights``; with
+        ``softmax``, the weights are computed from a softmax router's logits first and written into ``weights``."""
         if self.fp8:
+            if softmax is not None:
+                softmax_weights(softmax, weights)
             return moe_slots_fp8(x, slots, weights, self.gate_up, self.gate_up_scale, self.down, self.down_scale,
                                  out, residual, workspace=workspace, backend=backend)
         return moe_slots(x, slots, weights, self.gate_up, self.down, out, residual, workspace=workspace,
-                         backend=backend)
+                         backend=backend, softmax=softmax)
 
 
 def filled_slots(store: ExpertStore, layer: int) -> dict[str, torch.Tensor]:
