@@ -5,7 +5,8 @@
 # within TOTAL_S: the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
 # stepped (host time, and the host's checks alone), by the build before and this one alternately; the token
 # graph's cuda tests (bitwise the host path, with PDL where the GPU has it); the slot MoE's (its softmax weights
-# compiled), the graphs', the kernels' and FP8's cuda tests.
+# compiled), the graphs', the kernels' and FP8's cuda tests; then, in the time left, the kernels of every row and of
+# the copies-skipped twins of PSR and Cache-Prior under torch.profiler.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -31,4 +32,11 @@ timeout "$(cap 400)" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test
     tests/test_engine_graphs.py tests/test_engine_gemv_kernel.py tests/test_engine_decode_attention_kernel.py \
     tests/test_engine_device_decisions.py tests/test_engine_attention_kernels.py tests/test_engine_fp8.py 2>&1 \
     | tail -12 | tee -a "$LOG"
+if [ "$(left)" -gt 60 ]; then  # where each row's kernels go, the copies-skipped twins of PSR and Cache-Prior included
+  echo "== token graph kernels, with the twins" | tee -a "$LOG"
+  PYTHONUNBUFFERED=1 timeout "$(cap 150)" python3 benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing \
+      --decide-warps 4 --rounds 2 --twins --json "$OUT/profile_kernels_twins.json" 2>&1 | grep -v "Loading weights" \
+      > "$OUT/profile_kernels_twins.txt"
+  grep "==" "$OUT/profile_kernels_twins.txt" | tee -a "$LOG"
+fi
 echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"

@@ -174,6 +174,10 @@ def main() -> None:
     ap.add_argument("--residency", type=float, default=0.5)
     ap.add_argument("--decide-warps", type=int, nargs="+", default=[1],
                     help="the decision kernel's warps; each value profiles every row again")
+    ap.add_argument("--twins", action="store_true",
+                    help="also PSR lam 0.3 n1 and Cache-Prior lam 0.2 at --residency on the all-resident model (the "
+                         "bench's copies-skipped twins: their decisions, no copies), to see where PSR's twin spends "
+                         "its extra time")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dot-dir", default=None, help="write each launch variant's graph as a DOT file here")
     ap.add_argument("--launch-variants", action="store_true",
@@ -196,6 +200,11 @@ def main() -> None:
     cases = {"resident_exact": (dict(policy="exact", capacity=info["num_experts"]), None),
              f"psr_lam0.3_n1@{args.residency}": (dict(policy="psr", lam=0.3, budget=1, residency=args.residency),
                                                  psr_hf.OffloadConfig())}
+    if args.twins:  # the routed rows' copies-skipped twins: their routing on the all-resident model, nothing copied
+        cases[f"psr_lam0.3_n1@{args.residency}_twin"] = (dict(policy="psr", lam=0.3, budget=1,
+                                                              residency=args.residency), None)
+        cases[f"cp_lam0.2@{args.residency}_twin"] = (dict(policy="cache_prior", lam=0.2, residency=args.residency),
+                                                     None)
     runs = [(f"{row}" + ("" if len(args.decide_warps) == 1 else f"_w{w}"), kw, offload, w)
             for w in args.decide_warps for row, (kw, offload) in cases.items()]
     for row, kw, offload, warps in runs:
