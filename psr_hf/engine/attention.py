@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .device_decisions import PDL_BY_DEFAULT
+
 logger = logging.getLogger(__name__)
 
 #: RoPE types whose frequencies and output scaling are fixed (independent of the sequence length)
@@ -91,12 +93,13 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
 def output_projection(x: torch.Tensor, weight_bias: tuple, kernels: bool) -> torch.Tensor:
     """The attention's output projection of one token ``x [1, nH * Dv]``: the fused GEMV
     (``torch.ops.psr_hf.linear_many``, registered by :mod:`psr_hf.engine.gemv_kernel`) with the attention
-    kernels, which streams the weight faster than cuBLAS's batch-1 kernel; ``F.linear`` without them. The GEMV is
-    a programmatic dependent launch where the GPU has them: after the one-launch decode attention, which lets it
-    start early, it loads its first weight tile while the attention finishes."""
+    kernels, which streams the weight faster than cuBLAS's batch-1 kernel; ``F.linear`` without them. With
+    ``device_decisions.PDL_BY_DEFAULT`` the GEMV is a programmatic dependent launch where the GPU has them: after
+    the one-launch decode attention, which lets it start early, it loads its first weight tile while the attention
+    finishes."""
     if kernels:
         weight, bias = weight_bias
-        return torch.ops.psr_hf.linear_many(x, [weight], [bias], True)[0]
+        return torch.ops.psr_hf.linear_many(x, [weight], [bias], PDL_BY_DEFAULT)[0]
     return F.linear(x, *weight_bias)
 
 

@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from .attention import masked_attention
-from .device_decisions import interpreting, pdl_supported, shared_helpers, triton_module
+from .device_decisions import PDL_BY_DEFAULT, interpreting, pdl_supported, shared_helpers, triton_module
 
 try:  # optional (the dev extra, the GPU machine): the reference needs only torch
     import triton
@@ -166,8 +166,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     here; ``splits``, ``block_t``: :func:`plan`'s; ``num_warps``: per program of the first kernel, default 4 (8
     for a head size over 256). ``locks``: :func:`new_locks`' zeroed counters, one per key-value head: then one
     launch, whose last program per key-value head combines the chunks (the counters are zero again when it
-    returns; calls that share them must not run at the same time), and which lets a programmatic dependent launch
-    after it start as soon as all its programs run (:func:`pdl_supported` GPUs: the output projection's GEMV)."""
+    returns; calls that share them must not run at the same time), and which, with ``PDL_BY_DEFAULT`` on a GPU
+    that has them (:func:`pdl_supported`), lets a programmatic dependent launch after it (the output projection's
+    GEMV) start as soon as all its programs run."""
     check_inputs(q, keys, values, position)
     nH, D = q.shape
     T, nKV, Dv = values.shape
@@ -212,7 +213,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             G=group, D=D, DV=Dv, SPLITS=splits, BLOCK_G=block_g, BLOCK_T=block_t, BLOCK_D=block_d,
             BLOCK_DV=block_dv, DOT=dot, DOT_F32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
             WIDE=reach >= 2 ** 31, FUSED=locks is not None,
-            TRIGGER=locks is not None and pdl_supported(q.device), **combine, num_warps=num_warps)
+            TRIGGER=locks is not None and PDL_BY_DEFAULT and pdl_supported(q.device), **combine,
+            num_warps=num_warps)
         if locks is None:
             kernels.decode_combine_kernel[(nH,)](
                 workspace, position, out, T, out.stride(0), out.stride(1), DV=Dv, SPLITS=splits, BLOCK_T=block_t,

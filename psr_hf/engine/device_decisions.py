@@ -45,6 +45,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: whether the engine's own kernels chain as programmatic dependent launches where the GPU has them
+#: (:func:`pdl_supported`): off until the token graph's cuda tests have run with it on a GPU
+#: (``benchmarks/engine/gpu_pdl_tests.sh`` runs them with it on, in a copy of the package)
+PDL_BY_DEFAULT = False
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether a kernel on ``device`` may be launched as a programmatic dependent launch (PDL): compiled (not in
     the interpreter, which runs one kernel at a time) on a GPU of compute capability 9.0 or later (Hopper), whose

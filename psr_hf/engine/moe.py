@@ -364,11 +364,13 @@ def shape_key(hidden: int, intermediate: int, top_k: int) -> str:
 def chosen_blocks(hidden: int, intermediate: int, top_k: int, device: torch.device) -> dict[str, int]:
     """The tiles :func:`moe_slots_triton` runs with: those measured best for this GPU model and shape where the
     shipped table has them (:mod:`psr_hf.engine.tuned_tiles`), else :func:`triton_blocks`', launched as
-    programmatic dependent launches where the GPU has them (the second kernel starts while the first finishes)."""
-    from .device_decisions import pdl_supported
+    programmatic dependent launches (the second kernel starts while the first finishes) where the GPU has them and
+    ``device_decisions.PDL_BY_DEFAULT`` is on."""
+    from .device_decisions import PDL_BY_DEFAULT, pdl_supported
     from .tuned_tiles import lookup
 
-    default = {**triton_blocks(hidden, intermediate), "PDL": int(pdl_supported(torch.device(device)))}
+    pdl = PDL_BY_DEFAULT and pdl_supported(torch.device(device))
+    default = {**triton_blocks(hidden, intermediate), "PDL": int(pdl)}
     tuned = lookup("slot_moe", torch.device(device), shape_key(hidden, intermediate, top_k))
     return check_blocks({**default, **tuned}) if tuned else default
 
