@@ -621,7 +621,7 @@ class DecodeLayers(abc.ABC):
         self._check_row(out, "router logits out", r.stacked.shape[0])
         dt = self.router_dtype  # a no-op cast but for a last layer whose weight is not in the router's dtype
         if out.dtype == dt and r.stacked.dtype == dt and normed.dtype == dt and out.is_contiguous():
-            if self.attention_kernels:  # the fused GEMV, written in place: one launch of about half cuBLAS's time
+            if self.attention_kernels:  # the fused GEMV, written in place (cuBLAS's batch-1 kernel: 5.5 us at 0.5 MB)
                 from .gemv_kernel import linear_many
 
                 linear_many(normed, [r.stacked], outs=[out])
