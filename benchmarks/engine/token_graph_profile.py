@@ -80,7 +80,8 @@ def _host_parts(decoder: TokenGraphDecoder, token: int, n: int = 2000) -> dict[s
 
     parts = {"one_token": lambda: decoder._one_token(token), "no_grad": no_grad,
              "holding_and_ready": ready, "check_slot_buffers": decoder._check_slot_buffers,
-             "check_prefetch_source": lambda: L.check_prefetch_source(ctl), "sync_routers": lambda: L.sync_routers(handle)}
+             "check_prefetch_source": lambda: L.check_prefetch_source(ctl),
+             "sync_routers": lambda: L.sync_routers(handle)}
     out = {}
     for name, part in parts.items():
         spent = []

@@ -15,8 +15,8 @@ windows, sampled from the bf16 model's exact routing, and its held-out windows),
 With ``--fp8-selfgen`` (the default) the selfgen windows are also sampled from FP8-exact, with the record's prompts
 and seeds (``selfgen_fp8``): on that text an FP8 row's excess over FP8-exact estimates its KL divergence in the FP8
 regime, where exact routing is the FP8 checkpoint's own (the paper's Section 6.9 setting), and FP8-exact -
-bf16-exact is negative (bf16-exact is the one that did not write the text). Prints a table and writes a JSON record
-with every window's numbers.
+bf16-exact estimates minus the KL divergence of bf16-exact from FP8-exact (bf16-exact did not write the text).
+Prints a table and writes a JSON record with every window's numbers.
 
     python benchmarks/eval/fp8_divergence.py --record benchmarks/sweep/cpu/prefetch_distance/grown-olmoe-routing_quality.json \
         --json OUT.json

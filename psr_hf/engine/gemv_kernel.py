@@ -273,8 +273,8 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
 # an op returning new tensors, inductor calls it on the model's own weights (no copies) and a CUDA graph captures its
 # launch. Its first call for a shape compiles the kernel: make it before any capture. A custom op's signature is
 # fixed: a list of weights and a list of biases of the same length (None where none; an empty list: no biases), the
-# default blocks and warps, and ``pdl``. Registered once, by the package's module only: triton_module loads this file again as a
-# module of its own per mode.
+# default blocks and warps, and ``pdl``. Registered once, by the package's module only: triton_module loads this file
+# again as a module of its own per mode.
 if __name__ == "psr_hf.engine.gemv_kernel":
     @torch.library.custom_op("psr_hf::linear_many", mutates_args=())
     def _linear_many_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],

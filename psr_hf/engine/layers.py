@@ -679,8 +679,8 @@ class DecodeLayers(abc.ABC):
         """``out [1, H]`` (``residual +``): the layer's routed experts (``moe``, its
         :class:`~psr_hf.engine.slot_moe.SlotMoe`, on ``slots``) on the buffers' normed input, weighed by
         :meth:`execution_weights` of ``logits`` at the buffers' expert ids (written into the buffers' weights). A
-        softmax router's weights are computed inside the slot MoE's first kernel where it runs Triton (one launch
-        fewer per layer than the compiled weights' own two), else beforehand."""
+        softmax router's weights are computed inside the slot MoE's first kernel where it runs Triton (the two
+        launches of the compiled weights fewer per layer), else beforehand."""
         b = self.buffers
         if self._softmax_weights and moe.weighs_in_kernel(self.device, backend):
             routing = SoftmaxRouting(logits[0, : self.num_experts], b.expert_ids[0],

@@ -163,9 +163,10 @@ def new_workspace(top_k: int, intermediate: int, device: torch.device | str) -> 
 
 
 class SoftmaxRouting(NamedTuple):
-    """A softmax router's weights, computed by the slot MoE itself instead of beforehand (one launch fewer per
-    layer, two of inductor's for the Triton path): ``logits [E]`` the router's unmodified logits, ``ids [K]`` the
-    selected experts' ids (not their slots), ``normalize`` whether the weights are renormalised over the K."""
+    """A softmax router's weights, computed by the slot MoE itself instead of beforehand (on the Triton path, the
+    two launches of the compiled weights fewer per layer): ``logits [E]`` the router's unmodified logits, ``ids
+    [K]`` the selected experts' ids (not their slots), ``normalize`` whether the weights are renormalised over
+    the K."""
 
     logits: torch.Tensor
     ids: torch.Tensor
