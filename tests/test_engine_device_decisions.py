@@ -262,6 +262,31 @@ def test_the_copy_kernel_moves_every_tensor_of_an_expert_when_it_has_more_than_t
         assert s[0].view(torch.uint8).eq(0).all()
 
 
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("count", [2, 3])  # one launch per layer, and two (an expert of three tensors)
+def test_copies_mark_their_layer_done_and_a_layer_waiting_before_that_counts_its_prefetches_late(count):
+    from psr_hf.engine.device_copies import LateCounter, LayerCopies
+
+    gen = torch.Generator().manual_seed(2)
+    host = [torch.randn(6, 4, 8, generator=gen) for _ in range(count)]
+    slots = [torch.zeros(3, 4, 8) for _ in range(count)]
+    copies = torch.zeros((3, 5), dtype=torch.int32)
+    copies[1] = torch.tensor([2, 5, 1, 0, 2], dtype=torch.int32)  # layer 1: two prefetches, counted at column 0
+    step = torch.tensor([7], dtype=torch.int64)
+    counter = LateCounter(3, step)
+    counter.check(copies, 1, 0)  # layer 1 waits before its copies ran in step 7: two late, one layer waited
+    LayerCopies(host, slots).launch(copies, layer=1, count_column=0, programs=3, signal=counter)
+    assert counter.done.tolist() == [-1, 7, -1] and counter.arrivals.eq(0).all()  # the last program marked it
+    assert torch.equal(slots[0][1], host[0][5]) and torch.equal(slots[-1][2], host[-1][0])
+    counter.check(copies, 1, 0)  # after them: in time
+    step += 1
+    counter.check(copies, 1, 0)  # the next step, its copies not yet run: late again
+    counter.check(copies, 2, 0)  # a layer without prefetches is never late
+    assert counter.counts() == {"late": 4, "layers_waited": 2, "per_layer": [[0, 0], [4, 2], [0, 0]]}
+    counter.restart()
+    assert counter.done.tolist() == [-1, -1, -1]
+
+
 def _trace(rng: np.random.Generator, tokens: int, ties: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     joint = np.stack([np.stack([_scores(rng, ties) for _ in range(L)]) for _ in range(tokens)])  # [T, L, 2E]
     pregate = joint[:, :, E:].copy()

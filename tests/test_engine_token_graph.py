@@ -238,6 +238,28 @@ def test_a_router_changed_by_a_streamer_routes_from_the_same_step_on_the_device_
 
 @pytest.mark.cuda
 @needs_cuda
+def test_counting_late_prefetches_changes_no_output_and_counts_at_most_every_prefetch():
+    from psr_hf.engine.token_graph import TokenGraphDecoder
+
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(7))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        plain = _greedy(model, TokenGraphDecoder(model, MAX_LEN, prefetch_programs=1), ids)
+        decoder = TokenGraphDecoder(model, MAX_LEN, prefetch_programs=1, count_late=True)
+        counted = _greedy(model, decoder, ids)
+        late = decoder.late_prefetches()
+        with pytest.raises(ValueError, match="count_late=True"):
+            TokenGraphDecoder(model, MAX_LEN).late_prefetches()
+    torch.testing.assert_close(counted[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(counted[1], plain[1], rtol=0, atol=0)
+    assert counted[2].offload.prefetch == plain[2].offload.prefetch > 0
+    assert 0 <= late["late"] <= counted[2].offload.prefetch
+    assert late["layers_waited"] <= late["late"]
+    assert len(late["per_layer"]) == len(decoder.moe_layers)
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_copy_timing_changes_no_token_graph_output():
     """One program per layer's copies (slow, late prefetches) or every SM: the same tokens, logits and copies."""
     from psr_hf.engine.token_graph import TokenGraphDecoder

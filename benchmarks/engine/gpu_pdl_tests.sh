@@ -9,7 +9,7 @@
 #           token graph's cuda tests (bitwise the host path) as committed;
 #   PART=2: the token graph's cuda tests with PDL; the slot MoE's (its softmax weights compiled), the graphs', the
 #           kernels' and FP8's cuda tests; then, in the time left, the kernels of every row and of the copies-skipped
-#           twins of PSR and Cache-Prior under torch.profiler.
+#           twins of PSR and Cache-Prior under torch.profiler, with PSR's late prefetches counted on the device.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -50,7 +50,8 @@ case "${PART:-1}" in
   if [ "$(left)" -gt 60 ]; then
     echo "== token graph kernels, with the twins" | tee -a "$LOG"
     PYTHONUNBUFFERED=1 timeout "$(cap 150)" python3 benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing \
-        --decide-warps 4 --rounds 2 --twins --json "$OUT/profile_kernels_twins.json" 2>&1 | grep -v "Loading weights" \
+        --decide-warps 4 --rounds 2 --twins --count-late --json "$OUT/profile_kernels_twins.json" 2>&1 \
+        | grep -v "Loading weights" \
         > "$OUT/profile_kernels_twins.txt"
     grep "==" "$OUT/profile_kernels_twins.txt" | tee -a "$LOG"
   fi

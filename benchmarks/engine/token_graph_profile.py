@@ -179,6 +179,9 @@ def main() -> None:
                     help="also PSR lam 0.3 n1 and Cache-Prior lam 0.2 at --residency on the all-resident model (the "
                          "bench's copies-skipped twins: their decisions, no copies), to see where PSR's twin spends "
                          "its extra time")
+    ap.add_argument("--count-late", action="store_true",
+                    help="the offloaded row counts on the device the prefetches its layers still wait for "
+                         "(TokenGraphDecoder(count_late=True): one more small kernel per layer with prefetches)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dot-dir", default=None, help="write each launch variant's graph as a DOT file here")
     ap.add_argument("--launch-variants", action="store_true",
@@ -212,13 +215,18 @@ def main() -> None:
         model = weight_sharing_copy(source)
         psr_hf.patch(model, psr_hf.RoutingConfig(**kw), calibration=calibration, offload=offload)
         max_len = len(prompt) + args.steps * (args.rounds + 3) + 160
-        decoder = TokenGraphDecoder(model, max_len, decide_warps=warps)
+        counting = args.count_late and offload is not None
+        decoder = TokenGraphDecoder(model, max_len, decide_warps=warps, count_late=counting)
         decoder.prefill(prompt, batched=False)
         token = prompt[-1]
         _back_to_back(decoder, token, 8)  # warm
-        floors, hosts = [], []
+        floors, hosts, late = [], [], []
         for _ in range(args.rounds):
+            before = decoder.late_prefetches() if counting else None
             floors.append(_back_to_back(decoder, token, args.steps))
+            if counting:  # per step of the round replayed back to back
+                after = decoder.late_prefetches()
+                late.append({key: (after[key] - before[key]) / args.steps for key in ("late", "layers_waited")})
             hosts.extend(_host_us(decoder, token, 16))
         from graph_launch_probe import raw_launch_us
 
@@ -239,7 +247,8 @@ def main() -> None:
         out = {"decide_warps": warps, "gpu_ms_per_token_back_to_back": floors, "gpu_ms_median": floor,
                "host_us_per_step_median": statistics.median(hosts), "host_us_per_step_p90": sorted(hosts)[int(0.9 * len(hosts))],
                "raw_launch_us_median": None if raw is None else statistics.median(raw), "launch_variants": census,
-               **kernels, "host_parts_us": parts, "host_profile": host_profile}
+               **kernels, "host_parts_us": parts, "host_profile": host_profile,
+               "late_prefetches_per_step": late or None}
         if offload is None:
             out["achieved_tb_per_s_back_to_back"] = weights["total"] / (floor * 1e-3) / 1e12
             out["memory_bound_ms"] = None if peak is None else weights["total"] / (peak * 1e12) * 1e3
@@ -253,6 +262,9 @@ def main() -> None:
                  f"(bound {out['memory_bound_ms']} ms)"), flush=True)
         print(f"   cudaGraphLaunch alone: {out['raw_launch_us_median']} us")
         print("   host checks alone, median us: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        if late:
+            print("   late prefetches per step (rounds): " + "; ".join(
+                f"{r['late']:.2f} late, {r['layers_waited']:.2f} layers waited" for r in late))
         for variant, v in (census or {}).items():
             print(f"   {variant}: {v if isinstance(v, str) else json.dumps(v)[:3000]}")
         for k in kernels["top"]:

@@ -52,14 +52,49 @@ class LayerCopies:
         self.pairs = [(src[i], dst[i], src[i + 1], dst[i + 1]) for i in range(0, len(src), 2)]
 
     def launch(self, copies: torch.Tensor, layer: int, count_column: int, programs: int, *, block: int = BLOCK,
-               warps: int = 8) -> None:
+               warps: int = 8, signal: LateCounter | None = None) -> None:
         """Copy the pairs of ``copies[layer]`` (int32 ``[L, CW]``) counted at ``count_column`` (pairs follow it)
         with ``programs`` programs of ``warps`` warps, each moving ``block`` words (a power of two) per step: the
-        bytes a program has in flight over the link. Capturable: the count and the pairs are read on the device."""
+        bytes a program has in flight over the link. Capturable: the count and the pairs are read on the device.
+        ``signal``: the last program to finish marks the layer's copies done in this step (:class:`LateCounter`)."""
         if block < 1 or block & (block - 1):
             raise ValueError(f"block={block} must be a power of two (int32 words per program and step)")
         launch = kernel(interpreting())
+        marks = (signal.done, signal.arrivals, signal.step) if signal is not None else (copies, copies, copies)
         for src_a, dst_a, src_b, dst_b in self.pairs:
             launch[(programs,)](
                 copies, layer * copies.shape[1] + count_column, src_a, dst_a, src_b, dst_b, src_a.shape[1],
-                src_b.shape[1], PROGRAMS=programs, BLOCK=block, num_warps=warps)
+                src_b.shape[1], *marks, layer, programs * len(self.pairs), PROGRAMS=programs, BLOCK=block,
+                SIGNAL=signal is not None, num_warps=warps)
+
+
+class LateCounter:
+    """Which prefetches a layer still waited for, counted on the device (a diagnostic of the token graph): the
+    prefetch copies of a layer mark it done with the step's number (``LayerCopies.launch(..., signal=)``), and where
+    the layer is about to wait for them :meth:`check` counts its prefetches as late unless that mark is there.
+    ``step``: the device's count of the token graph's steps (``GraphStepInputs.steps``)."""
+
+    def __init__(self, num_layers: int, step: torch.Tensor):
+        device = step.device
+        self.step = step
+        self.done = torch.full((num_layers,), -1, dtype=torch.int64, device=device)  # the step each layer's landed
+        self.arrivals = torch.zeros(num_layers, dtype=torch.int32, device=device)  # programs finished this launch
+        self.late = torch.zeros(num_layers, 2, dtype=torch.int64, device=device)  # late prefetches, layers waited
+
+    def restart(self) -> None:
+        """No layer's copies are marked done (the step count starts again)."""
+        self.done.fill_(-1)
+        self.arrivals.zero_()
+
+    def check(self, copies: torch.Tensor, layer: int, count_column: int) -> None:
+        """Count ``layer``'s prefetches (their number at ``copies[layer, count_column]``) as late unless its copies
+        have marked it done in this step (capturable; enqueue it where the layer waits for them)."""
+        late = triton_module("copy_kernel.py", interpreting()).late_prefetch_kernel
+        late[(1,)](self.done, self.step, copies, layer * copies.shape[1] + count_column, self.late, layer, num_warps=1)
+
+    def counts(self) -> dict[str, Any]:
+        """``{"late": prefetches, "layers_waited": layer visits, "per_layer": [[late, waited], ...]}`` since the
+        counter was built (reads the device)."""
+        per_layer = self.late.cpu().tolist()
+        return {"late": sum(r[0] for r in per_layer), "layers_waited": sum(r[1] for r in per_layer),
+                "per_layer": per_layer}

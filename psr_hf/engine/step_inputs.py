@@ -79,6 +79,12 @@ class GraphStepInputs:
         self._counter = torch.zeros(1, dtype=torch.int64, device=device)  # the device's own count
         self._written = 0  # rows the host has written since restart
 
+    @property
+    def steps(self) -> torch.Tensor:
+        """The device's count of the steps it has read (int64 ``[1]``, advanced by the token graph's first
+        kernel): within a step, its number plus one."""
+        return self._counter
+
     def restart(self) -> None:
         """Counts from 0 again on both sides (on the current stream, before the stretch's first launch)."""
         self._counter.zero_()

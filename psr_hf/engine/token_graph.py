@@ -27,7 +27,7 @@ from psr_hf.hf.patching import controller as _controller
 from psr_hf.hf.prefetch_sources import PregateRanking
 from psr_hf.offload.cuda_runtime import raw_current_stream
 from . import device_decisions as D
-from .device_copies import LayerCopies
+from .device_copies import LateCounter, LayerCopies
 from .device_state import DeviceState
 from .graphs import GraphDecoder
 from .moe import triton_available
@@ -76,11 +76,12 @@ def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, 
 class TokenGraphDecoder(GraphDecoder):
     """:class:`GraphDecoder` with device routing for decode steps (CUDA, ``graphs=True``). ``prefetch_programs``:
     the programs of a layer's prefetch copies, beside the compute; ``demand_programs``: of its demand copies
-    (default: the device's SM count); ``decide_warps``: the decision kernel's warps. Other arguments:
-    :class:`GraphDecoder`'s."""
+    (default: the device's SM count); ``decide_warps``: the decision kernel's warps; ``count_late``: count the
+    prefetches each layer still waits for (:meth:`late_prefetches`). Other arguments: :class:`GraphDecoder`'s."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, prefetch_programs: int = 8,
-                 demand_programs: int | None = None, decide_warps: int = 4, **kwargs: Any):
+                 demand_programs: int | None = None, decide_warps: int = 4, count_late: bool = False,
+                 **kwargs: Any):
         super().__init__(model, max_len, **kwargs)
         if not self.graphs:
             raise ValueError("TokenGraphDecoder needs graphs=True (a CUDA device)")
@@ -91,6 +92,7 @@ class TokenGraphDecoder(GraphDecoder):
         self.prefetch_programs = int(prefetch_programs)
         self.demand_programs = int(demand_programs or torch.cuda.get_device_properties(self.device).multi_processor_count)
         self._max_len = int(max_len)
+        self.count_late = bool(count_late)
         self.decide_warps = int(decide_warps)
         self._lent_from = 0  # the first position decided on the device in the lent stretch
         self._decided_to = 0  # the position after the last one decided on the device
@@ -117,7 +119,23 @@ class TokenGraphDecoder(GraphDecoder):
                 self._copies.append(LayerCopies([host[name] for name in slots], list(slots.values())))
         self._counters_at_lend = np.zeros((len(self.moe_layers), 8))
         self._step_inputs = GraphStepInputs(b.token, b.position)
+        # the diagnostic of late prefetches, offloaded only (late_prefetches)
+        self._late = (LateCounter(len(self.moe_layers), self._step_inputs.steps)
+                      if self.count_late and self.offloaded else None)
         self._capture_token()
+        if self._late is not None:  # the capture's warm-up ran the checks for real
+            self._late.late.zero_()
+
+    def late_prefetches(self) -> dict[str, Any]:
+        """With ``count_late=True`` on an offloaded model: the prefetches still being copied where their layer was
+        about to wait for them, counted on the device over the device-decided steps since the token graph was last
+        captured (``late``), the layer visits that waited (``layers_waited``), and both per MoE layer
+        (``per_layer``). A diagnostic: the check is one more small kernel per layer with prefetches; it changes no
+        output. Reads the device."""
+        if self._late is None:
+            raise ValueError("late_prefetches needs TokenGraphDecoder(..., count_late=True) on an offloaded model "
+                             "(a resident one copies nothing)")
+        return self._late.counts()
 
     # ------------------------------------------------------------------ the token graph
     def _token_body(self, side: torch.cuda.Stream) -> None:
@@ -136,13 +154,15 @@ class TokenGraphDecoder(GraphDecoder):
                 decided = torch.cuda.Event()
                 decided.record(main)
                 if m in waits:  # this layer's prefetches (issued at m - ahead) land before its demand copies
+                    if self._late is not None:
+                        self._late.check(state.copies, m, 1 + 2 * L.top_k)
                     main.wait_event(waits.pop(m))
                 self._copies[m].launch(state.copies, m, 0, self.demand_programs)
                 if m + ahead < len(self.moe_layers) and inserts:
                     side.wait_event(decided)
                     with torch.cuda.stream(side):
                         self._copies[m + ahead].launch(state.copies, m + ahead, 1 + 2 * L.top_k,
-                                                       self.prefetch_programs)
+                                                       self.prefetch_programs, signal=self._late)
                         landed = torch.cuda.Event()
                         landed.record(side)
                     waits[m + ahead] = landed
@@ -218,6 +238,8 @@ class TokenGraphDecoder(GraphDecoder):
         self._upload(ctl.expert_store.lend_slots())
         self._lent_from = self._decided_to = self.position
         self._step_inputs.restart()
+        if self._late is not None:
+            self._late.restart()
         self._counters_at_lend = ctl.cache.counters[:, 0].copy()
         self.decode_handle.lend_state(self)
 
