@@ -6,6 +6,8 @@ CPU: the decoder refuses what it cannot route on the device, with the reason."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -30,6 +32,15 @@ STAT_FIELDS = ("tokens", "prefetch_per_token", "demand_per_token", "copies_per_t
                "displaced_mass")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@contextlib.contextmanager
+def _psr_offloaded(seed: int):
+    """The tiny OLMoE in float32 on the GPU, patched with PSR over a CUDA offload, and a 6-token prompt."""
+    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
+    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+        yield model, ids
 
 
 def _greedy(model, decoder, ids):
@@ -241,9 +252,7 @@ def test_a_router_changed_by_a_streamer_routes_from_the_same_step_on_the_device_
 def test_counting_late_prefetches_changes_no_output_and_counts_at_most_every_prefetch():
     from psr_hf.engine.token_graph import TokenGraphDecoder
 
-    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(7))
-    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+    with _psr_offloaded(seed=7) as (model, ids):
         plain = _greedy(model, TokenGraphDecoder(model, MAX_LEN, prefetch_programs=1), ids)
         decoder = TokenGraphDecoder(model, MAX_LEN, prefetch_programs=1, count_late=True)
         counted = _greedy(model, decoder, ids)
@@ -264,9 +273,7 @@ def test_copy_timing_changes_no_token_graph_output():
     """One program per layer's copies (slow, late prefetches) or every SM: the same tokens, logits and copies."""
     from psr_hf.engine.token_graph import TokenGraphDecoder
 
-    model = tiny_model("olmoe", dtype=torch.float32).to("cuda")
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(6))
-    with psr_hf.patched(model, RoutingConfig(**POLICIES["psr"]), offload=psr_hf.OffloadConfig(device="cuda")):
+    with _psr_offloaded(seed=6) as (model, ids):
         runs = [_greedy(model, TokenGraphDecoder(model, MAX_LEN, prefetch_programs=p, demand_programs=d), ids)
                 for p, d in ((1, 1), (8, None), (32, 4))]
     for run in runs[1:]:
