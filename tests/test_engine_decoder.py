@@ -102,11 +102,12 @@ def test_exact_routing_gives_hf_greedy_tokens_logits_and_stats(case, name):
 
 
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["olmoe", "qwen3_5_moe_text", "deepseek_v3"])
 def test_the_triton_slot_moe_decodes_the_torch_ones_tokens_weighing_the_experts_itself(case, name):
-    """With the Triton slot MoE (triton's interpreter), a softmax router's weights (OLMoE) are computed inside its
-    first kernel and a sigmoid router's (DeepSeek-V3) beforehand; either way the tokens, the routing and the
-    weights left in the buffers are the torch slot MoE's."""
+    """With the Triton slot MoE (triton's interpreter), a softmax router's weights (OLMoE; Qwen3.5, which
+    renormalises them over the selected experts) are computed inside its first kernel and a sigmoid router's
+    (DeepSeek-V3) beforehand; either way the tokens, the routing and the weights left in the buffers are the torch
+    slot MoE's."""
     pytest.importorskip("triton")
     model, ids, calibration, _ = case(name)
     runs = {}
