@@ -27,6 +27,7 @@ from psr_hf.assets.grow import (MOONLIGHT_16B_A3B, OLMOE_1B_7B, PRESETS, GrowTar
                                 grow_pretrained, target_by_name)
 from psr_hf.assets.grow_families.base import norm_input_scale
 from psr_hf.assets.grow_families.qwen3_5_moe import QWEN3_6_35B_A3B
+from psr_hf.assets.grow_families.qwen3_next import QWEN3_NEXT_80B_A3B
 from psr_hf.cli import main
 from psr_hf.testing import tiny_model
 
@@ -55,6 +56,8 @@ QWEN_CI = QWEN3_6_35B_A3B.with_dims(hidden_size=256, num_attention_heads=8, num_
                                     expert_intermediate_size=64, shared_expert_intermediate_size=64,
                                     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                                     linear_value_head_dim=16)
+# Qwen3-Next: the same reduced dimensions (its tiny model has Qwen3.5's head dimensions and a dense MLP layer)
+QWEN_NEXT_CI = QWEN3_NEXT_80B_A3B.with_dims(**{k: v for k, v in QWEN_CI.dims().items() if k not in ("name", "family")})
 # the shipped tiny-moe (hidden 128, 4 heads of 32, experts of 64) to hidden 512, 8 heads of 64, experts of 96
 TINY_MOE_CI = OLMOE_1B_7B.with_dims(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
                                     expert_intermediate_size=96)
@@ -80,9 +83,10 @@ def _assert_same_logits(small: torch.Tensor, big: torch.Tensor) -> float:
     return diff
 
 
-def _qwen(seed: int = 3, **overrides):
-    """A tiny Qwen3.5-MoE with non-trivial norms (its zero-centred norms start at zero, the gated norm at one)."""
-    return tiny_model("qwen3_5_moe_text", seed=seed, norm_noise=0.2, **{**QWEN_SMALL, **overrides})
+def _qwen(seed: int = 3, family: str = "qwen3_5_moe_text", **overrides):
+    """A tiny Qwen3.5-MoE (or Qwen3-Next) with non-trivial norms (its zero-centred norms start at zero, the gated
+    norm at one)."""
+    return tiny_model(family, seed=seed, norm_noise=0.2, **{**QWEN_SMALL, **overrides})
 
 
 def _case(family: str):
@@ -90,6 +94,8 @@ def _case(family: str):
         return tiny_model("olmoe", seed=3, **OLMOE_SMALL), OLMOE_CI
     if family == "qwen3_5_moe_text":
         return _qwen(), QWEN_CI
+    if family == "qwen3_next":
+        return _qwen(family="qwen3_next"), QWEN_NEXT_CI
     return tiny_model("deepseek_v3", seed=3, **DEEPSEEK_SMALL), MOONLIGHT_CI
 
 
@@ -99,7 +105,7 @@ def _stream_scale(small, big) -> float:
     return norm_input_scale(r, small.config.rms_norm_eps, big.config.rms_norm_eps)
 
 
-@pytest.fixture(scope="module", params=["olmoe", "deepseek_v3", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["olmoe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next"])
 def grown(request):
     small, target = _case(request.param)
     return small, grow(small, target), target
@@ -156,11 +162,13 @@ def test_grouped_query_attention_and_clip_qkv_are_exact():
         _assert_same_logits(small(ids).logits, big(ids).logits)
 
 
-def test_qwen_gated_delta_net_and_gated_attention_grow_exactly_with_repeated_key_heads():
+@pytest.mark.parametrize("family, target", [("qwen3_5_moe_text", QWEN_CI), ("qwen3_next", QWEN_NEXT_CI)])
+def test_qwen_gated_delta_net_and_gated_attention_grow_exactly_with_repeated_key_heads(family, target):
     """Fewer heads per key head in the target (one query head per key/value head, one value head per Gated DeltaNet
-    key head): each small key head is repeated; the stream carries sqrt(4) = 2."""
-    small = _qwen(seed=5)
-    big = grow(small, QWEN_CI.with_dims(num_key_value_heads=8, linear_num_key_heads=8))
+    key head): each small key head is repeated (Qwen3-Next: with its share of the fused value heads); the stream
+    carries sqrt(4) = 2."""
+    small = _qwen(seed=5, family=family)
+    big = grow(small, target.with_dims(num_key_value_heads=8, linear_num_key_heads=8))
     assert _stream_scale(small, big) == 2.0 and big.config.rms_norm_eps == small.config.rms_norm_eps
     assert big.config.layer_types == small.config.layer_types
     ids = _ids(small.config.vocab_size, seed=4)
@@ -168,16 +176,21 @@ def test_qwen_gated_delta_net_and_gated_attention_grow_exactly_with_repeated_key
         _assert_same_logits(small(ids).logits, big(ids).logits)
 
 
-def test_qwen_grow_keeps_the_head_dimensions_and_its_preset_is_transformers_defaults():
-    from transformers import Qwen3_5MoeTextConfig
+@pytest.mark.parametrize("family, preset, name", [("qwen3_5_moe_text", QWEN3_6_35B_A3B, "Qwen3.6-35B-A3B"),
+                                                  ("qwen3_next", QWEN3_NEXT_80B_A3B, "Qwen3-Next-80B-A3B")])
+def test_the_qwen_presets_are_transformers_defaults(family, preset, name):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
-    defaults = Qwen3_5MoeTextConfig()
-    assert default_target("qwen3_5_moe_text") is QWEN3_6_35B_A3B and target_by_name("Qwen3.6-35B-A3B") is QWEN3_6_35B_A3B
+    defaults = (Qwen3_5MoeTextConfig if family == "qwen3_5_moe_text" else Qwen3NextConfig)()
+    assert default_target(family) is preset and target_by_name(name) is preset
     for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                   "linear_key_head_dim", "linear_value_head_dim"):
-        assert getattr(QWEN3_6_35B_A3B, field) == getattr(defaults, field), field
-    assert QWEN3_6_35B_A3B.expert_intermediate_size == defaults.moe_intermediate_size
+        assert getattr(preset, field) == getattr(defaults, field), field
+    assert preset.expert_intermediate_size == defaults.moe_intermediate_size
+
+
+def test_qwen_grow_keeps_the_head_dimensions():
     with pytest.raises(ValueError, match="keeps Qwen3.5/3.6's head dimensions.*target head_dim=32 against the "
                                          "model's 16"):
         grow(_qwen(), QWEN_CI.with_dims(head_dim=32))
@@ -272,11 +285,11 @@ def test_rope_types_that_depend_on_the_head_size_are_refused():
 
 
 def test_bad_preset_names_and_bad_targets_say_what_is_known():
-    with pytest.raises(ValueError, match="known targets: olmoe-1b-7b, moonlight-16b-a3b, qwen3.6-35b-a3b; did you "
-                                         "mean olmoe-1b-7b"):
+    with pytest.raises(ValueError, match="known targets: olmoe-1b-7b, moonlight-16b-a3b, qwen3.6-35b-a3b, "
+                                         "qwen3-next-80b-a3b; did you mean olmoe-1b-7b"):
         target_by_name("olmoe-1b7b")
     assert target_by_name("OLMoE-1B-7B") is OLMOE_1B_7B
-    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b"]
+    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"]
     assert default_target(tiny_model("deepseek_v3").config) is MOONLIGHT_16B_A3B
     with pytest.raises(ValueError, match="grow has no target for model type 'llama'"):
         default_target("llama")

@@ -205,8 +205,8 @@ def test_a_new_family_is_one_file_per_layer(tmp_path, monkeypatch):
 
 def test_the_shipped_families_are_found_on_the_paths():
     assert supported_model_types() == ["olmoe", "deepseek_v3", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"]
-    assert grow_model_types() == ["olmoe", "deepseek_v3", "qwen3_5_moe_text"]
-    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b"]
+    assert grow_model_types() == ["olmoe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next"]
+    assert list(PRESETS) == ["olmoe-1b-7b", "moonlight-16b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"]
     assert type(build_layers(tiny_model("deepseek_v3"), 4)).__module__ == "psr_hf.engine.families.deepseek_v3"
     assert type(build_layers(tiny_model("qwen3_5_moe"), 4)).__module__ == "psr_hf.engine.families.qwen3_5_moe"
     assert type(build_layers(tiny_model("qwen3_next"), 4)).__module__ == "psr_hf.engine.families.qwen3_next"

@@ -55,14 +55,16 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
     expert; head dimensions kept."""
 
     zero_centred_norms = True
+    #: how messages name the family, and its models' head dimensions
+    target_label, heads_label = "Qwen3.5/3.6-MoE", "Qwen3.5/3.6"
 
     def check_target(self, target: GrowTarget, fail: Callable[[str], None]) -> None:
         extra = [f for f in _NOT_QWEN if getattr(target, f) is not None]
         if extra:
-            fail(f"{', '.join(extra)} are DeepSeek-V3 fields; leave them None for a Qwen3.5/3.6-MoE target")
+            fail(f"{', '.join(extra)} are DeepSeek-V3 fields; leave them None for a {self.target_label} target")
         missing = [f for f in _REQUIRED if getattr(target, f) is None]
         if missing:
-            fail(f"{', '.join(missing)} required for a Qwen3.5/3.6-MoE target")
+            fail(f"{', '.join(missing)} required for a {self.target_label} target")
         if target.linear_num_value_heads % target.linear_num_key_heads:
             fail(f"linear_num_value_heads={target.linear_num_value_heads} is not a multiple of "
                  f"linear_num_key_heads={target.linear_num_key_heads}")
@@ -83,8 +85,8 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
                                                                ("linear_v_dim", "linear_value_head_dim"))
                 if getattr(s, k) != getattr(b, k)]
         if kept:
-            raise ValueError("grow keeps Qwen3.5/3.6's head dimensions (the L2-normalised Gated DeltaNet queries, the "
-                             "head norms' shared epsilon and the partial RoPE read them): "
+            raise ValueError(f"grow keeps {self.heads_label}'s head dimensions (the L2-normalised Gated DeltaNet "
+                             "queries, the head norms' shared epsilon and the partial RoPE read them): "
                              + "; ".join(f"target {f}={big} against the model's {small}" for f, small, big in kept)
                              + "; grow a model with the target's head dimensions")
         ratio_s, ratio_b = s.linear_v_heads // s.linear_k_heads, b.linear_v_heads // b.linear_k_heads
@@ -119,7 +121,7 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
 
     def _gated_delta_net(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims) -> None:
         """One Gated DeltaNet layer. Its channels are ``[q (key heads) | k (key heads) | v (value heads)]``,
-        through ``in_proj_qkv`` and the depthwise convolution alike; ``z``, ``b``, ``a``, ``A_log`` and
+        through the input projection and the depthwise convolution alike; ``z``, ``b``, ``a``, ``A_log`` and
         ``dt_bias`` are per value head; small value head ``v`` is big value head ``v``."""
         import torch
 
@@ -132,19 +134,29 @@ class Qwen35MoeGrow(GrowFamily, model_name="Qwen3.6-35B-A3B", rotary="head_dim",
                               2 * s.linear_k_heads * Dk + torch.arange(s.linear_v_heads * Dv)))
         qkv_to = torch.cat((torch.arange(n * Dk), big_key_block + torch.arange(n * Dk),
                             2 * big_key_block + torch.arange(s.linear_v_heads * Dv)))
-        fill.linear(big.in_proj_qkv, small.in_proj_qkv, (qkv_from, qkv_to), None)
+        self._input_projections(fill, big, small, s, b, keys, (qkv_from, qkv_to))
         fill.put(big.conv1d.weight, small.conv1d.weight, ((qkv_from, qkv_to), None, None))
         if small.conv1d.bias is not None:
             fill.put(big.conv1d.bias, small.conv1d.bias, ((qkv_from, qkv_to),))
         values = torch.arange(s.linear_v_heads)
-        fill.linear(big.in_proj_z, small.in_proj_z, None, None)
-        fill.linear(big.in_proj_b, small.in_proj_b, values, None)
-        fill.linear(big.in_proj_a, small.in_proj_a, values, None)
         fill.put(big.A_log, small.A_log, (values,))
         fill.put(big.dt_bias, small.dt_bias, (values,))
         if fill.norm(big.norm, small.norm, None, 1.0) != 1.0:  # over the value head (kept), weight x (not 1 + w)
             raise ValueError("grow: the gated norm's epsilon of the grown model is not the small model's")
         fill.linear(big.out_proj, small.out_proj, None, None, fill.stream_scale)
+
+    def _input_projections(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, keys: torch.Tensor,
+                           qkv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A Gated DeltaNet layer's input projections: ``in_proj_qkv`` on the channels ``qkv`` (the convolution's:
+        source and destination), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` per value head. ``keys``: the
+        small key head of each of the first big key heads."""
+        import torch
+
+        values = torch.arange(s.linear_v_heads)
+        fill.linear(big.in_proj_qkv, small.in_proj_qkv, qkv, None)
+        fill.linear(big.in_proj_z, small.in_proj_z, None, None)
+        fill.linear(big.in_proj_b, small.in_proj_b, values, None)
+        fill.linear(big.in_proj_a, small.in_proj_a, values, None)
 
     def shared_expert(self, fill: Filler, big_block: Any, small_block: Any, hid: Any) -> bool:
         shared = getattr(small_block, "shared_expert", None)
