@@ -31,6 +31,8 @@ class Qwen3NextGrow(Qwen35MoeGrow, model_name="Qwen3-Next-80B-A3B", rotary="head
 
     def _input_projections(self, fill: Filler, big: Any, small: Any, s: Dims, b: Dims, keys: torch.Tensor,
                            qkv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The fused ``in_proj_qkvz`` and ``in_proj_ba``, key head by key head (their rows do not follow the
+        convolution's channels ``qkv``, which the caller maps)."""
         import torch
 
         Dk, Dv = s.linear_k_dim, s.linear_v_dim
