@@ -4,6 +4,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import psr_hf.patches" 2>/dev/null || ln -sfn ../patches psr_hf/patches
 export PYTHONPATH=$PWD
 
+# left: the seconds of the call's TOTAL_S (default 570) not yet spent since the script set START=$SECONDS;
+# cap N: N, or what is left if that is less (a part's timeout)
+left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
+cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
+
 # unxz_copy SRC DEST: DEST holds SRC's files, those compressed with xz decompressed (a carry is at most 64 MiB, so
 # shards and built models travel compressed)
 unxz_copy() {

@@ -11,8 +11,6 @@
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 if [ "${TESTS:-0}" = 1 ]; then  # first, the token graph's cuda tests (the reset after a reconfigure, the inputs' ring)
   timeout "$(cap "${TESTS_S:-300}")" python3 -m pytest -q -m cuda tests/test_engine_token_graph.py 2>&1 | tail -4 \
       | tee "$OUT/cuda_token_graph_tests.txt"

@@ -9,8 +9,6 @@
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 PYTHONUNBUFFERED=1 timeout "$(cap "${GENERATE_S:-200}")" python3 -m psr_hf.cli bench-generate --model grown-olmoe-routing \
     --rounds "${ROUNDS:-3}" --prompt-tokens 512 --new-tokens 64 --json "$OUT/bench_generate.json" 2>/dev/null \

@@ -9,8 +9,6 @@ set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
 ROOT=$PWD
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 timeout "$(cap "${TEST_S:-190}")" python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_engine_gemv_kernel.py \
     tests/test_engine_decode_attention_kernel.py tests/test_engine_attention_kernels.py \
     tests/test_engine_device_decisions.py tests/test_engine_token_graph.py 2>&1 | tail -40 > "$OUT/kernels_cuda_tests.txt"

@@ -14,8 +14,6 @@ set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
 LOG=$OUT/log.txt
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 if [ ! -d _pdl ]; then  # this build with PDL_BY_DEFAULT on, beside it
   mkdir -p _pdl && cp -r psr_hf _pdl/ && ln -sfn ../patches _pdl/patches 2>/dev/null

@@ -9,8 +9,6 @@
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 timeout "$(cap "${TEST_S:-150}")" python3 -m pytest -m cuda -q -p no:cacheprovider --tb=short -k distance \
     tests/test_engine_token_graph.py tests/test_engine_graphs.py tests/test_engine_device_decisions.py 2>&1 \
     | tail -40 > "$OUT/distance_cuda_tests.txt"

@@ -9,8 +9,6 @@
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
-left() { echo $(( ${TOTAL_S:-570} - (SECONDS - START) )); }
-cap() { local l; l=$(left); [ "$l" -gt "$1" ] && echo "$1" || echo "$l"; }
 case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
   *H200*) HBM=4800 ;;
   *) HBM=3350 ;;
