@@ -38,7 +38,7 @@ from psr_hf.assets import resolve_model
 from psr_hf.assets.loading import load_model
 from psr_hf.assets.quantize import load_fp8_dequantized, quantize_checkpoint
 from psr_hf.cli.console import write_json
-from psr_hf.eval.divergence import _token_nll, divergence, excess_ppl_percent
+from psr_hf.eval.divergence import token_nll, divergence, excess_ppl_percent
 from psr_hf.eval.grid import routing_from_name
 from psr_hf.eval.selfgen import sample_windows
 from psr_hf.eval.stats import mean_interval
@@ -63,7 +63,7 @@ def _mean(per_window: np.ndarray) -> dict:
 
 def _nlls(model: torch.nn.Module, windows: list[torch.Tensor]) -> list[np.ndarray]:
     model.eval()
-    return [_token_nll(model, w) for w in windows]
+    return [token_nll(model, w) for w in windows]
 
 
 def _rows(model: torch.nn.Module, windows: list[torch.Tensor], configs: dict[str, RoutingConfig],

@@ -77,7 +77,7 @@ def paired_difference(a: DivergenceRow, b: DivergenceRow) -> tuple[float, tuple[
     return float(diff.mean()), _ci95(diff)
 
 
-def _token_nll(model: torch.nn.Module, ids: torch.Tensor, bar: tqdm | None = None) -> np.ndarray:
+def token_nll(model: torch.nn.Module, ids: torch.Tensor, bar: tqdm | None = None) -> np.ndarray:
     """``[T - 1]`` NLL (nats, float64) of tokens 1.. of ``ids`` ``[1, T]`` given the ones before."""
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, :-1].double()  # [T-1, V]
@@ -136,7 +136,7 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
     bar = tqdm(total=(len(configs) + 1) * len(ids), unit="window", desc="excess NLL", disable=not progress)
     try:
         bar.set_postfix_str("exact")
-        exact = [_token_nll(model, w, bar) for w in ids]
+        exact = [token_nll(model, w, bar) for w in ids]
         rows = []
         for name, config in configs.items():
             bar.set_postfix_str(name)
@@ -144,7 +144,7 @@ def divergence(model: torch.nn.Module, windows: Sequence[torch.Tensor], configs:
                   predictor=predictor if config.prefetch == "predictor" else None)
             try:
                 ctl = controller(model)
-                nll = [_token_nll(model, w, bar) for w in ids]
+                nll = [token_nll(model, w, bar) for w in ids]
                 stats = ctl.stats().total
                 capacity = ctl.capacity
             finally:
