@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 53: the whole cuda test suite of this build, then its token graph beside the build before, in one device call
+# (snapshot of HEAD with OLD=<commit>: the build before in _old; records under $OUT, the printed output in
+# $OUT/log.txt):
+#   1. `pytest -m cuda` over every test file, on WORKERS (default 8) pytest-xdist workers sharing the GPU (the
+#      compilers' work is most of a fresh machine's test time, and it is the CPU's): failures with their short
+#      tracebacks in $OUT/cuda_tests.txt;
+#   2. in the time left, the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
+#      stepped (host time) by this build and the build before, alternating (token_graph_profile.py records).
+set -uo pipefail
+START=$SECONDS
+source benchmarks/device_env.sh
+LOG=$OUT/log.txt
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+echo "== cuda tests" | tee -a "$LOG"
+timeout "$(cap "${TESTS_S:-400}")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
+    --tb=short -rfE --durations=15 tests > "$OUT/cuda_tests.txt" 2>&1
+echo "pytest exit $?" | tee -a "$LOG"
+tail -25 "$OUT/cuda_tests.txt" | tee -a "$LOG"
+for build in new old new old; do
+  [ "$(left)" -gt 100 ] || break
+  dir=.; [ "$build" = old ] && dir=_old
+  [ -d "$dir" ] || continue
+  echo "== token graph, build $build" | tee -a "$LOG"
+  n=$(ls "$OUT"/profile_"$build"_*.json 2>/dev/null | wc -l)
+  (cd "$dir" && PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout "$(cap 90)" python3 "$OLDPWD/benchmarks/engine/token_graph_profile.py" \
+      --model grown-olmoe-routing --decide-warps 4 --rounds 3 --no-kernel-profile \
+      --json "$OUT/profile_${build}_$n.json" 2>&1 | grep "==\|host checks" | tee -a "$LOG")
+done
+echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"
