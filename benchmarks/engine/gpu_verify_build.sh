@@ -2,7 +2,7 @@
 # Issue 53: the whole cuda test suite of this build, then its token graph beside the build before, in one device call
 # (snapshot of HEAD with OLD=<commit>: the build before in _old; records under $OUT, the printed output in
 # $OUT/log.txt):
-#   1. `pytest -m cuda` over every test file, on WORKERS (default 8) pytest-xdist workers sharing the GPU (the
+#   1. `pytest -m cuda` over every test file that has a cuda test, on WORKERS (default 8) pytest-xdist workers sharing the GPU (the
 #      compilers' work is most of a fresh machine's test time, and it is the CPU's): failures with their short
 #      tracebacks in $OUT/cuda_tests.txt;
 #   2. in the time left, the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
@@ -14,7 +14,7 @@ LOG=$OUT/log.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 echo "== cuda tests" | tee -a "$LOG"
 timeout "$(cap "${TESTS_S:-400}")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
-    --tb=short -rfE --durations=15 tests > "$OUT/cuda_tests.txt" 2>&1
+    --tb=short -rfE --durations=15 $(grep -l "mark.cuda" tests/test_*.py) > "$OUT/cuda_tests.txt" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
 tail -25 "$OUT/cuda_tests.txt" | tee -a "$LOG"
 for build in new old new old; do
