@@ -6,7 +6,8 @@
 #      compilers' work is most of a fresh machine's test time, and it is the CPU's): failures with their short
 #      tracebacks in $OUT/cuda_tests.txt;
 #   2. in the time left, the token graph all resident and PSR at 50% replayed back to back (GPU time per token) and
-#      stepped (host time) by this build and the build before, alternating (token_graph_profile.py records).
+#      stepped (host time) by this build and the build before (token_graph_profile.py records);
+#   3. then this build's kernels under torch.profiler, with the copies-skipped twins and PSR's late prefetches.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -17,7 +18,7 @@ timeout "$(cap "${TESTS_S:-400}")" python3 -m pytest -m cuda -q -p no:cacheprovi
     --tb=short -rfE --durations=15 $(grep -l "mark.cuda" tests/test_*.py) > "$OUT/cuda_tests.txt" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
 tail -25 "$OUT/cuda_tests.txt" | tee -a "$LOG"
-for build in new old new old; do
+for build in new old; do
   [ "$(left)" -gt 100 ] || break
   dir=.; [ "$build" = old ] && dir=_old
   [ -d "$dir" ] || continue
@@ -27,4 +28,11 @@ for build in new old new old; do
       --model grown-olmoe-routing --decide-warps 4 --rounds 3 --no-kernel-profile \
       --json "$OUT/profile_${build}_$n.json" 2>&1 | grep "==\|host checks" | tee -a "$LOG")
 done
+if [ "$(left)" -gt 80 ]; then
+  echo "== token graph kernels, with the twins and late prefetches counted" | tee -a "$LOG"
+  PYTHONUNBUFFERED=1 timeout "$(cap 150)" python3 benchmarks/engine/token_graph_profile.py --model grown-olmoe-routing \
+      --decide-warps 4 --rounds 2 --twins --count-late --json "$OUT/profile_kernels_twins.json" 2>&1 \
+      | grep -v "Loading weights" > "$OUT/profile_kernels_twins.txt"
+  grep "==" "$OUT/profile_kernels_twins.txt" | tee -a "$LOG"
+fi
 echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"
