@@ -64,6 +64,9 @@ MAX_TILE = 8192
 #: SMs assumed where the device has none to ask (the CPU in the interpreter): an H100's
 DEFAULT_SMS = 132
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPE = torch.float8_e4m3fn
+#: rows and columns of one scale block of an FP8 weight (``weight_block_size: [128, 128]``)
+SCALE_BLOCK = 128
 
 
 def _pow2(n: int) -> int:
@@ -111,14 +114,23 @@ def tuned_config(rows: tuple[int, ...], hidden: int, device: torch.device) -> di
 
 
 def linear_many_reference(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                          biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
+                          biases: Sequence[torch.Tensor | None] | None = None,
+                          scales: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, W_i, b_i)`` per weight, each ``[1, N_i]`` (the kernel's reference, and what the engine calls
-    without it)."""
+    without it). With ``scales`` (block-wise FP8 weights): each weight dequantized in float32, the product and the
+    bias in float32, rounded once to x's dtype, as the kernel computes it."""
     if isinstance(weights, torch.Tensor):
         weights = (weights,)
     x = x.reshape(1, -1)
     biases = tuple(biases) if biases is not None else (None,) * len(weights)
-    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    if scales is None:
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    from ..assets.fp8_blocks import dequantize_blocks
+
+    scales = (scales,) if isinstance(scales, torch.Tensor) else tuple(scales)
+    return tuple(F.linear(x.float(), dequantize_blocks(w, sc, (SCALE_BLOCK, SCALE_BLOCK)),
+                          None if b is None else b.float()).to(x.dtype)
+                 for w, b, sc in zip(weights, biases, scales))
 
 
 def unsupported(device: torch.device) -> str | None:
@@ -133,9 +145,10 @@ def unsupported(device: torch.device) -> str | None:
 
 
 def _checked(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None,
-             outs: Sequence[torch.Tensor] | None) -> tuple[int, tuple, tuple, tuple | None]:
-    """H, the weights, the biases (None where none) and the outputs as tuples, or ``ValueError`` naming what is
-    wrong and what to pass instead."""
+             outs: Sequence[torch.Tensor] | None, scales: Sequence[torch.Tensor] | None = None
+             ) -> tuple[int, tuple, tuple, tuple | None, tuple | None]:
+    """H, the weights, the biases (None where none), the outputs and the FP8 weights' scales as tuples, or
+    ``ValueError`` naming what is wrong and what to pass instead."""
     if not isinstance(x, torch.Tensor) or not (x.dim() == 1 or (x.dim() == 2 and x.shape[0] == 1)):
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x {shape}: one row [H] or [1, H] expected (a batch-1 decode step); for several rows "
@@ -155,8 +168,13 @@ def _checked(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[
             raise ValueError(f"weights[{i}] {shape}: a matrix [N, H] expected (an nn.Linear's weight)")
         if w.shape[1] != H:
             raise ValueError(f"weights[{i}] {tuple(w.shape)} does not match x's H = {H}: expected [N, {H}]")
-        if w.dtype != x.dtype:
-            raise ValueError(f"weights[{i}] is {w.dtype} and x is {x.dtype}: cast x to the weights' dtype")
+        if scales is not None:
+            if w.dtype != FP8_DTYPE:
+                raise ValueError(f"weights[{i}] is {w.dtype} but scales were given: with scales every weight is "
+                                 f"{FP8_DTYPE} (block-wise FP8); call without scales for weights in x's dtype")
+        elif w.dtype != x.dtype:
+            raise ValueError(f"weights[{i}] is {w.dtype} and x is {x.dtype}: cast x to the weights' dtype"
+                             + ("; FP8 weights need their block scales (scales=)" if w.dtype == FP8_DTYPE else ""))
         if w.device != x.device:
             raise ValueError(f"weights[{i}] is on {w.device} and x on {x.device}: move x to the weights' device")
         if w.stride(1) != 1 and w.shape[1] > 1:
@@ -183,13 +201,27 @@ def _checked(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[
                 raise ValueError(f"outs[{i}] {tuple(o.shape)}: expected (1, {w.shape[0]}) or ({w.shape[0]},)")
             if o.dtype != x.dtype or o.device != x.device:
                 raise ValueError(f"outs[{i}] is {o.dtype} on {o.device}: expected {x.dtype} on {x.device}, as x")
-    return H, weights, biases, outs
+    if scales is not None:
+        scales = (scales,) if isinstance(scales, torch.Tensor) else tuple(scales)
+        if len(scales) != len(weights):
+            raise ValueError(f"{len(scales)} scales for {len(weights)} weights: one per weight expected")
+        for i, (sc, w) in enumerate(zip(scales, weights)):
+            want = (_cdiv(w.shape[0], SCALE_BLOCK), _cdiv(H, SCALE_BLOCK))
+            got = tuple(sc.shape) if isinstance(sc, torch.Tensor) else type(sc).__name__
+            if not isinstance(sc, torch.Tensor) or tuple(sc.shape) != want or sc.dtype != torch.float32:
+                raise ValueError(f"scales[{i}] {got}: a float32 [ceil(N/{SCALE_BLOCK}), ceil(H/{SCALE_BLOCK})] = "
+                                 f"{want} tensor expected (the checkpoint's weight_scale_inv of a "
+                                 f"{SCALE_BLOCK}x{SCALE_BLOCK} block-wise FP8 weight)")
+            if sc.device != x.device:
+                raise ValueError(f"scales[{i}] is on {sc.device} and x on {x.device}: move it to x's device")
+    return H, weights, biases, outs, scales
 
 
 def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 biases: Sequence[torch.Tensor | None] | None = None, *, block_n: int | None = None,
                 block_h: int | None = None, num_warps: int | None = None,
-                split_h: int = 1, num_stages: int | None = None, pdl: bool = False) -> tuple[torch.Tensor, ...]:
+                split_h: int = 1, num_stages: int | None = None, pdl: bool = False,
+                scales: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """``x @ W_i^T (+ b_i)`` for each of 1 to 4 ``weights`` ``[N_i, H]`` in one kernel launch (two more with
     ``split_h > 1``), each ``[1, N_i]`` in ``x``'s dtype (written into ``outs[i]``, ``[1, N_i]`` or ``[N_i]``, and
     returned, where given). ``x``: ``[H]`` or ``[1, H]``; the weights: any row stride, a unit stride along H (an
@@ -206,13 +238,20 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     (default: triton's). ``pdl``: a programmatic dependent launch (Hopper and later): the kernel may start while
     the one before it on the stream runs, loads its first weight tile, then waits for that kernel's writes; it
     lets the next kernel start the same way. Where PDL is not supported (:func:`pdl_supported`: triton's
-    interpreter, GPUs before Hopper) it is the same as ``pdl=False``."""
-    H, weights, biases, outs = _checked(x, weights, biases, outs)
+    interpreter, GPUs before Hopper) it is the same as ``pdl=False``.
+
+    ``scales``: block-wise FP8 weights (a fine-grained FP8 checkpoint's ``float8_e4m3fn`` weights, every one of
+    the launch) with one float32 ``weight_scale_inv`` ``[ceil(N_i/128), ceil(H/128)]`` each; each weight element
+    is multiplied by its block's scale in float32, then by x, so the result is :func:`linear_many_reference` on
+    the float32 dequantized weights up to the order of the sum. ``block_n`` must divide 128 (the tuned table,
+    measured for weights in x's dtype, is not used)."""
+    H, weights, biases, outs, scales = _checked(x, weights, biases, outs, scales)
     why = unsupported(x.device)
     if why is not None:
         raise ValueError(f"{why}; linear_many_reference is the same in torch")
     rows = [w.shape[0] for w in weights]
-    if block_n is None and block_h is None and num_warps is None and num_stages is None and split_h == 1:
+    fp8 = scales is not None
+    if not fp8 and block_n is None and block_h is None and num_warps is None and num_stages is None and split_h == 1:
         tuned = tuned_config(tuple(rows), H, x.device)  # the table's tiles for this GPU model and shape, if any
         block_n, block_h = tuned.get("block_n"), tuned.get("block_h")
         num_warps, num_stages = tuned.get("num_warps"), tuned.get("num_stages")
@@ -224,6 +263,8 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     for name, value in (("block_n", block_n), ("block_h", block_h), ("num_warps", num_warps)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} = {value}: a power of two expected")
+    if fp8 and SCALE_BLOCK % block_n:
+        raise ValueError(f"block_n = {block_n} with FP8 weights: it must divide the scale block, {SCALE_BLOCK}")
     if split_h < 1:
         raise ValueError(f"split_h = {split_h}: 1 (no split) or more programs per row block expected")
     if num_stages is not None and int(num_stages) < 1:
@@ -248,6 +289,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
         targets = list(work.split(rows)) + [work] * pad
     else:
         targets = list(outs) + [outs[0]] * pad
+    sc = list(scales) + [scales[0]] * pad if fp8 else [x] * MAX_WEIGHTS  # x: a pointer never read
     sizes = rows + [0] * pad
     chunk = _cdiv(_cdiv(H, split_h), block_h) * block_h  # H columns per split, whole loop steps
     kernel = triton_module("gemv_kernel.py", interpreting()).linear_many_kernel
@@ -255,12 +297,14 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
     if total:
         with guard:  # triton launches on the current device
             kernel[(total, split_h)](
-                x, *ws, *bs, *targets, *sizes, *(w.stride(0) for w in ws), *(b.stride(0) for b in bs),
-                *(t.stride(-1) for t in targets), x.stride(-1), H, chunk,
+                x, *ws, *bs, *targets, *sc, *sizes, *(w.stride(0) for w in ws), *(b.stride(0) for b in bs),
+                *(t.stride(-1) for t in targets), *(c.stride(0) for c in sc), *(c.stride(-1) for c in sc),
+                x.stride(-1), H, chunk,
                 NUM=n, END0=ends[0], END1=ends[1], END2=ends[2],
                 HAS_B0=biases[0] is not None, HAS_B1=n > 1 and biases[1] is not None,
                 HAS_B2=n > 2 and biases[2] is not None, HAS_B3=n > 3 and biases[3] is not None,
-                SPLIT=split_h > 1, EVEN_H=H % block_h == 0, BLOCK_N=block_n, BLOCK_H=block_h, PDL=pdl,
+                SPLIT=split_h > 1, EVEN_H=H % block_h == 0, BLOCK_N=block_n, BLOCK_H=block_h, PDL=pdl, FP8=fp8,
+                SB=SCALE_BLOCK,
                 num_warps=num_warps, **launch)
     if split_h > 1:
         for out, part in zip(outs, work.split(rows)):
@@ -273,7 +317,8 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence
 # an op returning new tensors, inductor calls it on the model's own weights (no copies) and a CUDA graph captures its
 # launch. Its first call for a shape compiles the kernel: make it before any capture. A custom op's signature is
 # fixed: a list of weights and a list of biases of the same length (None where none; an empty list: no biases), the
-# default blocks and warps, and ``pdl``. Registered once, by the package's module only: triton_module loads this file
+# default blocks and warps, and ``pdl``; ``psr_hf::linear_many_fp8`` takes block-wise FP8 weights with their scales
+# list. Registered once, by the package's module only: triton_module loads this file
 # again as a module of its own per mode.
 if __name__ == "psr_hf.engine.gemv_kernel":
     @torch.library.custom_op("psr_hf::linear_many", mutates_args=())
@@ -285,6 +330,16 @@ if __name__ == "psr_hf.engine.gemv_kernel":
     def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
           pdl: bool = False) -> list[torch.Tensor]:
         return [x.new_empty(1, w.shape[0]) for w in weights]  # [1, N_i], new tensors as the kernel returns
+
+    @torch.library.custom_op("psr_hf::linear_many_fp8", mutates_args=())
+    def _linear_many_fp8_op(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor],
+                            biases: list[Optional[torch.Tensor]], pdl: bool = False) -> list[torch.Tensor]:
+        return list(linear_many(x, weights, biases=biases or None, scales=scales, pdl=pdl))
+
+    @_linear_many_fp8_op.register_fake
+    def _(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor],
+          biases: list[Optional[torch.Tensor]], pdl: bool = False) -> list[torch.Tensor]:
+        return [x.new_empty(1, w.shape[0]) for w in weights]
 
 
 # ------------------------------------------------------------------------------------------ the Triton source
@@ -302,12 +357,14 @@ def _tile(tiles, h, stop, row_ok, cols, EVEN_H: tl.constexpr):
 
 
 @_jit
-def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, N, H, chunk, block,
-          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, s_ptr, stride_sr, stride_sc, N, H,
+          chunk, block, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_H: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr):
     # rows block * BLOCK_N ... of one weight (over H columns chunk * split ... when split). Each step loads the next
     # step's weight tile before it multiplies, so that a tile is always in flight; with PDL the first tile is
-    # loaded before the wait for the kernels this one follows (the weights are not theirs to write)
+    # loaded before the wait for the kernels this one follows (the weights are not theirs to write). FP8 weights
+    # are multiplied by their block's scale in float32 before x, as the dequantized weight would be (BLOCK_N
+    # divides SB, so a program's rows share one block row of scales and a column step needs one scale per column)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_H)
@@ -328,7 +385,12 @@ def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, N,
         else:
             xs = tl.load(x_ptr + (h + cols) * stride_x, mask=h + cols < H, other=0.0).to(tl.float32)
         following = _tile(tiles, h + BLOCK_H, stop, row_ok, cols, EVEN_H)
-        acc += w * xs[None, :]
+        if FP8:
+            sc = tl.load(s_ptr + (block * BLOCK_N // SB) * stride_sr + ((h + cols) // SB) * stride_sc,
+                         mask=h + cols < stop, other=0.0)
+            acc += (w * sc[None, :]) * xs[None, :]
+        else:
+            acc += w * xs[None, :]
         w = following
     y = _sum(acc, 1)
     if HAS_BIAS:
@@ -345,29 +407,30 @@ def _rows(x_ptr, stride_x, w_ptr, stride_w, b_ptr, stride_b, y_ptr, stride_y, N,
 
 
 @_jit
-def linear_many_kernel(x_ptr, w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, n0, n1, n2, n3, sw0, sw1, sw2, sw3,
-                       sb0, sb1, sb2, sb3, sy0, sy1, sy2, sy3, stride_x, H, chunk, NUM: tl.constexpr,
-                       END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, HAS_B0: tl.constexpr,
-                       HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, HAS_B3: tl.constexpr, SPLIT: tl.constexpr,
-                       EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def linear_many_kernel(x_ptr, w0, w1, w2, w3, b0, b1, b2, b3, y0, y1, y2, y3, s0, s1, s2, s3, n0, n1, n2, n3, sw0, sw1,
+                       sw2, sw3, sb0, sb1, sb2, sb3, sy0, sy1, sy2, sy3, ssr0, ssr1, ssr2, ssr3, ssc0, ssc1, ssc2,
+                       ssc3, stride_x, H, chunk, NUM: tl.constexpr, END0: tl.constexpr, END1: tl.constexpr,
+                       END2: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+                       HAS_B3: tl.constexpr, SPLIT: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_H: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr):
     # program p: row block p of the concatenated outputs; weight i holds blocks END(i-1) .. END(i) - 1
     p = tl.program_id(0)
     if PDL:  # the kernel launched after this one may start as this one's programs are all running
         tl.extra.cuda.gdc_launch_dependents()
     if p < END0:
-        _rows(x_ptr, stride_x, w0, sw0, b0, sb0, y0, sy0, n0, H, chunk, p, HAS_B0, SPLIT, EVEN_H, BLOCK_N, BLOCK_H,
-              PDL)
+        _rows(x_ptr, stride_x, w0, sw0, b0, sb0, y0, sy0, s0, ssr0, ssc0, n0, H, chunk, p, HAS_B0, SPLIT, EVEN_H,
+              BLOCK_N, BLOCK_H, PDL, FP8, SB)
     else:
         if NUM > 1:
             if p < END1:
-                _rows(x_ptr, stride_x, w1, sw1, b1, sb1, y1, sy1, n1, H, chunk, p - END0, HAS_B1, SPLIT, EVEN_H,
-                      BLOCK_N, BLOCK_H, PDL)
+                _rows(x_ptr, stride_x, w1, sw1, b1, sb1, y1, sy1, s1, ssr1, ssc1, n1, H, chunk, p - END0, HAS_B1,
+                      SPLIT, EVEN_H, BLOCK_N, BLOCK_H, PDL, FP8, SB)
             else:
                 if NUM > 2:
                     if p < END2:
-                        _rows(x_ptr, stride_x, w2, sw2, b2, sb2, y2, sy2, n2, H, chunk, p - END1, HAS_B2, SPLIT,
-                              EVEN_H, BLOCK_N, BLOCK_H, PDL)
+                        _rows(x_ptr, stride_x, w2, sw2, b2, sb2, y2, sy2, s2, ssr2, ssc2, n2, H, chunk, p - END1,
+                              HAS_B2, SPLIT, EVEN_H, BLOCK_N, BLOCK_H, PDL, FP8, SB)
                     else:
                         if NUM > 3:
-                            _rows(x_ptr, stride_x, w3, sw3, b3, sb3, y3, sy3, n3, H, chunk, p - END2, HAS_B3,
-                                  SPLIT, EVEN_H, BLOCK_N, BLOCK_H, PDL)
+                            _rows(x_ptr, stride_x, w3, sw3, b3, sb3, y3, sy3, s3, ssr3, ssc3, n3, H, chunk,
+                                  p - END2, HAS_B3, SPLIT, EVEN_H, BLOCK_N, BLOCK_H, PDL, FP8, SB)
