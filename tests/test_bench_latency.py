@@ -431,7 +431,8 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
         row = rows[name]
         assert name in out
         # on the CPU: eager attention blocks, the torch attention (the tiny model is an OLMoE)
-        assert row["engine_kernels"] == {"compiled": False, "attention_kernels": False, "gated_delta_kernel": None}
+        assert row["engine_kernels"] == {"compiled": False, "attention_kernels": False, "gated_delta_kernel": None,
+                                         "dense_fp8": False}
         assert row["tokens_per_round"] == tokens and len(row["rounds"]) == rounds
         assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in row["rounds"])
         ratio = row["ratio_to_resident"]

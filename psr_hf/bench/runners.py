@@ -118,7 +118,8 @@ def engine_kernels(decoder: Any) -> dict[str, Any]:
     layers = decoder.layers
     return {"compiled": bool(getattr(decoder, "compiled", False)),
             "attention_kernels": getattr(layers, "attention_kernels", None),
-            "gated_delta_kernel": getattr(layers, "gated_delta_kernel", None)}
+            "gated_delta_kernel": getattr(layers, "gated_delta_kernel", None),
+            "dense_fp8": getattr(layers, "dense_fp8", None)}
 
 
 class Runner(abc.ABC):

@@ -90,13 +90,16 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return masked_attention(q, keys, values, position, slots, scaling)
 
 
-def output_projection(x: torch.Tensor, weight_bias: tuple, kernels: bool) -> torch.Tensor:
+def output_projection(x: torch.Tensor, weight_bias: tuple, kernels: bool, fp8: tuple | None = None) -> torch.Tensor:
     """The attention's output projection of one token ``x [1, nH * Dv]``: the fused GEMV
     (``torch.ops.psr_hf.linear_many``, registered by :mod:`psr_hf.engine.gemv_kernel`) with the attention
     kernels, which streams the weight faster than cuBLAS's batch-1 kernel; ``F.linear`` without them. With
     ``device_decisions.PDL_BY_DEFAULT`` the GEMV is a programmatic dependent launch where the GPU has them: after
     the one-launch decode attention, which lets it start early, it loads its first weight tile while the attention
-    finishes."""
+    finishes. ``fp8``: ``(e4m3 weight, block scales)`` in place of the weight (``dense_fp8``), the bias
+    ``weight_bias``'s, by the GEMV's FP8 form (``torch.ops.psr_hf.linear_many_fp8``)."""
+    if fp8 is not None:
+        return torch.ops.psr_hf.linear_many_fp8(x, [fp8[0]], [fp8[1]], [weight_bias[1]], PDL_BY_DEFAULT)[0]
     if kernels:
         weight, bias = weight_bias
         return torch.ops.psr_hf.linear_many(x, [weight], [bias], PDL_BY_DEFAULT)[0]

@@ -187,18 +187,21 @@ class Decoder(DecoderBase):
     attention; ``gated_delta_kernel``: the Gated DeltaNet step of Qwen3.5/3.6-MoE and Qwen3-Next as one Triton kernel
     (None: on CUDA where it runs; :class:`~psr_hf.engine.families.qwen3_5_moe.Qwen35MoeLayers`);
     ``attention_kernels``: every family's attention over the filled slots (and OLMoE's and Qwen's q/k/v) as Triton
-    kernels (None: on CUDA where they run; :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`), all the families'
-    own options (:func:`psr_hf.engine.families.build_layers`).
+    kernels (None: on CUDA where they run; :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`); ``dense_fp8``:
+    OLMoE's attention projections in block-wise FP8 from the checkpoint the offload's FP8 experts come from (None:
+    where it can; :mod:`psr_hf.engine.dense_fp8`), all the families' own options
+    (:func:`psr_hf.engine.families.build_layers`).
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, absorb_mla: bool = True, backend: str = "auto",
-                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None):
+                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None,
+                 dense_fp8: bool | None = None):
         self.model = model
         self.controller = _controller(model)
         self.decode_handle = self.controller.decode_handle()
         self.layers: DecodeLayers = build_layers(model, max_len, absorb_mla=absorb_mla,
                                                  gated_delta_kernel=gated_delta_kernel,
-                                                 attention_kernels=attention_kernels)
+                                                 attention_kernels=attention_kernels, dense_fp8=dense_fp8)
         self.backend = backend
         L = self.layers
         ctl = self.controller

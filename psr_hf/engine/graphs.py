@@ -47,17 +47,18 @@ class GraphDecoder(DecoderBase):
     softmax router's execution weights (:meth:`DecodeLayers.compile_routing`); None
     (default): on CUDA when triton imports. ``merge``: B_m and A_{m+1} captured as one graph (one launch per MoE
     layer; False: one graph per body, the same kernels in the same order). ``absorb_mla``, ``gated_delta_kernel``,
-    ``attention_kernels``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the
+    ``attention_kernels``, ``dense_fp8``: the families' own options, as :class:`~psr_hf.engine.decoder.Decoder` takes them (the
     Triton kernels compile in the warm-up, before capture)."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, graphs: bool = True, absorb_mla: bool = True,
                  backend: str = "auto", warmup: int = 2, compile: bool | None = None, merge: bool = True,
-                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None):
+                 gated_delta_kernel: bool | None = None, attention_kernels: bool | None = None,
+                 dense_fp8: bool | None = None):
         self.model = model
         self.controller = ctl = _controller(model)
         self.decode_handle = ctl.decode_handle()
         L = build_layers(model, max_len, absorb_mla=absorb_mla, gated_delta_kernel=gated_delta_kernel,
-                         attention_kernels=attention_kernels)
+                         attention_kernels=attention_kernels, dense_fp8=dense_fp8)
         self.layers: DecodeLayers = L
         self.device = L.device
         self.graphs = bool(graphs)

@@ -219,6 +219,26 @@ class DecodeLayers(abc.ABC):
                           self._ref(f"layers.{layer}.{name}.bias", linear.bias))
         return refs
 
+    def _read_dense_fp8(self, option: bool | None, names: tuple[str, ...], module: str = "self_attn") -> bool:
+        """Whether the projections ``names`` of every layer's ``module`` run in block-wise FP8 (the family's
+        ``dense_fp8`` option, :mod:`psr_hf.engine.dense_fp8`, after its attention kernels are chosen); where they
+        do, each layer's attention tensors gain ``"<name>_fp8": (e4m3 weight, scales)``, tensors of the engine's
+        own, read from the checkpoint."""
+        from .dense_fp8 import choose_checkpoint, read_projections
+
+        checkpoint = choose_checkpoint(option, self.model, self.attention_kernels)
+        if checkpoint is None:
+            return False
+        for i, layer in enumerate(self.layers):
+            owner = getattr(layer, module)
+            linears = {name: getattr(owner, name) for name in names}
+            for name, (weight, scale) in read_projections(checkpoint, self.model, linears).items():
+                self._attn[i][f"{name}_fp8"] = (self._own(f"layers.{i}.{name}.fp8", weight),
+                                                self._own(f"layers.{i}.{name}.fp8_scale", scale))
+        logger.info("psr_hf engine: %s of %d layers in FP8 from %s", ", ".join(names), self.num_layers,
+                    checkpoint.folder)
+        return True
+
     def _norms_of(self, layer: int, module: nn.Module, names: tuple[str, ...]) -> dict[str, tuple]:
         """``{name: (weight, eps)}`` of the RMSNorms ``names`` of ``module``, recorded as used in place."""
         refs = {}

@@ -36,6 +36,7 @@ _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>g
                          r"\.(?P<kind>weight|weight_scale_inv)$")
 _LAYER_TAIL = re.compile(r"(?:^|\.)(layers\.\d+\..+)$")
 _FALLBACK = ("or offload the model's own (dequantized) weights with OffloadConfig(expert_format='model')")
+_FALLBACK_DENSE = "or let the engine compute with the model's own weights (dense_fp8=False)"
 
 
 def _plain(config: Any) -> dict | None:
@@ -120,6 +121,42 @@ class Fp8Checkpoint:
         tail = _LAYER_TAIL.search(module_name)
         matches = [p for p in self.prefixes if tail is not None and p.endswith("." + tail.group(1))]
         return matches[0] if len(matches) == 1 else None
+
+    def linear_key(self, module_name: str) -> str | None:
+        """The key prefix under which the checkpoint stores the FP8 weight of the linear layer named
+        ``module_name`` in the model (its ``.weight`` and ``.weight_scale_inv``): the same name, or the one that
+        ends in the same ``layers.<i>...``; None where it stores no FP8 weight with scales for it (a layer left in
+        bf16, or none such)."""
+        if f"{module_name}.weight_scale_inv" in self.files:
+            return module_name
+        tail = _LAYER_TAIL.search(module_name)
+        if tail is None:
+            return None
+        end = f".{tail.group(1)}.weight_scale_inv"
+        matches = [k for k in self.files if k.endswith(end) or k == end[1:]]
+        return matches[0][:-len(".weight_scale_inv")] if len(matches) == 1 else None
+
+    def read_linear(self, key: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight, scale_inv)`` stored under ``key`` (:meth:`linear_key`): float8_e4m3fn ``shape`` and float32
+        ``[ceil(out/bm), ceil(in/bn)]``; ``ValueError`` naming the tensor where one is missing or of another dtype
+        or shape."""
+        from safetensors import safe_open
+
+        tensors = []
+        for kind, want in (("weight", (tuple(shape), FP8_DTYPE)),
+                           ("weight_scale_inv", (scale_shape(shape, self.block), torch.float32))):
+            name = f"{key}.{kind}"
+            path = self.files.get(name)
+            if path is None:
+                raise ValueError(f"the FP8 checkpoint {self.folder} has no tensor {name}; {_FALLBACK_DENSE}")
+            with safe_open(str(path), framework="pt") as handle:
+                tensor = handle.get_tensor(name)
+            if (tuple(tensor.shape), tensor.dtype) != want:
+                raise ValueError(f"{name} in {path} is {tuple(tensor.shape)} {tensor.dtype}; psr_hf expects "
+                                 f"{want[0]} {want[1]} (block-wise e4m3 with {self.block[0]}x{self.block[1]} "
+                                 f"tiles, as config.json says); {_FALLBACK_DENSE}")
+            tensors.append(tensor)
+        return tensors[0], tensors[1]
 
     def is_quantized(self, prefix: str) -> bool:
         """Whether the experts under ``prefix`` are stored in FP8 (not left in bf16 by ``modules_to_not_convert``)."""

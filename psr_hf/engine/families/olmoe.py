@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import decode_attention_kernel, gemv_kernel
+from .. import dense_fp8 as dense_fp8_module
 from ..attention import (StaticKVCache, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
                          output_projection, rms_norm, write_kv)
 from ..layers import DecodeLayers
@@ -31,13 +32,20 @@ class OlmoeLayers(DecodeLayers):
     (:func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, which reads the position on the device; the
     torch path scores all ``max_len`` slots and masks the later ones). None (default): the kernels where the model
     is on CUDA and they run there, else torch; True: the kernels or ``ValueError`` saying why not (on the CPU in
-    triton's interpreter, for tests); False: torch. The two agree within the dtype's rounding, not bitwise."""
+    triton's interpreter, for tests); False: torch. The two agree within the dtype's rounding, not bitwise.
+
+    ``dense_fp8``: the q/k/v and output projections of a decode step in block-wise FP8, read from the FP8
+    checkpoint whose experts the offload holds (:mod:`psr_hf.engine.dense_fp8`: None, where it can; True, or
+    ``ValueError``; False, the model's own weights). The batched prefill keeps the model's own weights."""
 
     listing_order = 1  # first in the lists of supported families (the paper's first model)
 
-    def __init__(self, model: torch.nn.Module, max_len: int, *, attention_kernels: bool | None = None):
+    def __init__(self, model: torch.nn.Module, max_len: int, *, attention_kernels: bool | None = None,
+                 dense_fp8: bool | None = None):
         check_kernel_option(attention_kernels, "attention_kernels")
+        dense_fp8_module.check_option(dense_fp8)
         self._kernel_option = attention_kernels
+        self._dense_fp8_option = dense_fp8
         super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
@@ -69,9 +77,10 @@ class OlmoeLayers(DecodeLayers):
         why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
             self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
+        self.dense_fp8 = self._read_dense_fp8(self._dense_fp8_option, ("q_proj", "k_proj", "v_proj", "o_proj"))
         self._attention_fn = _olmoe_attention
         self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
-                                    self.rope_scaling, self.attention_kernels)
+                                    self.rope_scaling, self.attention_kernels, self.dense_fp8)
         for refs in self._attn:
             refs["inv_freq"] = self.inv_freq
 
@@ -108,13 +117,18 @@ class _OlmoeStatic:
     clip_qkv: float | None
     rope_scaling: float
     kernels: bool  # the attention_kernels option
+    fp8: bool  # the dense_fp8 option: q/k/v and o in FP8 ("<name>_fp8": (weight, scales) in the tensors)
 
 
 def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    if s.kernels:
+    if s.fp8:
+        (wq, sq), (wk, sk), (wv, sv) = a["q_proj_fp8"], a["k_proj_fp8"], a["v_proj_fp8"]
+        biases = [a["q_proj"][1], a["k_proj"][1], a["v_proj"][1]]
+        q, k, v = torch.ops.psr_hf.linear_many_fp8(x, [wq, wk, wv], [sq, sk, sv], biases)
+    elif s.kernels:
         (wq, bq), (wk, bk), (wv, bv) = a["q_proj"], a["k_proj"], a["v_proj"]
         q, k, v = torch.ops.psr_hf.linear_many(x, [wq, wk, wv], [bq, bk, bv])
     else:
@@ -131,4 +145,4 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
     write_kv(keys, position, k)
     write_kv(values, position, v.view(nKV, D))
     out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels, locks)  # [nH, D]
-    return output_projection(out.reshape(1, nH * D), a["o_proj"], s.kernels)
+    return output_projection(out.reshape(1, nH * D), a["o_proj"], s.kernels, a["o_proj_fp8"] if s.fp8 else None)

@@ -1,0 +1,127 @@
+"""The engine's dense projections in block-wise FP8 (:mod:`psr_hf.engine.dense_fp8`): OLMoE's q/k/v and output
+projections read from the FP8 checkpoint whose experts the offload holds, computed by the fused GEMV's FP8 form
+(Triton's interpreter here). On a model loaded from that checkpoint dequantized in float32 the FP8 form multiplies
+the same float32 products in the same order as the GEMV over the dequantized weights, so the engine decodes the same
+tokens and logits bitwise; the option's rule, and the refusals with their fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import psr_hf
+from psr_hf import OffloadConfig, RoutingConfig, engine
+from psr_hf.assets.quantize import load_fp8_dequantized, quantize_checkpoint
+from psr_hf.engine.families import build_layers
+from psr_hf.engine.moe import triton_available
+from psr_hf.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
+TRITON_OK, TRITON_WHY = triton_available()
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"{TRITON_WHY}: `make` installs triton where it has wheels")
+
+PSR = RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5)
+NEW = 2
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny OLMoE written as an FP8 checkpoint (hidden 192: a whole and a partial scale block per row)."""
+    root = tmp_path_factory.mktemp("dense_fp8")
+    tiny_model("olmoe", dtype=torch.bfloat16, hidden_size=192, intermediate_size=160, seed=2,
+               norm_noise=0.2).save_pretrained(root / "bf16")
+    quantize_checkpoint(root / "bf16", root / "fp8")
+    return root / "fp8"
+
+
+def _generate(folder, **options):
+    """Greedy tokens and step scores of the engine (attention kernels on, the given options) on the model loaded
+    from ``folder`` in float32 and offloaded with its FP8 experts, and the engine's layers."""
+    model = load_fp8_dequantized(folder, torch.float32)
+    ids = torch.tensor([[3, 17, 42]])
+    with psr_hf.patched(model, PSR, calibration=False, offload=OffloadConfig(device="cpu")):
+        engine.attach(model, max_len=16, attention_kernels=True, **options)
+        try:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                                 do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            attached = engine.attached(model)
+            assert attached.served == NEW  # every step decoded by the engine
+            return out, attached.decoder.layers
+        finally:
+            engine.detach(model)
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_fp8_projections_decode_the_dequantized_weights_tokens_and_logits_bitwise(folder, monkeypatch):
+    from psr_hf.engine import gemv_kernel
+
+    monkeypatch.setattr(gemv_kernel, "PROGRAMS_PER_SM", 0)  # 16 rows per program: fewer interpreted programs
+    fp8, fp8_layers = _generate(folder)  # None: FP8 where it can, and here it can
+    plain, plain_layers = _generate(folder, dense_fp8=False)
+    assert fp8_layers.dense_fp8 is True and plain_layers.dense_fp8 is False
+    assert torch.equal(fp8.sequences, plain.sequences)
+    assert float(plain.scores[0].abs().max()) > 0.1  # not vacuous
+    for a, b in zip(fp8.scores, plain.scores):
+        assert torch.equal(a, b)
+    # the engine's own tensors are the checkpoint's bytes, not a quantization of the model's weights
+    owned = fp8_layers.owned_tensors()
+    weight, scale = owned["layers.1.k_proj.fp8"], owned["layers.1.k_proj.fp8_scale"]
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    index = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            index.update({k: f.get_tensor(k) for k in f.keys() if "layers.1.self_attn.k_proj" in k})
+    assert torch.equal(weight.view(torch.uint8), index["model.layers.1.self_attn.k_proj.weight"].view(torch.uint8))
+    assert torch.equal(scale, index["model.layers.1.self_attn.k_proj.weight_scale_inv"])
+    assert not any(name.endswith(".fp8") for name in plain_layers.owned_tensors())
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+def test_the_option_falls_back_or_refuses_with_the_reason(folder):
+    plain = tiny_model("olmoe", seed=1)
+    assert build_layers(plain, max_len=4, attention_kernels=True).dense_fp8 is False  # not patched: no checkpoint
+    with pytest.raises(ValueError, match="dense_fp8=True: the model's experts are not offloaded from a fine-grained"):
+        build_layers(plain, max_len=4, attention_kernels=True, dense_fp8=True)
+    with pytest.raises(ValueError, match="dense_fp8 must be None"):
+        build_layers(plain, max_len=4, dense_fp8="yes")
+    model = load_fp8_dequantized(folder, torch.float32)
+    with psr_hf.patched(model, PSR, calibration=False, offload=OffloadConfig(device="cpu")):
+        assert build_layers(model, max_len=4, attention_kernels=False).dense_fp8 is False
+        with pytest.raises(ValueError, match="dense_fp8=True: the attention kernels do not run"):
+            build_layers(model, max_len=4, attention_kernels=False, dense_fp8=True)
+        assert build_layers(model, max_len=4, attention_kernels=True, dense_fp8=True).dense_fp8 is True
+        with torch.no_grad():
+            model.model.layers[0].self_attn.o_proj.weight.mul_(1.5)  # no longer the checkpoint's
+        with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj's weight differs from the FP8 checkpoint"):
+            build_layers(model, max_len=4, attention_kernels=True)
+        assert build_layers(model, max_len=4, attention_kernels=True, dense_fp8=False).dense_fp8 is False
+    bf16_store = load_fp8_dequantized(folder, torch.float32)
+    with psr_hf.patched(bf16_store, PSR, calibration=False,
+                        offload=OffloadConfig(device="cpu", expert_format="model")):
+        assert build_layers(bf16_store, max_len=4, attention_kernels=True).dense_fp8 is False
+
+
+def _graph_logits(folder, device: str, **options):
+    """The step logits of the GraphDecoder (CUDA graphs) on the model loaded from ``folder`` in float32 and
+    offloaded with its FP8 experts on ``device``, decoding a fixed token sequence, and its layers."""
+    model = load_fp8_dequantized(folder, torch.float32).to(device)
+    tokens = [3, 17, 42, 8, 99, 5]
+    with psr_hf.patched(model, PSR, calibration=False, offload=OffloadConfig(device=device)):
+        decoder = engine.GraphDecoder(model, max_len=16, **options)
+        decoder.reset()
+        logits = torch.stack([decoder.step(t).clone() for t in tokens])
+        return logits, decoder.layers
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.usefixtures("compiled")
+def test_cuda_fp8_projections_in_graphs_equal_the_dequantized_weights_bitwise(folder):
+    fp8, fp8_layers = _graph_logits(folder, "cuda")
+    plain, plain_layers = _graph_logits(folder, "cuda", dense_fp8=False)
+    assert fp8_layers.attention_kernels and fp8_layers.dense_fp8 is True and plain_layers.dense_fp8 is False
+    assert float(plain.abs().max()) > 0.1
+    assert torch.equal(fp8, plain)
