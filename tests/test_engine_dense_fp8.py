@@ -1,6 +1,6 @@
 """The engine's dense projections in block-wise FP8 (:mod:`psr_hf.engine.dense_fp8`): OLMoE's q/k/v and output
-projections read from the FP8 checkpoint whose experts the offload holds, computed by the fused GEMV's FP8 form
-(Triton's interpreter here). On a model loaded from that checkpoint dequantized in float32 the FP8 form multiplies
+projections, and Qwen3.5/3.6's and Qwen3-Next's attention and Gated DeltaNet projections, read from the FP8
+checkpoint whose experts the offload holds, computed by the fused GEMV's FP8 form (Triton's interpreter here). On a model loaded from that checkpoint dequantized in float32 the FP8 form multiplies
 the same float32 products in the same order as the GEMV over the dequantized weights, so the engine decodes the same
 tokens and logits bitwise; the option's rule, and the refusals with their fixes."""
 
@@ -25,14 +25,36 @@ PSR = RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5)
 NEW = 2
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny OLMoE written as an FP8 checkpoint (hidden 192: a whole and a partial scale block per row)."""
-    root = tmp_path_factory.mktemp("dense_fp8")
-    tiny_model("olmoe", dtype=torch.bfloat16, hidden_size=192, intermediate_size=160, seed=2,
-               norm_noise=0.2).save_pretrained(root / "bf16")
+FAMILIES = ("olmoe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _write(root, family: str):
+    """A tiny ``family`` model written as an FP8 checkpoint (hidden 192: a whole and a partial scale block per
+    row); its folder."""
+    inner = dict(intermediate_size=160) if family == "olmoe" else dict(moe_intermediate_size=160,
+                                                                        shared_expert_intermediate_size=160)
+    tiny_model(family, dtype=torch.bfloat16, hidden_size=192, seed=2, norm_noise=0.2,
+               **inner).save_pretrained(root / "bf16")
     quantize_checkpoint(root / "bf16", root / "fp8")
     return root / "fp8"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """``family -> FP8 checkpoint folder``, each written on first use."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = _write(tmp_path_factory.mktemp(family), family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def folder(folders):
+    return folders("olmoe")
 
 
 def _generate(folder, **options):
@@ -54,10 +76,12 @@ def _generate(folder, **options):
 
 @needs_triton
 @pytest.mark.usefixtures("interpreter")
-def test_fp8_projections_decode_the_dequantized_weights_tokens_and_logits_bitwise(folder, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_projections_decode_the_dequantized_weights_tokens_and_logits_bitwise(folders, family, monkeypatch):
     from psr_hf.engine import gemv_kernel
 
     monkeypatch.setattr(gemv_kernel, "PROGRAMS_PER_SM", 0)  # 16 rows per program: fewer interpreted programs
+    folder = folders(family)
     fp8, fp8_layers = _generate(folder)  # None: FP8 where it can, and here it can
     plain, plain_layers = _generate(folder, dense_fp8=False)
     assert fp8_layers.dense_fp8 is True and plain_layers.dense_fp8 is False
@@ -67,14 +91,22 @@ def test_fp8_projections_decode_the_dequantized_weights_tokens_and_logits_bitwis
         assert torch.equal(a, b)
     # the engine's own tensors are the checkpoint's bytes, not a quantization of the model's weights
     owned = fp8_layers.owned_tensors()
-    weight, scale = owned["layers.1.k_proj.fp8"], owned["layers.1.k_proj.fp8_scale"]
-    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    index = {}
+    files = {}
     for path in folder.glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
-            index.update({k: f.get_tensor(k) for k in f.keys() if "layers.1.self_attn.k_proj" in k})
-    assert torch.equal(weight.view(torch.uint8), index["model.layers.1.self_attn.k_proj.weight"].view(torch.uint8))
-    assert torch.equal(scale, index["model.layers.1.self_attn.k_proj.weight_scale_inv"])
+            files.update({k: f.get_tensor(k) for k in f.keys() if k.endswith((".weight", "weight_scale_inv"))})
+    read = sorted(name[:-len(".fp8")] for name in owned if name.endswith(".fp8"))
+    in_fp8 = sorted(k[len("model."):-len(".weight_scale_inv")] for k in files
+                    if k.endswith("_scale_inv") and ".experts." not in k)  # the routed experts are the store's
+    names = {k: k.replace(".self_attn", "").replace(".linear_attn", "").replace(".mlp.shared_expert", ".shared")
+             for k in in_fp8}
+    assert read == sorted(names.values())  # every one of them
+    in_fp8 = sorted(in_fp8, key=names.get)
+    for name, key in zip(read, in_fp8):
+        weight, scale = owned[f"{name}.fp8"], owned[f"{name}.fp8_scale"]
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert torch.equal(weight.view(torch.uint8), files[f"model.{key}.weight"].view(torch.uint8))
+        assert torch.equal(scale, files[f"model.{key}.weight_scale_inv"])
     assert not any(name.endswith(".fp8") for name in plain_layers.owned_tensors())
 
 

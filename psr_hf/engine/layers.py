@@ -144,6 +144,8 @@ class DecodeLayers(abc.ABC):
         self._refs: dict[str, torch.Tensor] = {}
         self._ref_places: dict[str, tuple] = {}  # (data_ptr, dtype, device) of each when the engine read it
         self._owned: dict[str, torch.Tensor] = {}
+        self._gated_mlps: dict[str, nn.Module] = {}  # the dense and shared MLPs by name (_ref_mlp)
+        self._fp8_mlps: dict[int, tuple] = {}  # id(mlp) -> FP8 (weight, scales) of gate, up, down (dense_fp8)
 
         embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
@@ -219,23 +221,30 @@ class DecodeLayers(abc.ABC):
                           self._ref(f"layers.{layer}.{name}.bias", linear.bias))
         return refs
 
-    def _read_dense_fp8(self, option: bool | None, names: tuple[str, ...], module: str = "self_attn") -> bool:
-        """Whether the projections ``names`` of every layer's ``module`` run in block-wise FP8 (the family's
-        ``dense_fp8`` option, :mod:`psr_hf.engine.dense_fp8`, after its attention kernels are chosen); where they
-        do, each layer's attention tensors gain ``"<name>_fp8": (e4m3 weight, scales)``, tensors of the engine's
-        own, read from the checkpoint."""
+    def _read_dense_fp8(self, option: bool | None, projections: dict[int, tuple[str, tuple[str, ...]]]) -> bool:
+        """Whether the projections run in block-wise FP8 (the family's ``dense_fp8`` option,
+        :mod:`psr_hf.engine.dense_fp8`, after its attention kernels are chosen): ``projections`` names, per decoder
+        layer, the module of the layer and its linears that the checkpoint stores in FP8. Where they do, the
+        layer's attention tensors gain ``"<name>_fp8": (e4m3 weight, scales)``, tensors of the engine's own read
+        from the checkpoint, and so do the dense and shared MLPs (:meth:`_mlp`)."""
         from .dense_fp8 import choose_checkpoint, read_projections
 
         checkpoint = choose_checkpoint(option, self.model, self.attention_kernels)
         if checkpoint is None:
             return False
-        for i, layer in enumerate(self.layers):
-            owner = getattr(layer, module)
+        for i, (module, names) in projections.items():
+            owner = getattr(self.layers[i], module)
             linears = {name: getattr(owner, name) for name in names}
             for name, (weight, scale) in read_projections(checkpoint, self.model, linears).items():
                 self._attn[i][f"{name}_fp8"] = (self._own(f"layers.{i}.{name}.fp8", weight),
                                                 self._own(f"layers.{i}.{name}.fp8_scale", scale))
-        logger.info("psr_hf engine: %s of %d layers in FP8 from %s", ", ".join(names), self.num_layers,
+        for prefix, mlp in self._gated_mlps.items():
+            linears = {name: getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")}
+            read = read_projections(checkpoint, self.model, linears)
+            self._fp8_mlps[id(mlp)] = tuple((self._own(f"{prefix}.{name}.fp8", read[name][0]),
+                                             self._own(f"{prefix}.{name}.fp8_scale", read[name][1]))
+                                            for name in linears)
+        logger.info("psr_hf engine: the dense projections of %d layers in FP8 from %s", len(projections),
                     checkpoint.folder)
         return True
 
@@ -399,6 +408,7 @@ class DecodeLayers(abc.ABC):
                 raise ValueError(f"{name}: {type(mlp).__name__} is not a gated MLP (gate_proj/up_proj/down_proj)")
             self._ref(f"{name}.{proj}", module.weight)
             self._ref(f"{name}.{proj}.bias", module.bias)
+        self._gated_mlps[name] = mlp
 
     def _build_buffers(self) -> DecodeBuffers:
         H, dev, dt = self.hidden_size, self.device, self.dtype
@@ -738,8 +748,20 @@ class DecodeLayers(abc.ABC):
     def has_shared_experts(self, layer: int) -> bool:
         return self._moe(layer).shared is not None
 
-    @staticmethod
-    def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A dense or shared gated MLP of one token ``x [1, H]``: with the attention kernels by the fused GEMV
+        (gate and up in one launch, then down; its FP8 form on the checkpoint's weights with ``dense_fp8``), else
+        ``F.linear`` each, the transformers path's products."""
+        biases = [mlp.gate_proj.bias, mlp.up_proj.bias]
+        fp8 = self._fp8_mlps.get(id(mlp))
+        if fp8 is not None:
+            (wg, sg), (wu, su), (wd, sd) = fp8
+            gate, up = torch.ops.psr_hf.linear_many_fp8(x, [wg, wu], [sg, su], biases)
+            return torch.ops.psr_hf.linear_many_fp8(mlp.act_fn(gate) * up, [wd], [sd], [mlp.down_proj.bias])[0]
+        if self.attention_kernels:
+            gate, up = torch.ops.psr_hf.linear_many(x, [mlp.gate_proj.weight, mlp.up_proj.weight], biases)
+            return torch.ops.psr_hf.linear_many(mlp.act_fn(gate) * up, [mlp.down_proj.weight],
+                                                [mlp.down_proj.bias])[0]
         gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
         up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
         return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)

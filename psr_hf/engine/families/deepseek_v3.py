@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import decode_attention_kernel
+from .. import decode_attention_kernel, gemv_kernel  # noqa: F401  (gemv_kernel: the op the shared experts call)
 from ..attention import (StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin,
                          norm_params, rms_norm, rope_params, write_kv)
 from ..layers import DecodeLayers

@@ -77,7 +77,8 @@ class OlmoeLayers(DecodeLayers):
         why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
             self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
-        self.dense_fp8 = self._read_dense_fp8(self._dense_fp8_option, ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.dense_fp8 = self._read_dense_fp8(self._dense_fp8_option, {
+            i: ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")) for i in range(self.num_layers)})
         self._attention_fn = _olmoe_attention
         self._static = _OlmoeStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.scaling, self.clip_qkv,
                                     self.rope_scaling, self.attention_kernels, self.dense_fp8)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel
+from .. import dense_fp8 as dense_fp8_module
 from ..attention import (apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
                          output_projection, write_kv, zero_centred_rms_norm)
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
@@ -110,13 +111,18 @@ class Qwen35MoeLayers(DecodeLayers):
     #: ``in_proj_a``), or fused per key head (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``)
     fused_projections = False
     projection_names: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    #: the Gated DeltaNet's linears an FP8 checkpoint stores in FP8 (the per-head ``b``/``a`` stay in bf16, as in
+    #: the official releases; ``psr-hf quantize`` keeps them)
+    fp8_projection_names: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "out_proj")
 
     def __init__(self, model: nn.Module, max_len: int, *, gated_delta_kernel: bool | None = None,
-                 attention_kernels: bool | None = None):
+                 attention_kernels: bool | None = None, dense_fp8: bool | None = None):
         # the family's options (DecodeLayers.family_options), passed on by build_layers; decided in
         # _build_attention, once the heads are known
         check_kernel_option(gated_delta_kernel, "gated_delta_kernel")
         check_kernel_option(attention_kernels, "attention_kernels")
+        dense_fp8_module.check_option(dense_fp8)
+        self._dense_fp8_option = dense_fp8
         self._kernel_option = gated_delta_kernel
         self._attention_kernels_option = attention_kernels
         super().__init__(model, max_len)
@@ -154,11 +160,14 @@ class Qwen35MoeLayers(DecodeLayers):
         why = gemv_kernel.unsupported(self.device) or decode_attention_kernel.unsupported(
             self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         self.attention_kernels = choose_kernel(self._attention_kernels_option, "attention_kernels", self.device, why)
+        self.dense_fp8 = self._read_dense_fp8(self._dense_fp8_option, {
+            i: ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")) if t == FULL
+            else ("linear_attn", self.fp8_projection_names) for i, t in enumerate(self.layer_types)})
         self._full = _FullStatic(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
-                                 self.head_dim ** -0.5, self.rope_scaling, self.attention_kernels)
+                                 self.head_dim ** -0.5, self.rope_scaling, self.attention_kernels, self.dense_fp8)
         self.gated_delta_kernel = self._choose_gated_delta_step()
         self._linear = _LinearStatic(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.fused_projections,
-                                     self.gated_delta_kernel)
+                                     self.gated_delta_kernel, self.attention_kernels, self.dense_fp8)
 
     def _choose_gated_delta_step(self) -> bool:
         """Whether the Gated DeltaNet layers run the one-kernel step (the ``gated_delta_kernel`` option)."""
@@ -237,6 +246,7 @@ class _FullStatic:
     scaling: float
     rope_scaling: float
     kernels: bool  # the attention_kernels option
+    fp8: bool = False  # the dense_fp8 option: q/k/v and o in FP8 ("<name>_fp8": (weight, scales) in the tensors)
 
 
 @dataclass(frozen=True)
@@ -247,6 +257,8 @@ class _LinearStatic:
     v_dim: int
     fused: bool  # Qwen3-Next's projections fused per key head (in_proj_qkvz, in_proj_ba)
     kernel: bool = False  # the step after the projections as one Triton kernel (else in torch)
+    projections_kernel: bool = False  # the attention_kernels option: the projections by the fused GEMV
+    fp8: bool = False  # the dense_fp8 option: the FP8 projections ("<name>_fp8") by the GEMV's FP8 form
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -260,11 +272,7 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     zero-centred q/k norms, partial RoPE, grouped-query attention over the static cache, the output times
     ``sigmoid(gate)``."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    if s.kernels:
-        (wq, bq), (wk, bk), (wv, bv) = a["q_proj"], a["k_proj"], a["v_proj"]
-        qg, k, v = torch.ops.psr_hf.linear_many(x, [wq, wk, wv], [bq, bk, bv])
-    else:
-        qg, k, v = F.linear(x, *a["q_proj"]), F.linear(x, *a["k_proj"]), F.linear(x, *a["v_proj"])
+    qg, k, v = _project(x, a, ("q_proj", "k_proj", "v_proj"), s.kernels, s.fp8)
     q, gate = torch.chunk(qg.view(nH, 2 * D), 2, dim=-1)
     q = zero_centred_rms_norm(q, *a["q_norm"])
     k = zero_centred_rms_norm(k.view(nKV, D), *a["k_norm"])
@@ -275,22 +283,46 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     write_kv(keys, position, k)
     write_kv(values, position, v)
     out = cache_attention(q, keys, values, position, slots, s.scaling, s.kernels, locks).reshape(1, nH * D)
-    return output_projection(out * torch.sigmoid(gate.reshape(1, nH * D)), a["o_proj"], s.kernels)
+    return output_projection(out * torch.sigmoid(gate.reshape(1, nH * D)), a["o_proj"], s.kernels,
+                             a["o_proj_fp8"] if s.fp8 else None)
+
+
+def _project(x: torch.Tensor, a: dict, names: tuple[str, ...], kernels: bool, fp8: bool) -> tuple:
+    """``x``'s projections by the linears ``names`` of one layer's tensors ``a``, each ``[1, N]``: one launch of
+    the fused GEMV with the attention kernels (its FP8 form with ``fp8``, on the ``"<name>_fp8"`` weights, the
+    model's biases), else ``F.linear`` each."""
+    if fp8:
+        weights, scales = zip(*(a[f"{n}_fp8"] for n in names))
+        return tuple(torch.ops.psr_hf.linear_many_fp8(x, list(weights), list(scales), [a[n][1] for n in names]))
+    if kernels:
+        return tuple(torch.ops.psr_hf.linear_many(x, [a[n][0] for n in names], [a[n][1] for n in names]))
+    return tuple(F.linear(x, *a[n]) for n in names)
 
 
 def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
     """A Gated DeltaNet layer's projections of one token: the convolution's input ``[conv_dim]`` (q, k, v, each
     head after head), the output gate ``z [Hv, Dv]``, and ``b`` and ``a`` ``[Hv]``. Fused projections hold, per
     key head, its q and k and the q/k/v/z (b/a) of the value heads that share it: reordered on the outputs, so
-    the model's weights are read in place."""
+    the model's weights are read in place. With the attention kernels the projections run in the fused GEMV, in
+    two launches with FP8 projections (the FP8 ones, then ``b``/``a`` in the model's dtype), else one."""
+    kernels = s.projections_kernel
     if not s.fused:
-        return (F.linear(x, *a["in_proj_qkv"])[0], F.linear(x, *a["in_proj_z"]).view(s.v_heads, s.v_dim),
-                F.linear(x, *a["in_proj_b"])[0], F.linear(x, *a["in_proj_a"])[0])
+        if s.fp8:
+            qkv, z = _project(x, a, ("in_proj_qkv", "in_proj_z"), kernels, True)
+            b, g_in = _project(x, a, ("in_proj_b", "in_proj_a"), kernels, False)
+        else:
+            qkv, z, b, g_in = _project(x, a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), kernels, False)
+        return qkv[0], z.view(s.v_heads, s.v_dim), b[0], g_in[0]
     group = s.v_heads // s.k_heads * s.v_dim
-    qkvz = F.linear(x, *a["in_proj_qkvz"]).view(s.k_heads, 2 * s.k_dim + 2 * group)
+    if s.fp8:
+        (qkvz,) = _project(x, a, ("in_proj_qkvz",), kernels, True)
+        (ba,) = _project(x, a, ("in_proj_ba",), kernels, False)
+    else:
+        qkvz, ba = _project(x, a, ("in_proj_qkvz", "in_proj_ba"), kernels, False)
+    qkvz = qkvz.view(s.k_heads, 2 * s.k_dim + 2 * group)
     q, k, v, z = torch.split(qkvz, (s.k_dim, s.k_dim, group, group), dim=-1)
     mixed = torch.cat((q.reshape(-1), k.reshape(-1), v.reshape(-1)))
-    ba = F.linear(x, *a["in_proj_ba"]).view(s.k_heads, 2 * (s.v_heads // s.k_heads))
+    ba = ba.view(s.k_heads, 2 * (s.v_heads // s.k_heads))
     b, g_in = torch.chunk(ba, 2, dim=-1)
     return mixed, z.reshape(s.v_heads, s.v_dim), b.reshape(s.v_heads), g_in.reshape(s.v_heads)
 
@@ -306,7 +338,7 @@ def _gated_delta_net(s: _LinearStatic, a: dict, x: torch.Tensor, position: torch
     step = torch.ops.psr_hf.gated_delta_step if s.kernel else gated_delta_step_reference
     h = step(mixed, z, b, g_in, conv, recurrent, a["conv_weight"], a["conv_bias"], a["A_log"], a["dt_bias"],
              *a["norm"])
-    return F.linear(h, *a["out_proj"])
+    return output_projection(h, a["out_proj"], s.projections_kernel, a["out_proj_fp8"] if s.fp8 else None)
 
 
 # The kernel as a custom op: torch.compile (the engine's compiled attention blocks, fullgraph) cannot trace into a

@@ -18,3 +18,4 @@ class Qwen3NextLayers(Qwen35MoeLayers):
     listing_order = 4
     fused_projections = True
     projection_names = ("in_proj_qkvz", "in_proj_ba")
+    fp8_projection_names = ("in_proj_qkvz", "out_proj")
