@@ -57,11 +57,15 @@ def test_a_captured_graph_keeps_the_tensors_it_reads_alive():
 
     import torch
 
+    def doubling(x: torch.Tensor, out: torch.Tensor):
+        # the closure's own cells: `del x` below must not empty them, as it would a lambda's in this scope
+        return lambda: out.copy_(x * 2)
+
     device = torch.device("cuda")
     x = torch.arange(4, dtype=torch.float32, device=device)
     out = torch.zeros(4, device=device)
     kept = weakref.ref(x)
-    replay = graph_replay(lambda: out.copy_(x * 2), device)
+    replay = graph_replay(doubling(x, out), device)
     del x
     gc.collect()
     torch.cuda.empty_cache()
