@@ -175,9 +175,6 @@ def decide_kernel(
     ids_out = tl.where(pw < K, ranked.to(tl.int64), 0)
     plan = tl.where(pw < K, ids_out, plan)
 
-    priority = _priority(0, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
-                         fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
-
     slot_of = tl.full((BE,), -1, tl.int32)
     expert_of = tl.full((BC,), -1, tl.int32)
     if OFFLOADED:
@@ -193,6 +190,10 @@ def decide_kernel(
     n_demand = 0
     e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
     while e < E:
+        # the eviction priority (the token prior's gather is most of the kernel's time) only where a selected
+        # expert is missing: usually none is; the state it reads does not change within the loop
+        priority = _priority(0, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
+                             fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
         remaining = remaining & (offs != e)
         full = n_resident == C
         v1 = _evict(priority, resident & (in_sel == 0) & (protected == 0), offs, BIG)
@@ -278,8 +279,6 @@ def decide_kernel(
             nres = (tl.load(nbase + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
             nprot = (tl.load(nbase + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
             nins = (tl.load(nbase + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-            npri = _priority(0, nxt, token, nf, ns, nl, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
-                             fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
             grank = _rank(g, g, offs)
             n_res_next = tl.reduce(nres.to(tl.int32), 0, tl.standard._sum_combine)
             nslot_of = tl.full((BE,), -1, tl.int32)
@@ -303,6 +302,9 @@ def decide_kernel(
                 do = nxt_rank < WINDOW
                 e = tl.reduce(tl.where(grank == nxt_rank, offs, 0), 0, tl.standard._sum_combine)
                 full = n_res_next == C
+                # the next layer's eviction priority, per pass as above (its state does not change in the loop)
+                npri = _priority(0, nxt, token, nf, ns, nl, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
+                                 fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
                 v = _evict(npri, nres & (nprot == 0), offs, BIG)
                 stop_now = do & full & (v < 0)
                 stopped = stopped | stop_now
