@@ -7,7 +7,8 @@
 #    (psr-hf quantize), and psr-hf bench --engine on both folders in alternating processes (bf16 fp8 fp8 bf16 ...):
 #    ms/token all resident and at 50% (exact_lru, cp_lam0.2, psr_lam0.3_n1 with their copies-skipped twins), the
 #    copies' bytes and wait per token, until TOTAL_S seconds are spent (CONFIGS: the routed rows; KERNEL_S=0 skips
-#    step 2). Records under $OUT.
+#    step 2); with AGREE_S=<seconds>, first the Section 6.9 check on the FP8 folder (bf16_agreement.py --offload).
+#    Records under $OUT.
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -22,6 +23,12 @@ timeout 240 python3 -m psr_hf.cli grow --model olmoe-routing --target olmoe-1b-7
     --out /tmp/olmoe-bf16 2>&1 | tail -2
 timeout 240 python3 -m psr_hf.cli quantize /tmp/olmoe-bf16 /tmp/olmoe-fp8 2>&1 | tail -2
 echo "checkpoints written at $((SECONDS - START)) s"
+if [ "${AGREE_S:-0}" != 0 ]; then  # the paper's Section 6.9 check on the FP8 folder, offloaded (FP8 experts and, on
+  # the GPU, FP8 dense projections): perplexity under exact routing and PSR's NLL change, engine against the HF path
+  timeout "$AGREE_S" python3 benchmarks/engine/bf16_agreement.py --model /tmp/olmoe-fp8 --offload --windows 17 \
+      --tokens 256 --decode-windows 0 --rows psr_lam0.2_n1 --residency 0.25 --json "$OUT/fp8_agreement.json" 2>&1 \
+      | grep -v "Loading weights\|Warning\|warn" | tail -4 | tee "$OUT/fp8_agreement.txt"
+fi
 mkdir -p /tmp/fp8
 N=0
 for format in bf16 fp8 fp8 bf16 bf16 fp8 fp8 bf16; do
