@@ -6,8 +6,10 @@
 # 3. olmoe-routing grown to OLMoE-1B-7B's dimensions (psr-hf grow, bf16), written as an FP8 checkpoint
 #    (psr-hf quantize), and psr-hf bench --engine on both folders in alternating processes (bf16 fp8 fp8 bf16 ...):
 #    ms/token all resident and at 50% (exact_lru, cp_lam0.2, psr_lam0.3_n1 with their copies-skipped twins), the
-#    copies' bytes and wait per token, until TOTAL_S seconds are spent (CONFIGS: the routed rows; KERNEL_S=0 skips
-#    step 2); with AGREE_S=<seconds>, first the Section 6.9 check on the FP8 folder (bf16_agreement.py --offload).
+#    copies' bytes and wait per token (CAPACITIES, default 1.0,0.5: at 1.0 every expert sits in a slot of the
+#    offload's store, the FP8 folder's rows all resident in FP8, which the resident row is not), until TOTAL_S
+#    seconds are spent (CONFIGS: the routed rows; KERNEL_S=0 skips step 2); with AGREE_S=<seconds>, first the
+#    Section 6.9 check on the FP8 folder (bf16_agreement.py --offload).
 #    Records under $OUT.
 set -uo pipefail
 START=$SECONDS
@@ -34,7 +36,7 @@ N=0
 for format in bf16 fp8 fp8 bf16 bf16 fp8 fp8 bf16; do
   [ $((SECONDS - START)) -lt "${TOTAL_S:-450}" ] || break
   timeout 130 python3 -m psr_hf.cli bench --model /tmp/olmoe-$format --engine --hf-configs '' \
-      --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1}" --capacities 0.5 --no-accelerate --rounds 3 --windows 2 \
+      --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1}" --capacities "${CAPACITIES:-1.0,0.5}" --no-accelerate --rounds 3 --windows 2 \
       --tokens 64 --warmup 1 --json "/tmp/fp8/bench_${format}_$N.json" > "/tmp/fp8/bench_${format}_$N.txt" 2>&1
   echo "$format $N exit $? at $((SECONDS - START)) s"
   grep "^engine" "/tmp/fp8/bench_${format}_$N.txt" | cut -c1-160
