@@ -5,7 +5,9 @@ greedy``: the greedy tokens after a repeated paragraph, as the records before it
 and a 95% interval of the per-round ratio host/device), with the routing statistics of the timed tokens. ``--prefetch-programs`` compares token graphs whose prefetch copies run
 on that many programs. ``--torch-attention`` adds a token graph whose OLMoE attention runs the torch ops instead
 of the Triton kernels (``attention_kernels=False``; the other decoders take the default, the kernels on CUDA), and
-prints the speed-up of the kernels: its ms/token over the default token graph's, per round.
+prints the speed-up of the kernels: its ms/token over the default token graph's, per round. ``--dense-model`` adds
+a token graph with ``dense_fp8=False`` and prints the speed-up of the FP8 dense projections the same way (on a
+model loaded from an FP8 checkpoint, in the offloaded rows: ``exact_lru@1.0`` is all resident in FP8).
 
     python benchmarks/engine/token_graph_vs_host.py --model grown-olmoe-routing --tokens 64 --rounds 5 --json OUT
 
@@ -97,6 +99,8 @@ def main() -> None:
                     help="the decoders' KV cache length (default: prompt + tokens + 2; attach() uses up to 4096)")
     ap.add_argument("--torch-attention", action="store_true",
                     help="also a token graph with attention_kernels=False: the kernels' speed-up side by side")
+    ap.add_argument("--dense-model", action="store_true",
+                    help="also a token graph with dense_fp8=False: the FP8 dense projections' speed-up side by side")
     ap.add_argument("--timed", choices=["heldout", "greedy"], default="heldout",
                     help="the tokens timed, teacher-forced after the prompt: the held-out text's next tokens, as "
                          "psr-hf bench times (default), or the host path's greedy tokens after a repeated paragraph "
@@ -130,6 +134,8 @@ def main() -> None:
             decoders[label] = TokenGraphDecoder(model, max_len, prefetch_programs=programs)
         if args.torch_attention:
             decoders["device_torch_attention"] = TokenGraphDecoder(model, max_len, attention_kernels=False)
+        if args.dense_model:
+            decoders["device_dense_model"] = TokenGraphDecoder(model, max_len, dense_fp8=False)
         greedy = {}
         for label, decoder in decoders.items():
             ctl.reset()
@@ -168,6 +174,13 @@ def main() -> None:
             speedup = _ratio_interval(times["device_torch_attention"], times["device"])
             record["attention_kernels_speedup"] = speedup
             print(f"   attention kernels: torch/kernels {speedup[0]:.3f} [{speedup[1]:.3f}, {speedup[2]:.3f}]", flush=True)
+        if args.dense_model and "device" in times:
+            in_fp8 = bool(getattr(decoders["device"].layers, "dense_fp8", False))
+            speedup = _ratio_interval(times["device_dense_model"], times["device"])
+            record["dense_fp8"] = in_fp8
+            record["dense_fp8_speedup"] = speedup
+            print(f"   dense projections in FP8 {in_fp8}: model weights / FP8 {speedup[0]:.3f} "
+                  f"[{speedup[1]:.3f}, {speedup[2]:.3f}]", flush=True)
         records.append(record)
         del decoders, ctl
         gc.collect()  # the decoders' graphs and buffers, before unpatch copies the experts back to the GPU
