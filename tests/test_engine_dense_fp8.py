@@ -1,5 +1,6 @@
 """The engine's dense projections in block-wise FP8 (:mod:`psr_hf.engine.dense_fp8`): OLMoE's q/k/v and output
-projections, and Qwen3.5/3.6's and Qwen3-Next's attention and Gated DeltaNet projections, read from the FP8
+projections, DeepSeek-V3's latent attention projections (all but the absorbed ``kv_b_proj``), Qwen3.5/3.6's and
+Qwen3-Next's attention and Gated DeltaNet projections, and the dense and shared MLPs, read from the FP8
 checkpoint whose experts the offload holds, computed by the fused GEMV's FP8 form (Triton's interpreter here). On a model loaded from that checkpoint dequantized in float32 the FP8 form multiplies
 the same float32 products in the same order as the GEMV over the dequantized weights, so the engine decodes the same
 tokens and logits bitwise; the option's rule, and the refusals with their fixes."""
@@ -25,14 +26,14 @@ PSR = RoutingConfig(policy="psr", lam=0.3, budget=1, residency=0.5)
 NEW = 2
 
 
-FAMILIES = ("olmoe", "qwen3_5_moe_text", "qwen3_next")
+FAMILIES = ("olmoe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _write(root, family: str):
     """A tiny ``family`` model written as an FP8 checkpoint (hidden 192: a whole and a partial scale block per
     row); its folder."""
-    inner = dict(intermediate_size=160) if family == "olmoe" else dict(moe_intermediate_size=160,
-                                                                        shared_expert_intermediate_size=160)
+    inner = (dict(intermediate_size=160) if family == "olmoe" else dict(moe_intermediate_size=160)
+             if family == "deepseek_v3" else dict(moe_intermediate_size=160, shared_expert_intermediate_size=160))
     tiny_model(family, dtype=torch.bfloat16, hidden_size=192, seed=2, norm_noise=0.2,
                **inner).save_pretrained(root / "bf16")
     quantize_checkpoint(root / "bf16", root / "fp8")
@@ -97,9 +98,10 @@ def test_fp8_projections_decode_the_dequantized_weights_tokens_and_logits_bitwis
             files.update({k: f.get_tensor(k) for k in f.keys() if k.endswith((".weight", "weight_scale_inv"))})
     read = sorted(name[:-len(".fp8")] for name in owned if name.endswith(".fp8"))
     in_fp8 = sorted(k[len("model."):-len(".weight_scale_inv")] for k in files
-                    if k.endswith("_scale_inv") and ".experts." not in k)  # the routed experts are the store's
-    names = {k: k.replace(".self_attn", "").replace(".linear_attn", "").replace(".mlp.shared_expert", ".shared")
-             for k in in_fp8}
+                    if k.endswith("_scale_inv") and ".experts." not in k  # the routed experts are the store's
+                    and ".kv_b_proj." not in k)  # DeepSeek's, absorbed into the query and output: the model's
+    names = {k: k.replace(".self_attn", "").replace(".linear_attn", "").replace(".mlp.shared_experts", ".shared")
+             .replace(".mlp.shared_expert", ".shared") for k in in_fp8}
     assert read == sorted(names.values())  # every one of them
     in_fp8 = sorted(in_fp8, key=names.get)
     for name, key in zip(read, in_fp8):

@@ -415,12 +415,14 @@ def test_a_family_option_goes_to_the_family_that_takes_it_and_no_other(models):
     """absorb_mla is DeepSeek-V3's option: passed on to it; another family refuses it unless it is given at
     DeepSeek-V3's default (what the decoders pass for every model), and an option no family takes is refused."""
 
-    assert DecodeLayers.family_options() == {} and DeepseekV3Layers.family_options() == {"absorb_mla": True, "attention_kernels": None}
+    assert DecodeLayers.family_options() == {} and DeepseekV3Layers.family_options() == {
+        "absorb_mla": True, "attention_kernels": None, "dense_fp8": None}
     assert build_layers(models("deepseek"), 4, absorb_mla=False).absorb_mla is False
     assert build_layers(models("deepseek"), 4).absorb_mla is True
     olmoe = build_layers(models("olmoe"), 4, absorb_mla=True)  # DeepSeek-V3's default asks nothing of OLMoE
     assert not hasattr(olmoe, "absorb_mla")
-    with pytest.raises(ValueError, match="OlmoeLayers engine layers take no option 'absorb_mla'; their options: attention_kernels"):
+    with pytest.raises(ValueError, match="OlmoeLayers engine layers take no option 'absorb_mla'; their options: "
+                                         "attention_kernels, dense_fp8"):
         build_layers(models("olmoe"), 4, absorb_mla=False)
     with pytest.raises(ValueError, match="take no option 'absorb'; their options: absorb_mla"):
         build_layers(models("deepseek"), 4, absorb=True)

@@ -188,7 +188,7 @@ class Decoder(DecoderBase):
     (None: on CUDA where it runs; :class:`~psr_hf.engine.families.qwen3_5_moe.Qwen35MoeLayers`);
     ``attention_kernels``: every family's attention over the filled slots (and OLMoE's and Qwen's q/k/v) as Triton
     kernels (None: on CUDA where they run; :class:`~psr_hf.engine.families.olmoe.OlmoeLayers`); ``dense_fp8``:
-    OLMoE's attention projections in block-wise FP8 from the checkpoint the offload's FP8 experts come from (None:
+    the dense projections in block-wise FP8 from the checkpoint the offload's FP8 experts come from (None:
     where it can; :mod:`psr_hf.engine.dense_fp8`), all the families' own options
     (:func:`psr_hf.engine.families.build_layers`).
     """

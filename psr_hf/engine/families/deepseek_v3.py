@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel  # noqa: F401  (gemv_kernel: the op the shared experts call)
+from .. import dense_fp8 as dense_fp8_module
 from ..attention import (StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin,
-                         norm_params, rms_norm, rope_params, write_kv)
+                         norm_params, output_projection, rms_norm, rope_params, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -36,17 +37,23 @@ class DeepseekV3Layers(DecodeLayers):
 
     ``absorb_mla``: attention with ``kv_b_proj`` absorbed into the query and output (default) or every slot
     expanded as transformers does. ``attention_kernels`` (absorbed attention only): the attention over the cache's
-    filled slots as :func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, whose rule is OLMoE's
-    (:class:`~psr_hf.engine.families.olmoe.OlmoeLayers`)."""
+    filled slots as :func:`~psr_hf.engine.decode_attention_kernel.decode_attention`, and the query, latent and
+    output projections as the fused GEMV (the query's first projection and the latent's in one launch), whose rule
+    is OLMoE's (:class:`~psr_hf.engine.families.olmoe.OlmoeLayers`). ``dense_fp8``: those projections and the
+    dense and shared MLPs in block-wise FP8 from the checkpoint the offload's FP8 experts come from
+    (:mod:`psr_hf.engine.dense_fp8`); ``kv_b_proj``, absorbed into the query and the output, keeps the model's
+    weights."""
 
     listing_order = 2  # second in the lists of supported families (the paper's second model)
 
     def __init__(self, model: nn.Module, max_len: int, *, absorb_mla: bool = True,
-                 attention_kernels: bool | None = None):
+                 attention_kernels: bool | None = None, dense_fp8: bool | None = None):
         # the family's options (DecodeLayers.family_options), passed on by build_layers
         self.absorb_mla = bool(absorb_mla)
         check_kernel_option(attention_kernels, "attention_kernels")
+        dense_fp8_module.check_option(dense_fp8)
         self._kernel_option = attention_kernels
+        self._dense_fp8_option = dense_fp8
         super().__init__(model, max_len)
 
     def _build_attention(self) -> None:
@@ -112,10 +119,13 @@ class DeepseekV3Layers(DecodeLayers):
             decode_attention_kernel.unsupported(self.device, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
                                                 self.dtype))
         self.attention_kernels = choose_kernel(self._kernel_option, "attention_kernels", self.device, why)
+        queries = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        self.dense_fp8 = self._read_dense_fp8(self._dense_fp8_option, {
+            i: ("self_attn", (*queries, "kv_a_proj_with_mqa", "o_proj")) for i in range(self.num_layers)})
         self._attention_fn = _mla_attention
         self._static = _MlaStatic(self.num_heads, self.q_lora_rank is not None, self.kv_lora_rank, self.nope_dim,
                                   self.rope_dim, self.v_dim, self.max_len, self.interleave, self.scaling,
-                                  self.rope_scaling, self.absorb_mla, self.attention_kernels)
+                                  self.rope_scaling, self.absorb_mla, self.attention_kernels, self.dense_fp8)
 
     def _build_kv_cache(self) -> StaticKVCache:
         r = self.kv_lora_rank
@@ -149,6 +159,20 @@ class _MlaStatic:
     rope_scaling: float
     absorb: bool
     kernels: bool  # the attention_kernels option
+    fp8: bool = False  # the dense_fp8 option ("<module name>_fp8": (weight, scales) in the tensors)
+
+
+def _projected(s: _MlaStatic, a: dict, x: torch.Tensor, pairs: tuple[tuple[str, str], ...]) -> tuple:
+    """``x``'s projections by the linears ``pairs`` (``(key in a, module name)`` each), ``[1, N]`` each: one launch
+    of the fused GEMV with the attention kernels (its FP8 form on ``"<module name>_fp8"`` with ``dense_fp8``),
+    else ``F.linear`` each."""
+    biases = [a[key][1] for key, _ in pairs]
+    if s.fp8:
+        weights, scales = zip(*(a[f"{name}_fp8"] for _, name in pairs))
+        return tuple(torch.ops.psr_hf.linear_many_fp8(x, list(weights), list(scales), biases))
+    if s.kernels:
+        return tuple(torch.ops.psr_hf.linear_many(x, [a[key][0] for key, _ in pairs], biases))
+    return tuple(F.linear(x, *a[key]) for key, _ in pairs)
 
 
 def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
@@ -156,13 +180,14 @@ def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tens
     """DeepSeek-V3 multi-head latent attention of one token (``keys [T, 1, r + rope]``, written at
     ``position``)."""
     nH, r, nope, rope, vd, T = s.num_heads, s.kv_lora_rank, s.nope_dim, s.rope_dim, s.v_dim, s.max_len
+    latent_pair = ("kv_a_proj", "kv_a_proj_with_mqa")
     if not s.q_lora:
-        q = F.linear(x, *a["q_proj"])
+        q, compressed = _projected(s, a, x, (("q_proj", "q_proj"), latent_pair))
     else:
-        q = F.linear(rms_norm(F.linear(x, *a["q_a_proj"]), *a["q_a_norm"]), *a["q_b_proj"])
+        q_a, compressed = _projected(s, a, x, (("q_a_proj", "q_a_proj"), latent_pair))
+        (q,) = _projected(s, a, rms_norm(q_a, *a["q_a_norm"]), (("q_b_proj", "q_b_proj"),))
     q = q.view(nH, nope + rope)
-    q_nope, q_pe = q[:, :nope], q[:, nope:]
-    compressed = F.linear(x, *a["kv_a_proj"])  # [1, r + rope]
+    q_nope, q_pe = q[:, :nope], q[:, nope:]  # compressed: [1, r + rope]
     latent = rms_norm(compressed[:, :r], *a["kv_a_norm"])  # [1, r]
     k_pe = compressed[:, r:]  # [1, rope]
     cos, sin = cos_sin(position, a["inv_freq"], s.rope_scaling, q.dtype, s.interleave)
@@ -190,4 +215,4 @@ def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tens
         scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.unsqueeze(1), kv[..., nope:].transpose(0, 1)).squeeze(1)  # [nH, v]
-    return F.linear(out.reshape(1, nH * vd), *a["o_proj"])
+    return output_projection(out.reshape(1, nH * vd), a["o_proj"], s.kernels, a["o_proj_fp8"] if s.fp8 else None)
