@@ -431,8 +431,8 @@ def test_cli_bench_engine_rows_copy_what_the_hf_rows_copy(tmp_path, capsys, quie
         row = rows[name]
         assert name in out
         # on the CPU: eager attention blocks, the torch attention (the tiny model is an OLMoE)
-        assert row["engine_kernels"] == {"compiled": False, "attention_kernels": False, "gated_delta_kernel": None,
-                                         "dense_fp8": False}
+        assert row["engine_kernels"] == {"compiled": False, "expert_format": "model", "attention_kernels": False,
+                                         "gated_delta_kernel": None, "dense_fp8": False}
         assert row["tokens_per_round"] == tokens and len(row["rounds"]) == rounds
         assert all(math.isfinite(r["ms_per_token"]) and r["ms_per_token"] > 0 for r in row["rounds"])
         ratio = row["ratio_to_resident"]
@@ -608,3 +608,23 @@ def test_a_device_decided_row_leaves_prefetch_timing_unmeasured_not_zero():
     assert all(host[key] == 0.0 for key in PREFETCH_TIMING_KEYS) and "ready_recall" in host
     assert all(device[key] is None for key in PREFETCH_TIMING_KEYS) and "ready_recall" not in device
     assert device["copies_per_token"] == 3.0 and "GPU" in device["prefetch_timing"]
+
+
+def test_engine_rows_record_the_experts_format_of_an_fp8_checkpoint(tmp_path, quiet_psr_hf):
+    """On a model loaded from an FP8 checkpoint the offloaded engine rows hold its e4m3 experts, and the rows that
+    are not offloaded (engine_resident, the copies-skipped twins) compute its dequantized weights: each row's record
+    says which (``engine_kernels["expert_format"]``)."""
+    from psr_hf.assets.quantize import quantize_checkpoint
+    from psr_hf.cli import main
+    from psr_hf.testing import save_tiny
+
+    save_tiny("olmoe", tmp_path / "bf16", dtype=torch.bfloat16, hidden_size=192, intermediate_size=160)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    record_path = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tmp_path / "fp8"), "--device", "cpu", "--rounds", "3", "--windows", "1",
+                 "--tokens", "4", "--no-accelerate", "--engine", "--configs", "exact_lru", "--capacities", "0.5",
+                 "--hf-configs", "", "--json", str(record_path)]) == 0
+    rows = {row["configuration"]: row for row in json.loads(record_path.read_text())["results"]}
+    formats = {name: row["engine_kernels"]["expert_format"] for name, row in rows.items() if name.startswith("engine_")}
+    assert formats == {"engine_resident": "model", "engine_exact_lru_res50": "fp8",
+                       "engine_exact_lru_res50_nocopy": "model"}

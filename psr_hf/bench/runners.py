@@ -114,9 +114,13 @@ class _SharedCopy:
 
 def engine_kernels(decoder: Any) -> dict[str, Any]:
     """What an engine decoder runs besides its fixed kernels, for a record: the attention blocks compiled or not,
-    the families' kernel options as built (None where the family has no such option)."""
+    the families' kernel options as built (None where the family has no such option), and the experts' format
+    (``fp8``: an offload store holding an FP8 checkpoint's experts; ``model``: the model's own weights, which on a
+    model loaded from an FP8 checkpoint are its dequantized ones, as in the rows that are not offloaded)."""
     layers = decoder.layers
+    store = getattr(decoder.controller, "expert_store", None)
     return {"compiled": bool(getattr(decoder, "compiled", False)),
+            "expert_format": getattr(store, "weight_format", "model"),
             "attention_kernels": getattr(layers, "attention_kernels", None),
             "gated_delta_kernel": getattr(layers, "gated_delta_kernel", None),
             "dense_fp8": getattr(layers, "dense_fp8", None)}
