@@ -1,4 +1,4 @@
-"""benchmarks/engine/bf16_agreement.py, the engine against the HF path on the same patched model, with the check
+"""benchmarks/engine/engine_agreement.py, the engine against the HF path on the same patched model, with the check
 of the paper's Section 6.9 (perplexity under exact routing, and a routed row's change in NLL from exact in both),
 run on the CPU on a tiny OLMoE written as an FP8 checkpoint and offloaded with its e4m3 experts."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "quiet_psr_hf")
 
 @pytest.fixture(scope="module")
 def script():
-    return load_module("bf16_agreement", ROOT / "benchmarks" / "engine" / "bf16_agreement.py")
+    return load_module("engine_agreement", ROOT / "benchmarks" / "engine" / "engine_agreement.py")
 
 
 def test_the_fp8_checkpoint_agrees_between_the_engine_and_the_hf_path_in_perplexity(tmp_path, script):

@@ -9,7 +9,7 @@
 #    copies' bytes and wait per token (CAPACITIES, default 1.0,0.5: at 1.0 every expert sits in a slot of the
 #    offload's store, the FP8 folder's rows all resident in FP8, which the resident row is not), until TOTAL_S
 #    seconds are spent (CONFIGS: the routed rows; KERNEL_S=0 skips step 2); with AGREE_S=<seconds>, first the
-#    Section 6.9 check on the FP8 folder (bf16_agreement.py --offload); with DENSE_S=<seconds>, the FP8 dense
+#    Section 6.9 check on the FP8 folder (engine_agreement.py --offload); with DENSE_S=<seconds>, the FP8 dense
 #    projections against the model's weights in interleaved rounds (token_graph_vs_host.py --dense-model).
 #    Records under $OUT.
 set -uo pipefail
@@ -28,7 +28,7 @@ timeout 240 python3 -m psr_hf.cli quantize /tmp/olmoe-bf16 /tmp/olmoe-fp8 2>&1 |
 echo "checkpoints written at $((SECONDS - START)) s"
 if [ "${AGREE_S:-0}" != 0 ]; then  # the paper's Section 6.9 check on the FP8 folder, offloaded (FP8 experts and, on
   # the GPU, FP8 dense projections): perplexity under exact routing and PSR's NLL change, engine against the HF path
-  timeout "$AGREE_S" python3 benchmarks/engine/bf16_agreement.py --model /tmp/olmoe-fp8 --offload --windows 17 \
+  timeout "$AGREE_S" python3 benchmarks/engine/engine_agreement.py --model /tmp/olmoe-fp8 --offload --windows 17 \
       --tokens 256 --decode-windows 0 --rows psr_lam0.2_n1 --residency 0.25 --json "$OUT/fp8_agreement.json" 2>&1 \
       | grep -v "Loading weights\|Warning\|warn" | tail -4 | tee "$OUT/fp8_agreement.txt"
 fi

@@ -19,7 +19,7 @@ HF prefill's under exact routing (its ratio minus one, with a 95% interval over 
 engine's change in NLL from exact routing minus the HF path's (paired by window, 95% interval). On the CPU every
 path computes in torch, so the two agree up to summation order.
 
-    python benchmarks/engine/bf16_agreement.py --json OUT.json [--model grown-olmoe-routing] [--windows 4]
+    python benchmarks/engine/engine_agreement.py --json OUT.json [--model grown-olmoe-routing] [--windows 4]
         [--tokens 256] [--decode-windows 1] [--rows psr_lam0.3_n1] [--residency 0.5] [--offload]
 """
 
