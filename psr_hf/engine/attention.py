@@ -90,6 +90,22 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return masked_attention(q, keys, values, position, slots, scaling)
 
 
+def projections(x: torch.Tensor, tensors: dict, names: tuple[str, ...], kernels: bool, fp8: bool,
+                fp8_names: tuple[str, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """``x``'s projections by the linears ``names`` of one layer's ``tensors`` (``(weight, bias)`` each), ``[1, N]``
+    each: one launch of the fused GEMV (``torch.ops.psr_hf.linear_many``) with the attention kernels, its FP8 form
+    (``linear_many_fp8``) on ``tensors["<name>_fp8"]`` (e4m3 weight, block scales; the biases the model's) with
+    ``fp8`` (``dense_fp8``), else ``F.linear`` each. ``fp8_names``: the module names the FP8 weights are kept
+    under, where a family keys a linear otherwise (default ``names``)."""
+    biases = [tensors[n][1] for n in names]
+    if fp8:
+        weights, scales = zip(*(tensors[f"{n}_fp8"] for n in (fp8_names or names)))
+        return tuple(torch.ops.psr_hf.linear_many_fp8(x, list(weights), list(scales), biases))
+    if kernels:
+        return tuple(torch.ops.psr_hf.linear_many(x, [tensors[n][0] for n in names], biases))
+    return tuple(F.linear(x, *tensors[n]) for n in names)
+
+
 def output_projection(x: torch.Tensor, weight_bias: tuple, kernels: bool, fp8: tuple | None = None) -> torch.Tensor:
     """The attention's output projection of one token ``x [1, nH * Dv]``: the fused GEMV
     (``torch.ops.psr_hf.linear_many``, registered by :mod:`psr_hf.engine.gemv_kernel`) with the attention

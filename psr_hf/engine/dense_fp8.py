@@ -40,12 +40,9 @@ def check_option(option: object) -> None:
 
 def _store_checkpoint(model: nn.Module) -> tuple[Fp8Checkpoint | None, str | None]:
     """The FP8 checkpoint whose experts ``model``'s offload store holds, else None and why not."""
-    import psr_hf
+    from ..hf.patching import CONTROLLER_ATTRIBUTE
 
-    try:
-        store = psr_hf.controller(model).expert_store
-    except (ValueError, RuntimeError, AttributeError):
-        store = None
+    store = getattr(getattr(model, CONTROLLER_ATTRIBUTE, None), "expert_store", None)  # None: not patched
     checkpoint = getattr(store, "checkpoint", None) if getattr(store, "weight_format", None) == "fp8" else None
     if checkpoint is None:
         return None, ("the model's experts are not offloaded from a fine-grained FP8 checkpoint (patch it with "

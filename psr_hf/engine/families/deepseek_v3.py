@@ -24,7 +24,7 @@ from torch import nn
 from .. import decode_attention_kernel, gemv_kernel  # noqa: F401  (gemv_kernel: the op the shared experts call)
 from .. import dense_fp8 as dense_fp8_module
 from ..attention import (StaticKVCache, apply_rope, check_kernel_option, choose_kernel, cos_sin,
-                         norm_params, output_projection, rms_norm, rope_params, write_kv)
+                         norm_params, output_projection, projections, rms_norm, rope_params, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -162,30 +162,18 @@ class _MlaStatic:
     fp8: bool = False  # the dense_fp8 option ("<module name>_fp8": (weight, scales) in the tensors)
 
 
-def _projected(s: _MlaStatic, a: dict, x: torch.Tensor, pairs: tuple[tuple[str, str], ...]) -> tuple:
-    """``x``'s projections by the linears ``pairs`` (``(key in a, module name)`` each), ``[1, N]`` each: one launch
-    of the fused GEMV with the attention kernels (its FP8 form on ``"<module name>_fp8"`` with ``dense_fp8``),
-    else ``F.linear`` each."""
-    biases = [a[key][1] for key, _ in pairs]
-    if s.fp8:
-        weights, scales = zip(*(a[f"{name}_fp8"] for _, name in pairs))
-        return tuple(torch.ops.psr_hf.linear_many_fp8(x, list(weights), list(scales), biases))
-    if s.kernels:
-        return tuple(torch.ops.psr_hf.linear_many(x, [a[key][0] for key, _ in pairs], biases))
-    return tuple(F.linear(x, *a[key]) for key, _ in pairs)
-
-
 def _mla_attention(s: _MlaStatic, a: dict, x: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
                    slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 multi-head latent attention of one token (``keys [T, 1, r + rope]``, written at
     ``position``)."""
     nH, r, nope, rope, vd, T = s.num_heads, s.kv_lora_rank, s.nope_dim, s.rope_dim, s.v_dim, s.max_len
-    latent_pair = ("kv_a_proj", "kv_a_proj_with_mqa")
-    if not s.q_lora:
-        q, compressed = _projected(s, a, x, (("q_proj", "q_proj"), latent_pair))
+    if not s.q_lora:  # the latent's projection is keyed kv_a_proj, its module kv_a_proj_with_mqa
+        q, compressed = projections(x, a, ("q_proj", "kv_a_proj"), s.kernels, s.fp8,
+                                    ("q_proj", "kv_a_proj_with_mqa"))
     else:
-        q_a, compressed = _projected(s, a, x, (("q_a_proj", "q_a_proj"), latent_pair))
-        (q,) = _projected(s, a, rms_norm(q_a, *a["q_a_norm"]), (("q_b_proj", "q_b_proj"),))
+        q_a, compressed = projections(x, a, ("q_a_proj", "kv_a_proj"), s.kernels, s.fp8,
+                                      ("q_a_proj", "kv_a_proj_with_mqa"))
+        (q,) = projections(rms_norm(q_a, *a["q_a_norm"]), a, ("q_b_proj",), s.kernels, s.fp8)
     q = q.view(nH, nope + rope)
     q_nope, q_pe = q[:, :nope], q[:, nope:]  # compressed: [1, r + rope]
     latent = rms_norm(compressed[:, :r], *a["kv_a_norm"])  # [1, r]

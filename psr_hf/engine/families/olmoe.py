@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .. import decode_attention_kernel, gemv_kernel
 from .. import dense_fp8 as dense_fp8_module
 from ..attention import (StaticKVCache, apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
-                         output_projection, rms_norm, write_kv)
+                         output_projection, projections, rms_norm, write_kv)
 from ..layers import DecodeLayers
 from . import register_layers
 
@@ -125,15 +125,7 @@ def _olmoe_attention(s: _OlmoeStatic, a: dict, x: torch.Tensor, position: torch.
                      values: torch.Tensor, slots: torch.Tensor, locks: torch.Tensor) -> torch.Tensor:
     """OLMoE attention of one token (``keys``/``values`` ``[T, nKV, D]``, written at ``position``)."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    if s.fp8:
-        (wq, sq), (wk, sk), (wv, sv) = a["q_proj_fp8"], a["k_proj_fp8"], a["v_proj_fp8"]
-        biases = [a["q_proj"][1], a["k_proj"][1], a["v_proj"][1]]
-        q, k, v = torch.ops.psr_hf.linear_many_fp8(x, [wq, wk, wv], [sq, sk, sv], biases)
-    elif s.kernels:
-        (wq, bq), (wk, bk), (wv, bv) = a["q_proj"], a["k_proj"], a["v_proj"]
-        q, k, v = torch.ops.psr_hf.linear_many(x, [wq, wk, wv], [bq, bk, bv])
-    else:
-        q, k, v = F.linear(x, *a["q_proj"]), F.linear(x, *a["k_proj"]), F.linear(x, *a["v_proj"])
+    q, k, v = projections(x, a, ("q_proj", "k_proj", "v_proj"), s.kernels, s.fp8)
     q = rms_norm(q, *a["q_norm"])
     k = rms_norm(k, *a["k_norm"])
     if s.clip_qkv is not None:

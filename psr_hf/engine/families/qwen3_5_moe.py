@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import decode_attention_kernel, gemv_kernel
 from .. import dense_fp8 as dense_fp8_module
 from ..attention import (apply_rope, cache_attention, check_kernel_option, choose_kernel, cos_sin,
-                         output_projection, write_kv, zero_centred_rms_norm)
+                         output_projection, projections, write_kv, zero_centred_rms_norm)
 from ..gated_delta_kernel import gated_delta_step, gated_delta_step_reference, unsupported
 from ..layers import DecodeLayers
 from . import register_layers
@@ -272,7 +271,7 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
     zero-centred q/k norms, partial RoPE, grouped-query attention over the static cache, the output times
     ``sigmoid(gate)``."""
     nH, nKV, D = s.num_heads, s.num_kv_heads, s.head_dim
-    qg, k, v = _project(x, a, ("q_proj", "k_proj", "v_proj"), s.kernels, s.fp8)
+    qg, k, v = projections(x, a, ("q_proj", "k_proj", "v_proj"), s.kernels, s.fp8)
     q, gate = torch.chunk(qg.view(nH, 2 * D), 2, dim=-1)
     q = zero_centred_rms_norm(q, *a["q_norm"])
     k = zero_centred_rms_norm(k.view(nKV, D), *a["k_norm"])
@@ -287,18 +286,6 @@ def _gated_attention(s: _FullStatic, a: dict, x: torch.Tensor, position: torch.T
                              a["o_proj_fp8"] if s.fp8 else None)
 
 
-def _project(x: torch.Tensor, a: dict, names: tuple[str, ...], kernels: bool, fp8: bool) -> tuple:
-    """``x``'s projections by the linears ``names`` of one layer's tensors ``a``, each ``[1, N]``: one launch of
-    the fused GEMV with the attention kernels (its FP8 form with ``fp8``, on the ``"<name>_fp8"`` weights, the
-    model's biases), else ``F.linear`` each."""
-    if fp8:
-        weights, scales = zip(*(a[f"{n}_fp8"] for n in names))
-        return tuple(torch.ops.psr_hf.linear_many_fp8(x, list(weights), list(scales), [a[n][1] for n in names]))
-    if kernels:
-        return tuple(torch.ops.psr_hf.linear_many(x, [a[n][0] for n in names], [a[n][1] for n in names]))
-    return tuple(F.linear(x, *a[n]) for n in names)
-
-
 def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
     """A Gated DeltaNet layer's projections of one token: the convolution's input ``[conv_dim]`` (q, k, v, each
     head after head), the output gate ``z [Hv, Dv]``, and ``b`` and ``a`` ``[Hv]``. Fused projections hold, per
@@ -308,17 +295,17 @@ def _linear_inputs(s: _LinearStatic, a: dict, x: torch.Tensor) -> tuple:
     kernels = s.projections_kernel
     if not s.fused:
         if s.fp8:
-            qkv, z = _project(x, a, ("in_proj_qkv", "in_proj_z"), kernels, True)
-            b, g_in = _project(x, a, ("in_proj_b", "in_proj_a"), kernels, False)
+            qkv, z = projections(x, a, ("in_proj_qkv", "in_proj_z"), kernels, True)
+            b, g_in = projections(x, a, ("in_proj_b", "in_proj_a"), kernels, False)
         else:
-            qkv, z, b, g_in = _project(x, a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), kernels, False)
+            qkv, z, b, g_in = projections(x, a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), kernels, False)
         return qkv[0], z.view(s.v_heads, s.v_dim), b[0], g_in[0]
     group = s.v_heads // s.k_heads * s.v_dim
     if s.fp8:
-        (qkvz,) = _project(x, a, ("in_proj_qkvz",), kernels, True)
-        (ba,) = _project(x, a, ("in_proj_ba",), kernels, False)
+        (qkvz,) = projections(x, a, ("in_proj_qkvz",), kernels, True)
+        (ba,) = projections(x, a, ("in_proj_ba",), kernels, False)
     else:
-        qkvz, ba = _project(x, a, ("in_proj_qkvz", "in_proj_ba"), kernels, False)
+        qkvz, ba = projections(x, a, ("in_proj_qkvz", "in_proj_ba"), kernels, False)
     qkvz = qkvz.view(s.k_heads, 2 * s.k_dim + 2 * group)
     q, k, v, z = torch.split(qkvz, (s.k_dim, s.k_dim, group, group), dim=-1)
     mixed = torch.cat((q.reshape(-1), k.reshape(-1), v.reshape(-1)))
