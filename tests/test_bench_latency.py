@@ -610,6 +610,22 @@ def test_a_device_decided_row_leaves_prefetch_timing_unmeasured_not_zero():
     assert device["copies_per_token"] == 3.0 and "GPU" in device["prefetch_timing"]
 
 
+def test_a_device_decided_row_that_counted_its_late_prefetches_reports_them_and_leaves_the_rest_unmeasured():
+    from psr_hf.bench.rows import ENGINE
+    from psr_hf.bench.summary import OFFLOAD_KEYS, _copies
+
+    offload = {key: 0.0 for key in OFFLOAD_KEYS} | {"copies_per_token": 3.0, "prefetch_per_token": 2.0,
+                                                    "demand_per_token": 1.0, "prefetch_late_per_token": 0.5,
+                                                    "layers_waited_per_token": 0.25, "late_counted_on_device": 1.0}
+    rounds = [{"tokens": 8, "routing": {"copies_per_token": 3.0}, "offload": offload},
+              {"tokens": 8, "routing": {"copies_per_token": 3.0}, "offload": offload | {"prefetch_late_per_token": 1.5}}]
+    device = _copies(ENGINE, rounds, {"moe_layers": 2, "top_k": 2}, decided_on="device")
+    assert device["prefetch_late_per_token"] == 1.0  # the mean over rounds
+    assert device["prefetch_in_time_per_token"] is None and device["prefetch_unused_per_token"] is None
+    assert device["layers_waited_per_token"] == 0.25 and "counted on the GPU" in device["prefetch_timing"]
+    assert device["ready_recall"] == 1.0 - (1.0 + 1.0) / 4
+
+
 def test_engine_rows_record_the_experts_format_of_an_fp8_checkpoint(tmp_path, quiet_psr_hf):
     """On a model loaded from an FP8 checkpoint the offloaded engine rows hold its e4m3 experts, and the rows that
     are not offloaded (engine_resident, the copies-skipped twins) compute its dequantized weights: each row's record

@@ -62,6 +62,8 @@ def test_sequences_are_kept_as_tuples():
     (lambda: LatencySettings(configs=[Row(OFFLOAD, PSR)]), "the 'resident' row is required"),
     (lambda: LatencySettings(configs=[Row(RESIDENT), Row(RESIDENT)]), "configuration names repeat"),
     (lambda: LatencySettings(configs=[Row(RESIDENT), Row(ENGINE, PSR)]), "engine rows need the 'engine_resident'"),
+    (lambda: BenchSettings(count_late=True), r"count_late counts .* add the engine rows"),
+    (lambda: LatencySettings(count_late=True, device_routing=False), "device_routing=False routes none there"),
     (lambda: SweepSettings(model="tiny", stage="timing"), "stage='timing': use 'quality'"),
     (lambda: SweepSettings(model="tiny", selfgen_windows=1), "selfgen_windows=1 is too small"),
     (lambda: SweepSettings(model="tiny", residencies=(1.5,)), r"residencies \[1.5\]: give one or more in \(0, 1\)"),

@@ -356,6 +356,16 @@ def test_the_decision_kernel_bench_runs_every_variant_on_the_cpu(tmp_path):
 
 
 @pytest.mark.usefixtures("interpreter")
+def test_the_decision_kernel_bench_runs_with_l2_cold(tmp_path):
+    bench = _bench("decide_kernel_bench")
+    common = ["--device", "cpu", "--layers", "2", "--experts", "16", "--top-k", "4", "--vocab", "32", "--warps", "4",
+              "--variants", "psr_offloaded_prior"]
+    record = bench.main(common + ["--cold"])
+    assert record["l2_cold"] is True and record["rows"][0]["variant"] == "psr_offloaded_prior"
+    assert bench.main(common)["l2_cold"] is False
+
+
+@pytest.mark.usefixtures("interpreter")
 def test_the_copy_kernel_bench_moves_the_listed_experts_by_both_paths_on_the_cpu(tmp_path):
     bench = _bench("copy_kernel_bench")
     out = tmp_path / "copies.json"

@@ -269,6 +269,28 @@ def test_counting_late_prefetches_changes_no_output_and_counts_at_most_every_pre
 
 @pytest.mark.cuda
 @needs_cuda
+def test_the_bench_counts_the_late_prefetches_of_its_device_routed_engine_rows(tmp_path):
+    import json
+
+    from psr_hf.cli import main
+    from psr_hf.testing import save_tiny
+
+    save_tiny("olmoe", tmp_path / "model", dtype=torch.bfloat16)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tmp_path / "model"), "--device", "cuda", "--rounds", "3", "--windows", "1",
+                 "--tokens", "8", "--no-accelerate", "--engine", "--configs", "psr_lam0.3_n1", "--hf-configs", "",
+                 "--capacities", "0.5", "--count-late", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    offloaded = [r for r in record["results"] if r["kind"] == "engine" and r["copies"]["source"] == "offload scheduler"]
+    assert len(offloaded) == 1 and offloaded[0]["decided_on"] == "device"
+    copies = offloaded[0]["copies"]
+    assert record["settings"]["count_late"] is True and "counted on the GPU" in copies["prefetch_timing"]
+    assert 0 <= copies["prefetch_late_per_token"] <= copies["prefetch_per_token"]
+    assert 0 <= copies["layers_waited_per_token"] <= copies["prefetch_late_per_token"]
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_copy_timing_changes_no_token_graph_output():
     """One program per layer's copies (slow, late prefetches) or every SM: the same tokens, logits and copies."""
     from psr_hf.engine.token_graph import TokenGraphDecoder

@@ -4,10 +4,14 @@ timed at several warp counts, so that a profile of the kernel's time per MoE lay
 
 On a GPU each variant is a CUDA graph of one token's decisions over ``--layers`` MoE layers (each layer's scores
 copied in, then its decision), replayed back to back; a graph of the score copies alone is subtracted. The state
-evolves over the replays as a decode's does. Prints a table (us per layer, median of rounds with its range) and
+evolves over the replays as a decode's does. With ``--cold`` each layer's scores follow a write of scratch memory
+twice the GPU's L2 (in both graphs, so the subtraction removes it): in a decode step the weights streamed between
+two visits of a layer evict its state from L2, so the kernel's loads miss there, as they do not when the decisions
+alone are replayed back to back. Prints a table (us per layer, median of rounds with its range) and
 writes a JSON record.
 
     python benchmarks/engine/decide_kernel_bench.py --json OUT.json            # OLMoE's routing shape on CUDA
+    python benchmarks/engine/decide_kernel_bench.py --cold --warps 4 8         # as in a decode step: L2 cold
     python benchmarks/engine/decide_kernel_bench.py --device cpu --layers 2 --experts 16 --top-k 4 --rounds 1
 
 On the CPU the kernel runs in Triton's interpreter, once per variant, to check that the script runs (its times
@@ -63,8 +67,10 @@ def _state(name: str, args: argparse.Namespace, device: torch.device, warps: int
     return state, scores
 
 
-def _token(state, scores: torch.Tensor, decide: bool) -> None:
+def _token(state, scores: torch.Tensor, decide: bool, flush: torch.Tensor | None = None) -> None:
     for m in range(scores.shape[0]):
+        if flush is not None:
+            flush.add_(1)  # reads and writes every byte: L2 holds none of the decision state after it
         state.scores.copy_(scores[m])
         if decide:
             state.decide(m)
@@ -82,23 +88,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--cold", action="store_true",
+                    help="evict L2 before each layer's decision, as the weights of a decode step do (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"
+    flush = None
+    if args.cold:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 1 << 20
+        flush = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=device)
     rows = []
     for name in args.variants:
         for warps in args.warps:
             state, scores = _state(name, args, device, warps)
             if cuda:
-                with_decide = graph_replay(lambda: _token(state, scores, True), device)
-                copies_only = graph_replay(lambda: _token(state, scores, False), device)
+                with_decide = graph_replay(lambda: _token(state, scores, True, flush), device)
+                copies_only = graph_replay(lambda: _token(state, scores, False, flush), device)
                 rounds = [(timed_us(with_decide, args.replays, device) - timed_us(copies_only, args.replays, device))
                           / args.replays / args.layers for _ in range(args.rounds)]
             else:
-                rounds = [timed_us(lambda: _token(state, scores, True), 1, device) / args.layers]
+                rounds = [timed_us(lambda: _token(state, scores, True, flush), 1, device) / args.layers]
             state.check()
             row = {"variant": name, "warps": warps, "us_per_layer_rounds": rounds,
                    "us_per_layer_median": statistics.median(rounds)}
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"[{min(rounds):.2f}, {max(rounds):.2f}]", flush=True)
     record = {"benchmark": "decide_kernel", "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
               "layers": args.layers, "experts": args.experts, "top_k": args.top_k, "residency": args.residency,
-              "rows": rows}
+              "l2_cold": bool(args.cold), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -119,7 +119,8 @@ def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.devic
     :class:`~psr_hf.engine.decoder.Decoder` of a patched model) starts a new sequence and steps through ``ids``
     ``[1, T + 1]`` teacher-forced, one token per step, the device synchronised after each; position 0 (the sequence
     start, the warm set) is not timed and the controller's statistics are reset after it, as in
-    :func:`decode_window`."""
+    :func:`decode_window`. A decoder that counts its late prefetches on the GPU (``count_late=True``) adds them to
+    the offload statistics (``prefetch_late_per_token``, ``layers_waited_per_token``, over the timed positions)."""
     _check_window(ids)
     sync = device_sync(torch.device(device))
     tokens = [int(t) for t in ids[0].tolist()]  # host ints: no device read inside the timed steps
@@ -127,6 +128,8 @@ def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.devic
     ms: list[float] = []
     host_ms: list[float] | None = [] if hasattr(decoder, "blocked_s") else None
     start_stats = None
+    counts_late = getattr(decoder, "_late", None) is not None
+    late_at_start: dict[str, Any] = {}
     decoder.reset()
     sync()
     for i, token in enumerate(tokens):
@@ -140,8 +143,16 @@ def decode_engine_window(decoder: Any, ids: torch.Tensor, *, device: torch.devic
             host_ms.append(((stepped - begin) - (decoder.blocked_s - blocked)) * 1e3)
         if i == 0:
             start_stats = _start_statistics(ctl)
+            if counts_late:
+                late_at_start = decoder.late_prefetches()
         else:
             ms.append((end - begin) * 1e3)
     stats = ctl.stats()
-    return WindowRun(ms=ms, routing_stats=dict(stats.total), offload_stats=_offload_dict(stats),
+    offload_stats = _offload_dict(stats)
+    if counts_late and offload_stats is not None:
+        late = decoder.late_prefetches()
+        offload_stats["prefetch_late_per_token"] = (late["late"] - late_at_start["late"]) / len(ms)
+        offload_stats["layers_waited_per_token"] = (late["layers_waited"] - late_at_start["layers_waited"]) / len(ms)
+        offload_stats["late_counted_on_device"] = 1.0
+    return WindowRun(ms=ms, routing_stats=dict(stats.total), offload_stats=offload_stats,
                      start_stats=start_stats, host_ms=host_ms)

@@ -118,7 +118,7 @@ class BenchSettings:
     Attributes:
         model, device, seed: the model name (:func:`~psr_hf.bench.workloads.load_model`), where it runs, the seed of
             random weights.
-        rounds, warmup, accelerate_tokens, max_in_flight, copy_delay_ms, device_routing: as
+        rounds, warmup, accelerate_tokens, max_in_flight, copy_delay_ms, device_routing, count_late: as
             :class:`~psr_hf.bench.timing.LatencySettings`.
         windows, tokens, texts: ``windows`` windows of ``tokens`` decoded tokens, cut from the text files ``texts``
             (default: the model's held-out text, else :data:`WINDOW_MODULES`' sources).
@@ -157,9 +157,13 @@ class BenchSettings:
     prefetch_budgets: Sequence[int] | str = ()
     predictor: Predictor | str | Path | None = None
     device_routing: bool | None = None
+    count_late: bool = False
 
     def __post_init__(self) -> None:
         check_rounds(self.rounds)
+        if self.count_late and not self.engine:
+            raise ValueError("count_late counts the late prefetches of the engine rows routed on the GPU; add the "
+                             "engine rows (engine=True, --engine) or leave count_late off")
         if isinstance(self.prefetch_budgets, str) and self.prefetch_budgets != "window":
             raise ValueError(f"prefetch_budgets={self.prefetch_budgets!r}: give budgets (ints >= 1) or 'window'")
         for name in ("capacities", "configs", "hf_configs", "texts", "prefetch_budgets"):
@@ -233,7 +237,7 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
         net, ids, configs=rows, calibration=calib, rounds=s.rounds, warmup=s.warmup,
         accelerate_tokens=s.accelerate_tokens, offload=s.offload, max_in_flight=s.max_in_flight,
         copy_delay_ms=s.copy_delay_ms, progress=progress, predictor=loaded_predictor,
-        device_routing=s.device_routing)
+        device_routing=s.device_routing, count_late=s.count_late)
     return {
         "benchmark": "latency",
         "settings": {**_record_settings(s, device_used, predictor_info, window_profile), "expert_copy": copy},
@@ -280,6 +284,7 @@ def _record_settings(s: BenchSettings, device_used: torch.device, predictor_info
         "texts": list(s.texts), "seed": s.seed,
         "warmup": s.warmup, "warmup_tokens": WARMUP_TOKENS, "offload": s.offload, "batch": 1, "engine": s.engine,
         "device_routing": s.device_routing,
+        "count_late": s.count_late,
         "engine_graphs": s.engine and device_used.type == "cuda",
         "engine_decoding": ENGINE_DECODING if s.engine else None,
         "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "

@@ -196,8 +196,9 @@ class EngineRunner(Runner):
     when the offload's slot buffers were reallocated or the prefetch ranking changed."""
 
     def __init__(self, source: torch.nn.Module, device: torch.device, calibration: Any, offload: Any, max_len: int,
-                 graphs: bool, predictor: Any = None, device_routing: bool | None = None):
+                 graphs: bool, predictor: Any = None, device_routing: bool | None = None, count_late: bool = False):
         super().__init__(device)
+        self.count_late = count_late
         self.source, self.calibration, self.offload, self.predictor = source, calibration, offload, predictor
         self.max_len, self.graphs, self.device_routing = max_len, graphs, device_routing
         self.shared: dict[float | None, _SharedCopy] = {}
@@ -216,7 +217,8 @@ class EngineRunner(Runner):
             self.decoders.pop(key, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            decoder = graph_decoder(model, self.max_len, graphs=self.graphs, device_routing=self.device_routing)
+            decoder = graph_decoder(model, self.max_len, graphs=self.graphs, device_routing=self.device_routing,
+                                    count_late=self.count_late)
             self.decoders[key] = decoder
         return decoder
 

@@ -20,7 +20,7 @@ ROUTING_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "r
                 "displaced_mass")
 OFFLOAD_KEYS = ("copies_per_token", "demand_per_token", "prefetch_per_token", "prefetch_in_time_per_token",
                 "prefetch_late_per_token", "prefetch_unused_per_token", "dropped_per_token", "bytes_per_token",
-                "wait_ms_per_token")
+                "wait_ms_per_token", "layers_waited_per_token", "late_counted_on_device")
 
 
 def _weighted(dicts: list[dict[str, float] | None], weights: list[int], keys: Sequence[str]) -> dict[str, float] | None:
@@ -84,9 +84,14 @@ def _copies(kind: str, rounds: list[dict[str, Any] | None], model_info: Mapping[
             if all(key in r for r in offload):
                 out[key] = float(np.mean([r[key] for r in offload]))
         if decided_on == "device":
+            counted = all(r.get("late_counted_on_device") for r in offload)
             for key in PREFETCH_TIMING_KEYS:
-                out[key] = None
-            out["prefetch_timing"] = "not observed: the GPU decided and issued the copies (token graph)"
+                if not (counted and key == "prefetch_late_per_token"):
+                    out[key] = None
+            out["prefetch_timing"] = (
+                "late prefetches counted on the GPU (count_late): a prefetch still in flight where its layer was "
+                "about to wait for it; in time and unused not observed (token graph)" if counted else
+                "not observed: the GPU decided and issued the copies (token graph)")
         executed = float(model_info["moe_layers"] * model_info["top_k"])  # experts executed per token
         if executed and "demand_per_token" in out and out.get("prefetch_late_per_token") is not None:
             # SpecPrefetch's ReadyRecall (exact routing: the executed experts are the router's own top-K): the share

@@ -63,6 +63,9 @@ class LatencySettings:
         device_routing: the engine rows' decode steps routed on the device (one CUDA graph per token,
             :func:`psr_hf.engine.token_graph.graph_decoder`): None (default) where the row allows it, True
             required, False never (the host decides per layer).
+        count_late: the device-routed offloaded engine rows also count, on the GPU, the prefetches each MoE layer
+            still waits for (one small kernel per layer, timed with the row: leave it off for timings), so that
+            their records say how many prefetches arrived late (``prefetch_late_per_token``).
     """
 
     configs: Sequence[Row] | None = None
@@ -74,9 +77,13 @@ class LatencySettings:
     copy_delay_ms: float = 0.0
     graphs: bool | None = None
     device_routing: bool | None = None
+    count_late: bool = False
 
     def __post_init__(self) -> None:
         check_rounds(self.rounds)
+        if self.count_late and self.device_routing is False:
+            raise ValueError("count_late counts the late prefetches of rows routed on the device, and "
+                             "device_routing=False routes none there; leave device_routing at None or True")
         if self.warmup < 0 or self.accelerate_tokens < 1:
             raise ValueError(f"warmup={self.warmup} must be >= 0 and accelerate_tokens={self.accelerate_tokens} >= 1")
         rows = tuple(latency_rows() if self.configs is None else self.configs)
@@ -183,7 +190,7 @@ def _runners(model: torch.nn.Module, windows: Sequence[torch.Tensor], s: Latency
         graphs = device.type == "cuda" if s.graphs is None else s.graphs
         runners[ENGINE] = runners[ENGINE_RESIDENT] = EngineRunner(
             model, device, calibration, offload, max(int(w.shape[1]) for w in windows), bool(graphs), predictor,
-            s.device_routing)
+            s.device_routing, s.count_late)
     return runners
 
 

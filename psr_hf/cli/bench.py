@@ -93,6 +93,9 @@ def _register_bench(subparsers: Subparsers) -> None:
                    help="the engine rows' decode steps routed on the GPU, one CUDA graph per token: auto (default: "
                         "where the row allows it, see docs/engine.md), on (required), off (the host decides per "
                         "layer); each row's record says where it was decided (decided_on)")
+    p.add_argument("--count-late", action="store_true",
+                   help="the engine rows routed on the GPU also count the prefetches each layer still waits for "
+                        "(one small kernel per MoE layer, timed with the row: a diagnostic run, not a timing)")
     add_calibration(p)
     add_texts(p, "text file to cut the windows from (repeatable; default: standard-library sources)")
     p.add_argument("--warmup", type=int, default=1, help="untimed short warm-up rounds first (default 1)")
@@ -202,6 +205,7 @@ def bench(args: argparse.Namespace) -> int:
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
         engine=args.engine, hf_configs=hf_configs, prefetch_budgets=budgets, predictor=args.predictor,
         progress=progress, device_routing={"auto": None, "on": True, "off": False}[args.device_routing],
+        count_late=args.count_late,
     )
     progress.show()
     print(format_table(record))

@@ -45,27 +45,18 @@ def _evict(priority, eligible, offs, BIG: tl.constexpr):
     return tl.where(lowest < float("inf"), victim, -1)
 
 @triton.jit
-def _priority(row, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
-              fallback_ptr, offs, emask, E: tl.constexpr, BE: tl.constexpr, L: tl.constexpr,
-              LRU: tl.constexpr, HAS_PRIOR: tl.constexpr):
-    # ALGORITHM.md step 1 (numba _priority): last_use for LRU; s_fast + s_slow plus the token prior else
+def _priority(s_fast, s_slow, last_use, seen, experts, values, fallback, offs,
+                     LRU: tl.constexpr, HAS_PRIOR: tl.constexpr):
+    # ALGORITHM.md step 1 (numba _priority): last_use for LRU; s_fast + s_slow plus the token prior else (the
+    # prior's row, `experts` and `values`, loaded by the caller; the fallback where the token was not seen)
     if LRU:
         priority = last_use
     else:
         priority = s_fast + s_slow
         if HAS_PRIOR:
-            seen = tl.load(seen_ptr + token)
-            r = token * L + layer
-            start = tl.load(indptr_ptr + r)
-            end = tl.load(indptr_ptr + r + 1)
-            j = start + offs
-            jm = ((j < end) & (seen != 0)) != 0
-            experts = tl.load(pexp_ptr + j, mask=jm, other=-1).to(tl.int32)
-            values = tl.load(pval_ptr + j, mask=jm, other=0.0).to(tl.float64)
             match = experts[None, :] == offs[:, None]
             added = tl.reduce(tl.where(match, values[None, :], 0.0), 1, tl.standard._sum_combine)
             has = tl.reduce(match.to(tl.int32), 1, tl.standard._sum_combine) > 0
-            fallback = tl.load(fallback_ptr + layer * E + offs, mask=emask, other=0.0)
             priority = tl.where(seen != 0, tl.where(has, priority + added, priority), priority + fallback)
     return priority
 
@@ -136,6 +127,63 @@ def decide_kernel(
     inserted = (tl.load(base + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
     cbase = counters_ptr + layer * 8
     step = tl.load(cbase + 2)
+    steps_done = tl.load(cbase + 4)
+    demand_done = tl.load(cbase + 6)
+    replaced_done = tl.load(cbase + 7)
+    slot_of = tl.full((BE,), -1, tl.int32)
+    expert_of = tl.full((BC,), -1, tl.int32)
+    if OFFLOADED:
+        slot_of = tl.load(slot_of_ptr + layer * E + offs, mask=emask, other=-1)
+        expert_of = tl.load(expert_of_ptr + layer * C + cidx, mask=cidx < C, other=-2)
+    # the token prior's row of this layer (read only where the token was seen, so its entries load without
+    # waiting for `seen`; the eviction priority is computed only where a demand insertion evicts)
+    seen = token * 0
+    pexperts = offs
+    pvalues = tl.full((BE,), 0.0, tl.float64)
+    pfallback = tl.full((BE,), 0.0, tl.float64)
+    if HAS_PRIOR:
+        seen = tl.load(seen_ptr + token)
+        pr = token * L + layer
+        pj = tl.load(indptr_ptr + pr) + offs
+        pjm = pj < tl.load(indptr_ptr + pr + 1)
+        pexperts = tl.load(pexp_ptr + pj, mask=pjm, other=-1).to(tl.int32)
+        pvalues = tl.load(pval_ptr + pj, mask=pjm, other=0.0).to(tl.float64)
+        pfallback = tl.load(fallback_ptr + layer * E + offs, mask=emask, other=0.0)
+    # Every input of part 1 of layer + DISTANCE is loaded here too, before any store: in a decode step the weights
+    # streamed between two tokens evict this state from L2, so each load misses, and loads issued together wait
+    # for one miss where loads after a store or a reduction wait for one each. Part 2 writes only layer `layer`'s
+    # rows and DISTANCE >= 1, so these rows are the ones part 1 would read after it.
+    nxt = layer + DISTANCE
+    nxt_c = tl.minimum(nxt, L - 1)  # past the last layer part 1 does nothing; the clamp keeps the loads in bounds
+    if INSERTS:
+        g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG).to(tl.float32)
+        nbase = state_ptr + nxt_c * (6 * E)
+        nf = tl.load(nbase + 0 * E + offs, mask=emask, other=0.0)
+        ns = tl.load(nbase + 1 * E + offs, mask=emask, other=0.0)
+        nl = tl.load(nbase + 2 * E + offs, mask=emask, other=0.0)
+        nres = (tl.load(nbase + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+        nprot = (tl.load(nbase + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+        nins = (tl.load(nbase + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+        nc = counters_ptr + nxt_c * 8
+        prefetched_done = tl.load(nc + 5)
+        nslot_of = tl.full((BE,), -1, tl.int32)
+        nexpert_of = tl.full((BC,), -1, tl.int32)
+        ncopies = tl.full((BCW,), -1, tl.int32)
+        if OFFLOADED:
+            nslot_of = tl.load(slot_of_ptr + nxt_c * E + offs, mask=emask, other=-1)
+            nexpert_of = tl.load(expert_of_ptr + nxt_c * C + cidx, mask=cidx < C, other=-2)
+            ncopies = tl.load(copies_ptr + nxt_c * CW + cw, mask=cw < CW, other=-1)
+        # the next layer's token prior, as this layer's above
+        nexperts = offs
+        nvalues = tl.full((BE,), 0.0, tl.float64)
+        nfallback = tl.full((BE,), 0.0, tl.float64)
+        if HAS_PRIOR:
+            nr = token * L + nxt_c
+            nj = tl.load(indptr_ptr + nr) + offs
+            njm = nj < tl.load(indptr_ptr + nr + 1)
+            nexperts = tl.load(pexp_ptr + nj, mask=njm, other=-1).to(tl.int32)
+            nvalues = tl.load(pval_ptr + nj, mask=njm, other=0.0).to(tl.float64)
+            nfallback = tl.load(fallback_ptr + nxt_c * E + offs, mask=emask, other=0.0)
 
     z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG).to(tl.float32)  # float32, or the router's logits
     bad = tl.reduce(((z32 != z32) | (z32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
@@ -175,11 +223,6 @@ def decide_kernel(
     ids_out = tl.where(pw < K, ranked.to(tl.int64), 0)
     plan = tl.where(pw < K, ids_out, plan)
 
-    slot_of = tl.full((BE,), -1, tl.int32)
-    expert_of = tl.full((BC,), -1, tl.int32)
-    if OFFLOADED:
-        slot_of = tl.load(slot_of_ptr + layer * E + offs, mask=emask, other=-1)
-        expert_of = tl.load(expert_of_ptr + layer * C + cidx, mask=cidx < C, other=-2)
     copies = tl.full((BCW,), -1, tl.int32)
 
     # step 5: demand insertions in ascending expert order, evicting from R - (S u B), else R - S
@@ -190,10 +233,9 @@ def decide_kernel(
     n_demand = 0
     e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
     while e < E:
-        # the eviction priority (the token prior's gather is most of the kernel's time) only where a selected
-        # expert is missing: usually none is; the state it reads does not change within the loop
-        priority = _priority(0, layer, token, s_fast, s_slow, last_use, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
-                             fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
+        # the eviction priority (the token prior's sums are a large part of the kernel's work) only where a
+        # selected expert is missing: usually none is; the state it reads does not change within the loop
+        priority = _priority(s_fast, s_slow, last_use, seen, pexperts, pvalues, pfallback, offs, LRU, HAS_PRIOR)
         remaining = remaining & (offs != e)
         full = n_resident == C
         v1 = _evict(priority, resident & (in_sel == 0) & (protected == 0), offs, BIG)
@@ -239,9 +281,9 @@ def decide_kernel(
             tl.store(cbase + 1, range_count, mask=ok)
     tl.store(cbase + 2, step + 1.0, mask=ok)
     tl.store(cbase + 3, 0.0, mask=ok)
-    tl.store(cbase + 4, tl.load(cbase + 4) + 1.0, mask=ok)
-    tl.store(cbase + 6, tl.load(cbase + 6) + n_demand.to(tl.float64), mask=ok)
-    tl.store(cbase + 7, tl.load(cbase + 7) + replaced.to(tl.float64), mask=ok)
+    tl.store(cbase + 4, steps_done + 1.0, mask=ok)
+    tl.store(cbase + 6, demand_done + n_demand.to(tl.float64), mask=ok)
+    tl.store(cbase + 7, replaced_done + replaced.to(tl.float64), mask=ok)
     tl.store(plans_ptr + layer * W + pw, plan, mask=pw < W)
     tl.store(ids_ptr + pw, ids_out, mask=pw < K)
     if OFFLOADED:
@@ -260,34 +302,20 @@ def decide_kernel(
         tl.store(record_plans_ptr + (position * L + layer) * W + pw, plan, mask=pw < W)
 
     # ---------------------------------------------------------------- part 1 of layer + DISTANCE
-    nxt = layer + DISTANCE
     pplan = tl.full((BW,), -1, tl.int64)
     n_ins = 0
     if INSERTS:
         if nxt < L:
-            g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG).to(tl.float32)
             gbad = tl.reduce(((g32 != g32) | (g32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
             error = tl.where((error == 0) & (gbad > 0), 1, error)
             ok = error == 0
             g32 = tl.where(g32 == g32, g32, NEG)
             tl.store(saved_ptr + nxt * E + offs, g32, mask=emask)
             g = g32.to(tl.float64)
-            nbase = state_ptr + nxt * (6 * E)
-            nf = tl.load(nbase + 0 * E + offs, mask=emask, other=0.0)
-            ns = tl.load(nbase + 1 * E + offs, mask=emask, other=0.0)
-            nl = tl.load(nbase + 2 * E + offs, mask=emask, other=0.0)
-            nres = (tl.load(nbase + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-            nprot = (tl.load(nbase + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-            nins = (tl.load(nbase + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
             grank = _rank(g, g, offs)
             n_res_next = tl.reduce(nres.to(tl.int32), 0, tl.standard._sum_combine)
-            nslot_of = tl.full((BE,), -1, tl.int32)
-            nexpert_of = tl.full((BC,), -1, tl.int32)
-            ncopies = tl.full((BCW,), -1, tl.int32)
-            if OFFLOADED:
-                nslot_of = tl.load(slot_of_ptr + nxt * E + offs, mask=emask, other=-1)
-                nexpert_of = tl.load(expert_of_ptr + nxt * C + cidx, mask=cidx < C, other=-2)
-                ncopies = tl.load(copies_ptr + nxt * CW + cw, mask=cw < CW, other=-1)
+            # the next layer's eviction priority: its state does not change within the loop
+            npri = _priority(nf, ns, nl, seen, nexperts, nvalues, nfallback, offs, LRU, HAS_PRIOR)
             # the window in rank order until the budget is spent or an insertion finds no victim. A held expert
             # is only protected, so each pass protects the held run up to the next expert not held (against the
             # residency as the insertions left it) in one vector step and inserts that one: the same order as one
@@ -302,9 +330,6 @@ def decide_kernel(
                 do = nxt_rank < WINDOW
                 e = tl.reduce(tl.where(grank == nxt_rank, offs, 0), 0, tl.standard._sum_combine)
                 full = n_res_next == C
-                # the next layer's eviction priority, per pass as above (its state does not change in the loop)
-                npri = _priority(0, nxt, token, nf, ns, nl, seen_ptr, indptr_ptr, pexp_ptr, pval_ptr,
-                                 fallback_ptr, offs, emask, E, BE, L, LRU, HAS_PRIOR)
                 v = _evict(npri, nres & (nprot == 0), offs, BIG)
                 stop_now = do & full & (v < 0)
                 stopped = stopped | stop_now
@@ -333,9 +358,8 @@ def decide_kernel(
             tl.store(nbase + 3 * E + offs, tl.where(nres, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
             tl.store(nbase + 4 * E + offs, tl.where(nprot, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
             tl.store(nbase + 5 * E + offs, tl.where(nins, 1.0, 0.0).to(tl.float64), mask=(emask & ok) != 0)
-            nc = counters_ptr + nxt * 8
             tl.store(nc + 3, 1.0, mask=ok)
-            tl.store(nc + 5, tl.load(nc + 5) + n_ins.to(tl.float64), mask=ok)
+            tl.store(nc + 5, prefetched_done + n_ins.to(tl.float64), mask=ok)
             tl.store(pplans_ptr + nxt * W + pw, pplan, mask=pw < W)
             if OFFLOADED:
                 ncopies = tl.where(cw == C_N_PREFETCH, tl.where(ok, n_ins, 0), ncopies)

@@ -53,11 +53,12 @@ def device_routing_unsupported(controller: Controller) -> str | None:
 
 
 def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, device_routing: bool | None = None,
-                  **kwargs: Any) -> GraphDecoder:
+                  count_late: bool = False, **kwargs: Any) -> GraphDecoder:
     """The engine's decoder for ``model``: a :class:`TokenGraphDecoder` (decode steps routed on the device, one
     CUDA graph per token) where the routing allows it, else a :class:`GraphDecoder` (routed on the host per
     layer). ``device_routing``: None (default) where possible, True requires it (``ValueError`` saying why
-    not), False never. Other arguments: :class:`GraphDecoder`'s."""
+    not), False never. ``count_late``: a :class:`TokenGraphDecoder` of an offloaded model counts its late prefetches
+    (the host path observes them itself). Other arguments: :class:`GraphDecoder`'s."""
     if device_routing is False or (device_routing is None and not graphs):
         return GraphDecoder(model, max_len, graphs=graphs, **kwargs)
     why = None if graphs else "it needs CUDA graphs (graphs=True on a CUDA device)"
@@ -66,7 +67,7 @@ def graph_decoder(model: torch.nn.Module, max_len: int, *, graphs: bool = True, 
     if why is None and not triton_available()[0]:
         why = f"triton does not import ({triton_available()[1]})"
     if why is None:
-        return TokenGraphDecoder(model, max_len, graphs=graphs, **kwargs)
+        return TokenGraphDecoder(model, max_len, graphs=graphs, count_late=count_late, **kwargs)
     if device_routing:
         raise ValueError(f"psr_hf engine: device routing is not available: {why}; pass device_routing=None or False")
     logger.info("psr_hf engine: routing on the host per layer: %s", why)
