@@ -581,6 +581,22 @@ def test_prefetch_budget_from_the_overlap_window(quiet_psr_hf):
         run_bench(model="tiny", device="cpu", rounds=3, capacities=(0.5,), prefetch_budgets="max")
 
 
+def test_max_seconds_ends_the_timing_before_a_round_past_it_and_the_record_says_how_many_ran(quiet_psr_hf):
+    from psr_hf.bench.offload import run_bench
+    from psr_hf.bench.report import report_lines
+
+    common = dict(model="tiny", device="cpu", rounds=3, windows=1, tokens=4, capacities=(0.5,), accelerate=False,
+                  configs=["exact_lru"], calibration_tokens=256)
+    cut = run_bench(**common, max_seconds=1e-3)  # past already: the first round runs, no other
+    assert cut["settings"]["rounds_timed"] == 1 and cut["settings"]["max_seconds"] == 1e-3
+    assert all(len(row["rounds"]) == 1 for row in cut["results"])
+    assert any("1 of 3 interleaved rounds (max_seconds 0.001)" in line for line in report_lines(cut))
+    whole = run_bench(**common, max_seconds=3600)
+    assert whole["settings"]["rounds_timed"] == 3 and all(len(row["rounds"]) == 3 for row in whole["results"])
+    with pytest.raises(ValueError, match="max_seconds=0: give a positive number"):
+        run_bench(**common, max_seconds=0)
+
+
 def test_a_cpu_run_judges_no_goal():
     from psr_hf.bench import goals
     from psr_hf.bench.rows import RESIDENT

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,9 @@ class BenchSettings:
             at most a layer's experts) that :func:`psr_hf.prefetch.window.profile_unpatched` measures on the loaded
             model first (SpecPrefetch's window-aware budget; the profile goes into the record's settings).
         predictor: the SpecPrefetch predictor (a :class:`psr_hf.prefetch.Predictor` or its file).
+        max_seconds: stop timing before a round that would end past this many seconds from the start (the last
+            round's duration is the estimate): the record then holds the rounds timed (``rounds_timed``), at least
+            one. None: all ``rounds``.
     """
 
     model: str = GROWN_OLMOE
@@ -158,9 +162,13 @@ class BenchSettings:
     predictor: Predictor | str | Path | None = None
     device_routing: bool | None = None
     count_late: bool = False
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
         check_rounds(self.rounds)
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds={self.max_seconds!r}: give a positive number of seconds, or None for "
+                             "every round")
         if self.count_late and not self.engine:
             raise ValueError("count_late counts the late prefetches of the engine rows routed on the GPU; add the "
                              "engine rows (engine=True, --engine) or leave count_late off")
@@ -207,6 +215,7 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
     ``settings``: a :class:`BenchSettings`, or its fields as keywords (``run_bench(model="tiny", rounds=3)``).
     ``progress``: called with a line of text at each stage."""
     s = settings_of(BenchSettings, settings, fields, "run_bench")
+    started = time.monotonic()
     rows = s.rows()  # names checked before loading anything (the prefetch rows of a profiled budget after it)
     sources = _window_texts(s.model, s.texts, s.windows)
     if progress is not None:
@@ -237,10 +246,14 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
         net, ids, configs=rows, calibration=calib, rounds=s.rounds, warmup=s.warmup,
         accelerate_tokens=s.accelerate_tokens, offload=s.offload, max_in_flight=s.max_in_flight,
         copy_delay_ms=s.copy_delay_ms, progress=progress, predictor=loaded_predictor,
-        device_routing=s.device_routing, count_late=s.count_late)
+        device_routing=s.device_routing, count_late=s.count_late, **_deadline(s.max_seconds, started))
+    timed = len(results[0]["rounds"]) if results else 0
+    if timed < s.rounds:
+        logger.warning("psr-hf bench: %d of %d rounds timed within max_seconds=%s", timed, s.rounds, s.max_seconds)
     return {
         "benchmark": "latency",
-        "settings": {**_record_settings(s, device_used, predictor_info, window_profile), "expert_copy": copy},
+        "settings": {**_record_settings(s, device_used, predictor_info, window_profile), "expert_copy": copy,
+                     "rounds_timed": timed},
         "model": {**description, **describe_model(net)},
         "windows": {"sources": [path for path, _ in sources], "ids": [w[0].tolist() for w in ids],
                     "rule": "window i: text i % n at token offset (i // n) * (tokens + 1), tokens + 1 ids"},
@@ -252,6 +265,27 @@ def run_bench(settings: BenchSettings | None = None, /, *, progress: Callable[[s
         "goals": evaluate_goals(results, cuda=device_used.type == "cuda", device=machine(device_used).get("device"),
                                 expert_copy_ms=None if copy is None else copy["ms_median"]),
     }
+
+
+def _deadline(max_seconds: float | None, started: float) -> dict[str, Any]:
+    """``on_round`` and ``stop`` for :func:`~psr_hf.bench.timing.bench_latency` that end the timing before a round
+    whose duration (estimated by the last one) would pass ``max_seconds`` since ``started``; none without a limit."""
+    if max_seconds is None:
+        return {}
+    last = {"end": None, "duration": 0.0}  # when the last round ended (or the first began), and how long it took
+
+    def on_round(index: int, rounds: Any) -> None:
+        now = time.monotonic()
+        last["duration"], last["end"] = now - last["end"], now
+
+    def stop() -> bool:
+        now = time.monotonic()
+        if last["end"] is None:  # before the first round, which always runs
+            last["end"] = now
+            return False
+        return now - started + last["duration"] > max_seconds
+
+    return {"on_round": on_round, "stop": stop}
 
 
 def _expert_copy(net: torch.nn.Module, device: torch.device) -> dict[str, Any] | None:
@@ -284,7 +318,7 @@ def _record_settings(s: BenchSettings, device_used: torch.device, predictor_info
         "texts": list(s.texts), "seed": s.seed,
         "warmup": s.warmup, "warmup_tokens": WARMUP_TOKENS, "offload": s.offload, "batch": 1, "engine": s.engine,
         "device_routing": s.device_routing,
-        "count_late": s.count_late,
+        "count_late": s.count_late, "max_seconds": s.max_seconds,
         "engine_graphs": s.engine and device_used.type == "cuda",
         "engine_decoding": ENGINE_DECODING if s.engine else None,
         "decoding": "teacher-forced: a new DynamicCache per window, one one-token forward per position, the "

@@ -67,7 +67,8 @@ def _row_lines(record: Mapping[str, Any]) -> list[str]:
     rows = {row["configuration"]: row for row in record["results"]}
     acc = rows.get(ACCELERATE)
     lines = ["", f"teacher-forced batch-1 decode: {s['windows']} window(s) x {s['tokens']} timed positions, "
-                 f"{s['rounds']} interleaved rounds"
+                 + (f"{s['rounds']} interleaved rounds" if s.get("rounds_timed", s["rounds"]) == s["rounds"] else
+                    f"{s['rounds_timed']} of {s['rounds']} interleaved rounds (max_seconds {s['max_seconds']:g})")
                  + (f" (accelerate: the first {acc['tokens_per_round']} positions of window 1)" if acc else "")
                  + "; ms/token: mean over rounds, p99 over every timed token",
              ("ratios: paired over rounds (geometric mean of per-round ratios, 95% t-interval on the logs); copies "

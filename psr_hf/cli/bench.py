@@ -93,6 +93,9 @@ def _register_bench(subparsers: Subparsers) -> None:
                    help="the engine rows' decode steps routed on the GPU, one CUDA graph per token: auto (default: "
                         "where the row allows it, see docs/engine.md), on (required), off (the host decides per "
                         "layer); each row's record says where it was decided (decided_on)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop timing before a round that would end past this many seconds from the start (the last "
+                        "round's duration is the estimate); the record keeps the rounds timed (settings.rounds_timed)")
     p.add_argument("--count-late", action="store_true",
                    help="the engine rows routed on the GPU also count the prefetches each layer still waits for "
                         "(one small kernel per MoE layer, timed with the row: a diagnostic run, not a timing)")
@@ -205,11 +208,14 @@ def bench(args: argparse.Namespace) -> int:
         texts=args.text, seed=args.seed, warmup=args.warmup, calibration_tokens=args.calibration_tokens,
         engine=args.engine, hf_configs=hf_configs, prefetch_budgets=budgets, predictor=args.predictor,
         progress=progress, device_routing={"auto": None, "on": True, "off": False}[args.device_routing],
-        count_late=args.count_late,
+        count_late=args.count_late, max_seconds=args.max_seconds,
     )
     progress.show()
     print(format_table(record))
     print("\n".join(report_lines(record)))
+    if record["settings"]["rounds_timed"] < args.rounds:
+        print(f"psr-hf bench: {record['settings']['rounds_timed']} of {args.rounds} rounds timed within --max-seconds "
+              f"{args.max_seconds:g}")
     if args.json:
         write_json(args.json, record)
     if args.plot:
