@@ -5,7 +5,7 @@
 # (5 repetitions, 16 threads) all resident and with the experts of NCMOE layers on the CPU; with INTERLEAVED=1,
 # llama-bench and the engine all resident in interleaved rounds (llamacpp/interleaved.py: the goal against
 # llama.cpp paired by round); and, with ENGINE=1, `psr-hf bench --engine` on the main rows (ROUNDS, default 5;
-# device routing where the row allows it) within the time left. SAVE_BUILD=1 returns the build
+# device routing where the row allows it) within the time left (--max-seconds: the rounds that fit). SAVE_BUILD=1 returns the build
 # (build_bin.tar.xz.part-*; put them in .llama and carry it to skip the build in a later call).
 # Records under $OUT: llamacpp_ncmoe<N>.json, bench_engine.{json,txt}, judged.txt (the goal against llama.cpp:
 # benchmarks/engine/llamacpp/judge.py).
@@ -36,6 +36,7 @@ if [ "${ENGINE:-0}" = 1 ]; then
   echo "psr-hf bench --engine gets $LEFT s"
   PYTHONUNBUFFERED=1 timeout "$LEFT" python3 -m psr_hf.cli bench --model "$MODEL" --engine \
       --configs "${CONFIGS:-exact_lru,cp_lam0.2,psr_lam0.3_n1,psr_lam0.3_n1_d2}" --hf-configs '' --no-accelerate --rounds "${ROUNDS:-5}" \
+      --max-seconds "$((LEFT - 20))" \
       --windows 2 --tokens 64 --json "$OUT/bench_engine.json" 2>&1 | grep -v "Loading weights" \
       | tee "$OUT/bench_engine.txt" | tail -30
   python3 benchmarks/engine/llamacpp/judge.py "$OUT/llamacpp_ncmoe0.json" "$OUT/bench_engine.json" \
