@@ -349,11 +349,14 @@ _jit, _sum, _rounded = _helpers.jit, _helpers.reduce_sum, _helpers.rounded
 
 @_jit
 def _tile(tiles, h, stop, row_ok, cols, EVEN_H: tl.constexpr):
-    # the weight tile at column h as float32 (zeros past the rows, past H, or at h >= stop)
+    # the weight tile at column h as float32 (zeros past the rows, past H, or at h >= stop); read once per token,
+    # so first out of L2 (the slot MoE's weights likewise)
     if EVEN_H:
-        return tl.load(tiles + h, mask=row_ok[:, None] & (cols * 0 + h < stop)[None, :], other=0.0).to(tl.float32)
+        return tl.load(tiles + h, mask=row_ok[:, None] & (cols * 0 + h < stop)[None, :], other=0.0,
+                       eviction_policy="evict_first").to(tl.float32)
     else:
-        return tl.load(tiles + h, mask=row_ok[:, None] & (h + cols < stop)[None, :], other=0.0).to(tl.float32)
+        return tl.load(tiles + h, mask=row_ok[:, None] & (h + cols < stop)[None, :], other=0.0,
+                       eviction_policy="evict_first").to(tl.float32)
 
 
 @_jit

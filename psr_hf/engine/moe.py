@@ -281,8 +281,12 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
             col_ok = cols < H
             xv = tl.load(x_ptr + cols * stride_x, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             ok = row_ok[:, None] & col_ok[None, :]
-            g = tl.load(gate_rows + cols[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
-            u = tl.load(up_rows + cols[None, :] * stride_gc, mask=ok, other=0.0).to(tl.float32)
+            # the experts' weights are read once per token: first out of L2, so that they do not evict the
+            # small state the step's other kernels read again (decision state, activations, norms)
+            g = tl.load(gate_rows + cols[None, :] * stride_gc, mask=ok, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(up_rows + cols[None, :] * stride_gc, mask=ok, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             acc_g += g * xv
             acc_u += u * xv
         gate = tl.reduce(acc_g, 1, tl.standard._sum_combine)
@@ -310,7 +314,7 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
                 col_ok = cols < I
                 hv = tl.load(h_ptr + k * I + cols, mask=col_ok, other=0.0)
                 d = tl.load(base + cols[None, :] * stride_dc, mask=row_ok[:, None] & col_ok[None, :],
-                            other=0.0).to(tl.float32)
+                            other=0.0, eviction_policy="evict_first").to(tl.float32)
                 acc += d * hv[None, :]
         y = tl.reduce(acc, 1, tl.standard._sum_combine)
         if HAS_RESIDUAL:
