@@ -9,7 +9,7 @@
 #      prefetches each layer still waited for in a teacher-forced decode (a diagnostic: the counting kernels are
 #      timed with the rows);
 #   4. the token graph replayed back to back, all resident and PSR at 50%, this build (decision kernel at 4 and 8
-#      warps) and the build before (4 warps; token_graph_profile.py, no kernel profile).
+#      warps) and the build before (4 warps; token_graph_profile.py, with its kernels under torch.profiler).
 set -uo pipefail
 START=$SECONDS
 source benchmarks/device_env.sh
@@ -45,7 +45,8 @@ for build in new old; do
   [ -d "$dir" ] && [ "$(left)" -gt 60 ] || continue
   echo "== token graph, build $build" | tee -a "$LOG"
   (cd "$dir" && PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout "$(cap 130)" python3 "$OLDPWD/benchmarks/engine/token_graph_profile.py" \
-      --model grown-olmoe-routing --decide-warps $warps --rounds 3 --no-kernel-profile \
-      --json "$OUT/profile_${build}.json" 2>&1 | grep "==" | tee -a "$LOG")
+      --model grown-olmoe-routing --decide-warps $warps --rounds 2 \
+      --json "$OUT/profile_${build}.json" 2>&1 | grep -v "Loading weights" > "$OUT/profile_${build}.txt"
+   grep "==\|decide_kernel\|gate_up_kernel\|down_kernel\|linear_many" "$OUT/profile_${build}.txt" | tee -a "$LOG")
 done
 echo "== done at $((SECONDS - START)) s" | tee -a "$LOG"
