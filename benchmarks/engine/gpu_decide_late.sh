@@ -5,7 +5,8 @@
 #   1. `pytest -m cuda` over every test file that has a cuda test (WORKERS pytest-xdist workers, default 8);
 #   2. the decision kernel alone (decide_kernel_bench.py), L2 warm (decisions replayed back to back) and cold (as
 #      in a decode step), this build and the build before, warps 4 and 8;
-#   3. `psr-hf bench --engine --count-late` on PSR at prefetch distances 1-3 and Cache-Prior at 50%: the
+#   3. the device's decisions against the numba kernels' on teacher-forced windows of every policy
+#      (device_decisions_record.py), then `psr-hf bench --engine --count-late` on PSR at prefetch distances 1-3 and Cache-Prior at 50%: the
 #      prefetches each layer still waited for in a teacher-forced decode (a diagnostic: the counting kernels are
 #      timed with the rows);
 #   4. the token graph replayed back to back, all resident and PSR at 50%, this build (decision kernel at 4 and 8
@@ -16,7 +17,7 @@ source benchmarks/device_env.sh
 LOG=$OUT/log.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 echo "== cuda tests" | tee -a "$LOG"
-timeout "$(cap "${TESTS_S:-200}")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
+timeout "$(cap "${TESTS_S:-150}")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
     --tb=short -rfE --durations=10 $(grep -l "mark.cuda" tests/test_*.py) > "$OUT/cuda_tests.txt" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"
 tail -15 "$OUT/cuda_tests.txt" | tee -a "$LOG"
@@ -32,6 +33,12 @@ for build in new old; do
         --json "$OUT/decide_${build}_${temp}.json" 2>&1 | tee -a "$LOG")
   done
 done
+if [ "$(left)" -gt 250 ]; then
+  echo "== the device's decisions against the numba kernels' on teacher-forced windows, every policy" | tee -a "$LOG"
+  PYTHONUNBUFFERED=1 timeout "$(cap 50)" python3 benchmarks/engine/device_decisions_record.py --model olmoe-routing \
+      --windows 2 --tokens 128 --json "$OUT/device_decisions_record.json" 2>&1 | grep -v "Loading weights" \
+      > "$OUT/device_decisions_record.txt"; tail -3 "$OUT/device_decisions_record.txt" | tee -a "$LOG"
+fi
 if [ "$(left)" -gt 200 ]; then
   echo "== late prefetches in a teacher-forced decode (psr-hf bench --count-late)" | tee -a "$LOG"
   PYTHONUNBUFFERED=1 timeout "$(cap "${LATE_S:-170}")" python3 -m psr_hf.cli bench --model grown-olmoe-routing --engine --count-late \
