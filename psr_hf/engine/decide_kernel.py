@@ -191,14 +191,16 @@ def decide_kernel(
     error = tl.where((error == 0) & ((bad > 0) | (finite < K)), 1, error)
     z32 = tl.where(z32 == z32, z32, NEG)
     z = z32.to(tl.float64)
-    own_rank = _rank(z, z, offs)
+    # ranks of float32 scores compare them in float32: widening is exact and keeps their order and ties, and the
+    # [BE, BE] comparison tiles take half the registers
+    own_rank = _rank(z32, z32, offs)
     own_k = (own_rank < K) & emask
 
     sel_rank = own_rank
     range_sum = tl.load(cbase + 0)
     range_count = tl.load(cbase + 1)
     if EXEC_PREGATE:
-        g_saved = tl.load(saved_ptr + layer * E + offs, mask=emask, other=NEG).to(tl.float64)
+        g_saved = tl.load(saved_ptr + layer * E + offs, mask=emask, other=NEG).to(tl.float32)
         g_rank = _rank(g_saved, g_saved, offs)
         sel_rank = tl.where(layer >= 1, g_rank, own_rank)
     if BIASED:
@@ -214,7 +216,7 @@ def decide_kernel(
         bonus = lam * d
         marked = (resident | (own_rank < TOP_J)) & emask
         biased = z + tl.where(marked, bonus, 0.0)
-        sel_rank = _rank(biased, z, offs)
+        sel_rank = _rank(biased, z32, offs)
     in_sel = (sel_rank < K) & emask
 
     plan = tl.full((BW,), -1, tl.int64)
@@ -311,8 +313,7 @@ def decide_kernel(
             ok = error == 0
             g32 = tl.where(g32 == g32, g32, NEG)
             tl.store(saved_ptr + nxt * E + offs, g32, mask=emask)
-            g = g32.to(tl.float64)
-            grank = _rank(g, g, offs)
+            grank = _rank(g32, g32, offs)
             n_res_next = tl.reduce(nres.to(tl.int32), 0, tl.standard._sum_combine)
             # the next layer's eviction priority: its state does not change within the loop
             npri = _priority(nf, ns, nl, seen, nexperts, nvalues, nfallback, offs, LRU, HAS_PRIOR)
