@@ -58,6 +58,24 @@ def test_a_compiled_generate_routes_with_router_weights_changed_after_compile(la
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
 
 
+def test_the_step_checks_each_router_weight_once_and_a_change_seen_by_one_stack_only_still_restacks_the_other():
+    from psr_hf.engine.layers import _unchanged
+
+    model = _engine_case()
+    layers = psr_hf.engine.attached(model).decoder.layers
+    routers = [r.router.weight for r in layers._routers.values()]
+    assert len(layers._router_entries) == len(routers)  # each router also its predecessor's pre-gate: read once
+    assert [entry[1] for entry in layers._router_entries] == routers
+    handle = psr_hf.engine.attached(model).decoder.decode_handle
+    with torch.no_grad():
+        routers[1].mul_(-1.0)  # router 1: stacked with router 0 (its pre-gate) and with router 2
+    layers.sync_routers(handle, moe_layers=(0,))  # layer 0 restacked only: router 1's own stack still stale
+    assert not _unchanged(layers._router_entries)
+    assert sum(entry[1] is routers[1] for entry in layers._router_entries) == 2  # read at both versions
+    layers.sync_routers(handle)
+    assert _unchanged(layers._router_entries) and len(layers._router_entries) == len(routers)
+
+
 def test_a_compiled_model_converted_to_another_dtype_fails_naming_the_engine():
     model = _engine_case()
     model.to(torch.float64)

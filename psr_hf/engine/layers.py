@@ -115,8 +115,15 @@ def _unchanged(entries: tuple) -> bool:
 
 
 def _all_entries(routers: dict) -> tuple:
-    """Every router's :func:`_router_source` entries in one tuple (one :func:`_unchanged` pass checks them all)."""
-    return tuple(entry for r in routers.values() for entry in r.source)
+    """Every router's :func:`_router_source` entries in one tuple (one :func:`_unchanged` pass checks them all).
+    A weight two routers read (a router is the one before it's pre-gate) is checked once where both read it at
+    the same version and address, and twice where they do not (one of them was stacked again since)."""
+    entries: dict[tuple, tuple] = {}
+    for r in routers.values():
+        for entry in r.source:
+            params, weight, version, address = entry
+            entries.setdefault((id(params), id(weight), version, address), entry)
+    return tuple(entries.values())
 
 
 # ---------------------------------------------------------------------------------------------------- base class
