@@ -25,6 +25,7 @@ from .layers import DecodeLayers
 from .prefill import prefill_block
 from .moe import check_experts_module
 from .slot_moe import slot_moe
+from .grad_off import grad_off
 
 if TYPE_CHECKING:
     from psr_hf.hf.controller import Controller
@@ -96,7 +97,7 @@ class DecoderBase(abc.ABC):
         self.layers.check_references(self.controller.expert_store.offloaded)
         self.layers.begin_sequence()
 
-    @torch.no_grad()
+    @grad_off
     def step_chosen(self, read_token: Callable[[], int | None],
                     overlap: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, int | None]:
         """Decode the token the device just chose into the token buffer (:mod:`psr_hf.engine.token_selection`),
@@ -219,7 +220,7 @@ class Decoder(DecoderBase):
         self.position = 0
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
+    @grad_off
     def step(self, token: int) -> torch.Tensor:
         """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer."""
         L, b, handle = self.layers, self.layers.buffers, self.decode_handle

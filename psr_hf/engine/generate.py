@@ -25,6 +25,7 @@ from psr_hf.hf.installation import CONTROLLER_ATTRIBUTE as _PATCH_ATTR
 from .decoding_loop import cache_field, cache_is_empty, wrap_generate
 from .prefill import ENGINE_ATTRIBUTE
 from .token_selection import ChoiceOutput
+from .grad_off import grad_off
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class _Attachment:
         return None
 
     # ------------------------------------------------------------------ serving
-    @torch.no_grad()
+    @grad_off
     def _serve(self, kwargs: dict, ids: torch.Tensor, name: str | None, continuation: bool) -> Any:
         tokens = [int(t) for t in ids[0].tolist()]
         if continuation:

@@ -30,6 +30,7 @@ from psr_hf.offload.cuda_runtime import HostEvent, Runtime, raw_current_stream
 from .moe import check_experts_module, choose_backend, new_workspace, triton_available
 from .slot_moe import SlotMoe, slot_moe
 from .step_inputs import StepInputs
+from .grad_off import grad_off
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ class GraphDecoder(DecoderBase):
         super().check_sequence_start()
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
+    @grad_off
     def step(self, token: OneToken) -> torch.Tensor:
         """Decode ``token`` at the next position; returns the static ``[1, V]`` logits buffer (rewritten by the
         next step)."""
@@ -373,7 +374,7 @@ class GraphDecoder(DecoderBase):
         self.position = position + 1
         return b.logits
 
-    @torch.no_grad()
+    @grad_off
     def step_chosen(self, read_token: Callable[[], int | None],
                     overlap: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, int | None]:
         """Decode the token the device just wrote into the token buffer (the engine's token choice,
