@@ -374,3 +374,18 @@ def test_the_copy_kernel_bench_moves_the_listed_experts_by_both_paths_on_the_cpu
                          "--json", str(out)])  # each timed path checks that the slots hold the listed experts
     assert [(r["copy"], r.get("programs")) for r in record["rows"]] == [("dma", None), ("kernel", 1), ("kernel", 3)]
     assert json.loads(out.read_text())["bytes_per_expert"] == (2 * 8 * 16 + 16 * 8) * 2
+
+
+def test_the_compiled_kernel_issues_every_global_load_before_its_first_barrier():
+    """In a decode step each of the kernel's loads misses L2; issued before the first barrier they overlap (one
+    wave), where loads behind a barrier would each wait for a miss of their own (the build before: 12 waves for
+    psr offloaded with the token prior). Compiled for sm_90 here, without a GPU, and read as SASS."""
+    sass = _bench("decide_kernel_sass")
+    why = sass.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    kernel = ROOT / "psr_hf" / "engine" / "decide_kernel.py"
+    row = sass.read_cubin(sass.compile_kernel(kernel, "psr_offloaded_prior"))
+    assert row["global_loads"] > 100 and row["barriers"] > 50
+    assert row["load_waves"] == 1 and row["loads_before_first_barrier"] == row["global_loads"]
+    assert row["stack_bytes"] == 0  # no spills

@@ -128,6 +128,7 @@ def decide_kernel(
     cbase = counters_ptr + layer * 8
     step = tl.load(cbase + 2)
     steps_done = tl.load(cbase + 4)
+    delta = tl.load(delta_ptr + layer)  # the bonus scale (read where it is not the running range)
     demand_done = tl.load(cbase + 6)
     replaced_done = tl.load(cbase + 7)
     slot_of = tl.full((BE,), -1, tl.int32)
@@ -212,7 +213,7 @@ def decide_kernel(
             range_count = range_count + 1.0
             d = range_sum / range_count
         else:
-            d = tl.load(delta_ptr + layer)
+            d = delta
         bonus = lam * d
         marked = (resident | (own_rank < TOP_J)) & emask
         biased = z + tl.where(marked, bonus, 0.0)
