@@ -386,6 +386,6 @@ def test_the_compiled_kernel_issues_every_global_load_before_its_first_barrier()
         pytest.skip(why)
     kernel = ROOT / "psr_hf" / "engine" / "decide_kernel.py"
     row = sass.read_cubin(sass.compile_kernel(kernel, "psr_offloaded_prior"))
-    assert row["global_loads"] > 100 and row["barriers"] > 50
+    assert row["global_loads"] > 50 and row["barriers"] > 50
     assert row["load_waves"] == 1 and row["loads_before_first_barrier"] == row["global_loads"]
     assert row["stack_bytes"] == 0  # no spills

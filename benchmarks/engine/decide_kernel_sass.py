@@ -87,7 +87,7 @@ def _state(variant: str, layers: int, experts: int, top_k: int, vocab: int, warp
 
 
 def compile_kernel(path: Path, variant: str, *, layers: int = 16, experts: int = 64, top_k: int = 8,
-                   vocab: int = 1024, warps: int = 4) -> bytes:
+                   vocab: int = 1024, warps: int = 8) -> bytes:
     """The cubin of ``path``'s decision kernel for ``variant`` (OLMoE's routing shape by default), for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kernel", action="append", default=None,
                     help="LABEL=FILE of a decide_kernel.py to read (repeatable; default: this tree's, as 'this')")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--warps", type=int, default=8, help="the decision kernel's warps (default 8, the engine's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     why = unavailable()

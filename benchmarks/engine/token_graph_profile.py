@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--residency", type=float, default=0.5)
-    ap.add_argument("--decide-warps", type=int, nargs="+", default=[1],
+    ap.add_argument("--decide-warps", type=int, nargs="+", default=[8],
                     help="the decision kernel's warps; each value profiles every row again")
     ap.add_argument("--twins", action="store_true",
                     help="also PSR lam 0.3 n1 and Cache-Prior lam 0.2 at --residency on the all-resident model (the "

@@ -25,12 +25,14 @@ class DeviceState:
     own dtype, which the kernel widens to float32 as it loads them; int64 token and position; default: own
     buffers, filled by the caller). ``offloaded``: keep slot maps of ``capacity`` slots and write copy lists.
     ``max_positions``: positions the score record holds (0: no record). ``num_warps``: the decision kernel's warps
-    (4; on an H100, 8 took 5.71 against 6.11 us per layer for psr resident, the offloaded variants not yet timed:
-    benchmarks/engine/h100/kernels/decide_kernel.txt)."""
+    (8: faster than 4 for every variant timed, on an H100 psr 5.71 against 6.11 us per layer and Cache-Prior 3.97
+    against 4.35, on an H200 psr offloaded with the token prior 9.93 against 12.39:
+    benchmarks/engine/h{100,200}/kernels*/decide_kernel.txt; compiled, fewer instructions and barriers than at 4,
+    benchmarks/engine/decide_kernel_sass.py)."""
 
     def __init__(self, cache: Any, device: torch.device | str, *, scores: torch.Tensor | None = None,
                  token: torch.Tensor | None = None, position: torch.Tensor | None = None, offloaded: bool = False,
-                 max_positions: int = 0, num_warps: int = 4):
+                 max_positions: int = 0, num_warps: int = 8):
         device = torch.device(device)
         self.device = device
         self.cache = cache

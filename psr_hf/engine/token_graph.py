@@ -81,7 +81,7 @@ class TokenGraphDecoder(GraphDecoder):
     prefetches each layer still waits for (:meth:`late_prefetches`). Other arguments: :class:`GraphDecoder`'s."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, *, prefetch_programs: int = 8,
-                 demand_programs: int | None = None, decide_warps: int = 4, count_late: bool = False,
+                 demand_programs: int | None = None, decide_warps: int = 8, count_late: bool = False,
                  **kwargs: Any):
         super().__init__(model, max_len, **kwargs)
         if not self.graphs:
