@@ -37,11 +37,25 @@ def _at(values, offs, index):
     return tl.reduce(tl.where(offs == index, values, 0), 0, tl.standard._sum_combine)
 
 @triton.jit
+def _lowest_first(v1, i1, v2, i2):
+    # the smaller (value, index) pair: the lowest value, ties to the lower index
+    second = (v2 < v1) | ((v2 == v1) & (i2 < i1))
+    return tl.where(second, v2, v1), tl.where(second, i2, i1)
+
+@triton.jit
+def _both_sums(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+@triton.jit
+def _sum_min_sum(a1, b1, c1, a2, b2, c2):
+    return a1 + a2, tl.minimum(b1, b2), c1 + c2
+
+@triton.jit
 def _evict(priority, eligible, offs, BIG: tl.constexpr):
-    # argmin priority over the eligible lanes, ties to the lower index; -1 if none (priorities are finite)
+    # argmin priority over the eligible lanes, ties to the lower index, in one reduction; -1 if none (priorities
+    # are finite)
     q = tl.where(eligible, priority, float("inf"))
-    lowest = tl.reduce(q, 0, tl.standard._elementwise_min)
-    victim = tl.reduce(tl.where(eligible & (q == lowest), offs, BIG), 0, tl.standard._elementwise_min)
+    lowest, victim = tl.reduce((q, offs), 0, _lowest_first)
     return tl.where(lowest < float("inf"), victim, -1)
 
 @triton.jit
@@ -187,8 +201,8 @@ def decide_kernel(
             nfallback = tl.load(fallback_ptr + nxt_c * E + offs, mask=emask, other=0.0)
 
     z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG).to(tl.float32)  # float32, or the router's logits
-    bad = tl.reduce(((z32 != z32) | (z32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
-    finite = tl.reduce((emask & (z32 != NEG)).to(tl.int32), 0, tl.standard._sum_combine)
+    nan_or_inf = ((z32 != z32) | (z32 == float("inf"))).to(tl.int32)
+    bad, finite = tl.reduce((nan_or_inf, (emask & (z32 != NEG)).to(tl.int32)), 0, _both_sums)
     error = tl.where((error == 0) & ((bad > 0) | (finite < K)), 1, error)
     z32 = tl.where(z32 == z32, z32, NEG)
     z = z32.to(tl.float64)
@@ -229,12 +243,13 @@ def decide_kernel(
     copies = tl.full((BCW,), -1, tl.int32)
 
     # step 5: demand insertions in ascending expert order, evicting from R - (S u B), else R - S
-    n_resident = tl.reduce(resident.to(tl.int32), 0, tl.standard._sum_combine)
     # only the selected experts not resident are inserted, and an insertion evicts only unselected experts, so
-    # the loop visits just those (usually none) in ascending order
+    # the loop visits just those (usually none) in ascending order. With the resident count and step 7's count of
+    # replaced experts (neither the selection nor the router's top-K changes below) in one reduction.
     remaining = in_sel & (resident == 0)
     n_demand = 0
-    e = tl.reduce(tl.where(remaining, offs, BIG), 0, tl.standard._elementwise_min)
+    n_resident, e, replaced = tl.reduce((resident.to(tl.int32), tl.where(remaining, offs, BIG),
+                                         (in_sel & (own_k == 0)).to(tl.int32)), 0, _sum_min_sum)
     while e < E:
         # the eviction priority (the token prior's sums are a large part of the kernel's work) only where a
         # selected expert is missing: usually none is; the state it reads does not change within the loop
@@ -260,7 +275,6 @@ def decide_kernel(
     # step 7: statistics from the router's own top-K
     part1_here = INSERTS & (layer >= DISTANCE)
     last_use = tl.where(in_sel | (inserted & part1_here), step, last_use)
-    replaced = tl.reduce((in_sel & (own_k == 0)).to(tl.int32), 0, tl.standard._sum_combine)
     flag = tl.where(own_k, 1.0, 0.0).to(tl.float64)
     sf = decay_fast * s_fast + (1.0 - decay_fast) * flag
     ss = decay_slow * s_slow + (1.0 - decay_slow) * flag
@@ -309,13 +323,13 @@ def decide_kernel(
     n_ins = 0
     if INSERTS:
         if nxt < L:
-            gbad = tl.reduce(((g32 != g32) | (g32 == float("inf"))).to(tl.int32), 0, tl.standard._sum_combine)
+            g_nan_or_inf = ((g32 != g32) | (g32 == float("inf"))).to(tl.int32)
+            gbad, n_res_next = tl.reduce((g_nan_or_inf, nres.to(tl.int32)), 0, _both_sums)
             error = tl.where((error == 0) & (gbad > 0), 1, error)
             ok = error == 0
             g32 = tl.where(g32 == g32, g32, NEG)
             tl.store(saved_ptr + nxt * E + offs, g32, mask=emask)
             grank = _rank(g32, g32, offs)
-            n_res_next = tl.reduce(nres.to(tl.int32), 0, tl.standard._sum_combine)
             # the next layer's eviction priority: its state does not change within the loop
             npri = _priority(nf, ns, nl, seen, nexperts, nvalues, nfallback, offs, LRU, HAS_PRIOR)
             # the window in rank order until the budget is spent or an insertion finds no victim. A held expert
@@ -327,10 +341,11 @@ def decide_kernel(
             i = 0
             while (i < WINDOW) & (n_ins < BUDGET) & (stopped == 0):
                 ahead = (grank >= i) & (grank < WINDOW) & emask
-                nxt_rank = tl.reduce(tl.where(ahead & (nres == 0), grank, WINDOW), 0, tl.standard._elementwise_min)
+                # the next rank not held and its expert in one reduction (ranks are distinct; without one, e is
+                # not read: nothing is inserted)
+                nxt_rank, e = tl.reduce((tl.where(ahead & (nres == 0), grank, WINDOW), offs), 0, _lowest_first)
                 nprot = nprot | (ahead & nres & (grank < nxt_rank))
                 do = nxt_rank < WINDOW
-                e = tl.reduce(tl.where(grank == nxt_rank, offs, 0), 0, tl.standard._sum_combine)
                 full = n_res_next == C
                 v = _evict(npri, nres & (nprot == 0), offs, BIG)
                 stop_now = do & full & (v < 0)
