@@ -51,12 +51,31 @@ def _sum_min_sum(a1, b1, c1, a2, b2, c2):
     return a1 + a2, tl.minimum(b1, b2), c1 + c2
 
 @triton.jit
+def _max_min(a1, b1, a2, b2):
+    return tl.maximum(a1, a2), tl.minimum(b1, b2)
+
+@triton.jit
+def _two_lowest_first(v1, i1, w1, j1, v2, i2, w2, j2):
+    # _lowest_first of two (value, index) pairs at once
+    second = (v2 < v1) | ((v2 == v1) & (i2 < i1))
+    other = (w2 < w1) | ((w2 == w1) & (j2 < j1))
+    return tl.where(second, v2, v1), tl.where(second, i2, i1), tl.where(other, w2, w1), tl.where(other, j2, j1)
+
+@triton.jit
 def _evict(priority, eligible, offs, BIG: tl.constexpr):
     # argmin priority over the eligible lanes, ties to the lower index, in one reduction; -1 if none (priorities
     # are finite)
     q = tl.where(eligible, priority, float("inf"))
     lowest, victim = tl.reduce((q, offs), 0, _lowest_first)
     return tl.where(lowest < float("inf"), victim, -1)
+
+@triton.jit
+def _evict_either(priority, first, second, offs):
+    # _evict over two eligible sets in one reduction
+    q = tl.where(first, priority, float("inf"))
+    r = tl.where(second, priority, float("inf"))
+    low1, v1, low2, v2 = tl.reduce((q, offs, r, offs), 0, _two_lowest_first)
+    return tl.where(low1 < float("inf"), v1, -1), tl.where(low2 < float("inf"), v2, -1)
 
 @triton.jit
 def _priority(s_fast, s_slow, last_use, seen, experts, values, fallback, offs,
@@ -69,8 +88,8 @@ def _priority(s_fast, s_slow, last_use, seen, experts, values, fallback, offs,
         priority = s_fast + s_slow
         if HAS_PRIOR:
             match = experts[None, :] == offs[:, None]
-            added = tl.reduce(tl.where(match, values[None, :], 0.0), 1, tl.standard._sum_combine)
-            has = tl.reduce(match.to(tl.int32), 1, tl.standard._sum_combine) > 0
+            added, hits = tl.reduce((tl.where(match, values[None, :], 0.0), match.to(tl.int32)), 1, _both_sums)
+            has = hits > 0
             priority = tl.where(seen != 0, tl.where(has, priority + added, priority), priority + fallback)
     return priority
 
@@ -221,8 +240,7 @@ def decide_kernel(
     if BIASED:
         if RUNNING:
             fin = emask & (z != NEG)
-            hi = tl.reduce(tl.where(fin, z, NEG), 0, tl.standard._elementwise_max)
-            lo = tl.reduce(tl.where(fin, z, float("inf")), 0, tl.standard._elementwise_min)
+            hi, lo = tl.reduce((tl.where(fin, z, NEG), tl.where(fin, z, float("inf"))), 0, _max_min)
             range_sum = range_sum + (hi - lo)
             range_count = range_count + 1.0
             d = range_sum / range_count
@@ -256,8 +274,7 @@ def decide_kernel(
         priority = _priority(s_fast, s_slow, last_use, seen, pexperts, pvalues, pfallback, offs, LRU, HAS_PRIOR)
         remaining = remaining & (offs != e)
         full = n_resident == C
-        v1 = _evict(priority, resident & (in_sel == 0) & (protected == 0), offs, BIG)
-        v2 = _evict(priority, resident & (in_sel == 0), offs, BIG)
+        v1, v2 = _evict_either(priority, resident & (in_sel == 0) & (protected == 0), resident & (in_sel == 0), offs)
         victim = tl.where(full, tl.where(v1 >= 0, v1, v2), -1)
         resident = tl.where(offs == victim, 0, resident) != 0
         resident = resident | (offs == e)
