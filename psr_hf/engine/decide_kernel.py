@@ -94,6 +94,30 @@ def _priority(s_fast, s_slow, last_use, seen, experts, values, fallback, offs,
     return priority
 
 @triton.jit
+def _planes(base, offs, emask, E: tl.constexpr):
+    # one layer's state planes (numba layout): s_fast, s_slow, last_use and the resident, protected, inserted flags
+    s_fast = tl.load(base + 0 * E + offs, mask=emask, other=0.0)
+    s_slow = tl.load(base + 1 * E + offs, mask=emask, other=0.0)
+    last_use = tl.load(base + 2 * E + offs, mask=emask, other=0.0)
+    resident = (tl.load(base + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    protected = (tl.load(base + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    inserted = (tl.load(base + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    return s_fast, s_slow, last_use, resident, protected, inserted
+
+@triton.jit
+def _prior_row(token, layer, indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, offs, emask, E: tl.constexpr,
+               L: tl.constexpr):
+    # the token prior's CSR row of (token, layer) and the layer's fallback prior, for _priority; loaded whether the
+    # token was seen or not (only a seen token's row is read), so that these loads need not wait for `seen`
+    r = token * L + layer
+    j = tl.load(indptr_ptr + r) + offs
+    jm = j < tl.load(indptr_ptr + r + 1)
+    experts = tl.load(pexp_ptr + j, mask=jm, other=-1).to(tl.int32)
+    values = tl.load(pval_ptr + j, mask=jm, other=0.0).to(tl.float64)
+    fallback = tl.load(fallback_ptr + layer * E + offs, mask=emask, other=0.0)
+    return experts, values, fallback
+
+@triton.jit
 def _take_slot(do, e, victim, slot_of, expert_of, offs, cidx, C: tl.constexpr, BIG: tl.constexpr):
     # expert e (inserted when do) takes the victim's slot, or the first free one: (slot, slot_of, expert_of)
     freed = tl.reduce(tl.where(offs == victim, slot_of, 0), 0, tl.standard._sum_combine)
@@ -152,12 +176,7 @@ def decide_kernel(
 
     # ---------------------------------------------------------------- part 2 of this layer
     base = state_ptr + layer * (6 * E)
-    s_fast = tl.load(base + 0 * E + offs, mask=emask, other=0.0)
-    s_slow = tl.load(base + 1 * E + offs, mask=emask, other=0.0)
-    last_use = tl.load(base + 2 * E + offs, mask=emask, other=0.0)
-    resident = (tl.load(base + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-    protected = (tl.load(base + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-    inserted = (tl.load(base + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+    s_fast, s_slow, last_use, resident, protected, inserted = _planes(base, offs, emask, E)
     cbase = counters_ptr + layer * 8
     step = tl.load(cbase + 2)
     steps_done = tl.load(cbase + 4)
@@ -169,20 +188,15 @@ def decide_kernel(
     if OFFLOADED:
         slot_of = tl.load(slot_of_ptr + layer * E + offs, mask=emask, other=-1)
         expert_of = tl.load(expert_of_ptr + layer * C + cidx, mask=cidx < C, other=-2)
-    # the token prior's row of this layer (read only where the token was seen, so its entries load without
-    # waiting for `seen`; the eviction priority is computed only where a demand insertion evicts)
+    # the token prior's row of this layer (the eviction priority is computed only where a demand insertion evicts)
     seen = token * 0
     pexperts = offs
     pvalues = tl.full((BE,), 0.0, tl.float64)
     pfallback = tl.full((BE,), 0.0, tl.float64)
     if HAS_PRIOR:
         seen = tl.load(seen_ptr + token)
-        pr = token * L + layer
-        pj = tl.load(indptr_ptr + pr) + offs
-        pjm = pj < tl.load(indptr_ptr + pr + 1)
-        pexperts = tl.load(pexp_ptr + pj, mask=pjm, other=-1).to(tl.int32)
-        pvalues = tl.load(pval_ptr + pj, mask=pjm, other=0.0).to(tl.float64)
-        pfallback = tl.load(fallback_ptr + layer * E + offs, mask=emask, other=0.0)
+        pexperts, pvalues, pfallback = _prior_row(token, layer, indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr, offs,
+                                                  emask, E, L)
     # Every input of part 1 of layer + DISTANCE is loaded here too, before any store: in a decode step the weights
     # streamed between two tokens evict this state from L2, so each load misses, and loads issued together wait
     # for one miss where loads after a store or a reduction wait for one each. Part 2 writes only layer `layer`'s
@@ -192,12 +206,7 @@ def decide_kernel(
     if INSERTS:
         g32 = tl.load(scores_ptr + E + offs, mask=emask, other=NEG).to(tl.float32)
         nbase = state_ptr + nxt_c * (6 * E)
-        nf = tl.load(nbase + 0 * E + offs, mask=emask, other=0.0)
-        ns = tl.load(nbase + 1 * E + offs, mask=emask, other=0.0)
-        nl = tl.load(nbase + 2 * E + offs, mask=emask, other=0.0)
-        nres = (tl.load(nbase + 3 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-        nprot = (tl.load(nbase + 4 * E + offs, mask=emask, other=0.0) != 0.0) & emask
-        nins = (tl.load(nbase + 5 * E + offs, mask=emask, other=0.0) != 0.0) & emask
+        nf, ns, nl, nres, nprot, nins = _planes(nbase, offs, emask, E)
         nc = counters_ptr + nxt_c * 8
         prefetched_done = tl.load(nc + 5)
         nslot_of = tl.full((BE,), -1, tl.int32)
@@ -212,12 +221,8 @@ def decide_kernel(
         nvalues = tl.full((BE,), 0.0, tl.float64)
         nfallback = tl.full((BE,), 0.0, tl.float64)
         if HAS_PRIOR:
-            nr = token * L + nxt_c
-            nj = tl.load(indptr_ptr + nr) + offs
-            njm = nj < tl.load(indptr_ptr + nr + 1)
-            nexperts = tl.load(pexp_ptr + nj, mask=njm, other=-1).to(tl.int32)
-            nvalues = tl.load(pval_ptr + nj, mask=njm, other=0.0).to(tl.float64)
-            nfallback = tl.load(fallback_ptr + nxt_c * E + offs, mask=emask, other=0.0)
+            nexperts, nvalues, nfallback = _prior_row(token, nxt_c, indptr_ptr, pexp_ptr, pval_ptr, fallback_ptr,
+                                                      offs, emask, E, L)
 
     z32 = tl.load(scores_ptr + offs, mask=emask, other=NEG).to(tl.float32)  # float32, or the router's logits
     nan_or_inf = ((z32 != z32) | (z32 == float("inf"))).to(tl.int32)
