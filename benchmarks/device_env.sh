@@ -22,3 +22,14 @@ for p in pathlib.Path(sys.argv[1]).iterdir():
     elif p.is_dir():
         shutil.copytree(p, pathlib.Path(sys.argv[2]) / p.name, dirs_exist_ok=True)" "$1" "$2"
 }
+
+# cuda_suite SECONDS: `pytest -m cuda` over every test file that has a cuda test, on WORKERS (default 8) pytest-xdist
+# workers sharing the GPU, for at most SECONDS of the call; failures with their short tracebacks in
+# $OUT/cuda_tests.txt, its exit status and last lines in $LOG
+cuda_suite() {
+    echo "== cuda tests" | tee -a "$LOG"
+    timeout "$(cap "$1")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
+        --tb=short -rfE --durations=15 $(grep -l "mark.cuda" tests/test_*.py) > "$OUT/cuda_tests.txt" 2>&1
+    echo "pytest exit $?" | tee -a "$LOG"
+    tail -25 "$OUT/cuda_tests.txt" | tee -a "$LOG"
+}

@@ -381,9 +381,7 @@ def test_the_compiled_kernel_issues_every_global_load_before_its_first_barrier()
     wave), where loads behind a barrier would each wait for a miss of their own (the build before: 12 waves for
     psr offloaded with the token prior). Compiled for sm_90 here, without a GPU, and read as SASS."""
     sass = _bench("decide_kernel_sass")
-    why = sass.unavailable()
-    if why is not None:
-        pytest.skip(why)
+    assert sass.unavailable() is None  # triton's wheel (which this file needs) bundles the compiler and cuobjdump
     kernel = ROOT / "psr_hf" / "engine" / "decide_kernel.py"
     row = sass.read_cubin(sass.compile_kernel(kernel, "psr_offloaded_prior"))
     assert row["global_loads"] > 50 and row["barriers"] > 50

@@ -20,22 +20,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-#: name -> (routing config keywords, offloaded, token prior), as decide_kernel_bench.py's variants
-VARIANTS = {
-    "exact": (dict(policy="exact"), False, False),
-    "cache_prior": (dict(policy="cache_prior", lam=0.2), False, False),
-    "psr_offloaded": (dict(policy="psr", lam=0.3, budget=1), True, False),
-    "psr_offloaded_prior": (dict(policy="psr", lam=0.3, budget=1), True, True),
-}
+#: decide_kernel_bench.py's variants this reads (the others differ only by these features)
+VARIANTS = ("exact", "cache_prior", "psr_offloaded", "psr_offloaded_prior")
 TENSOR_TYPES = {torch.float64: "*fp64", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
 
 
@@ -56,34 +49,13 @@ def unavailable() -> str | None:
     return None
 
 
-def _kernel(path: Path):
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # compiled, whatever the caller's mode
-    try:
-        spec = importlib.util.spec_from_file_location(f"_decide_kernel_{abs(hash(str(path)))}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return module.decide_kernel
-
-
-def _state(variant: str, layers: int, experts: int, top_k: int, vocab: int, warps: int):
-    from psr_hf.engine.device_state import DeviceState
-    from psr_hf.policy import Calibration, LogicalCache, RoutingConfig
-
-    kw, offloaded, prior = VARIANTS[variant]
-    rng = np.random.default_rng(0)
-    token_prior = (rng.random((vocab, layers, experts)) < 0.1) * rng.random((vocab, layers, experts)) if prior else None
-    calibration = Calibration.from_arrays(
-        delta=rng.random(layers) + 0.5, expert_counts=rng.integers(0, 50, size=(layers, experts)),
-        token_prior=token_prior, token_counts=None if token_prior is None else np.ones(vocab, dtype=np.int64))
-    cache = LogicalCache(RoutingConfig(**kw, residency=0.5), num_layers=layers, num_experts=experts, top_k=top_k,
-                         calibration=calibration, vocab_size=vocab)
-    return DeviceState(cache, "cpu", offloaded=offloaded, max_positions=1, num_warps=warps)
+def _bench():
+    """decide_kernel_bench.py beside this file: its variants and the device state it builds for them."""
+    path = Path(__file__).with_name("decide_kernel_bench.py")
+    spec = importlib.util.spec_from_file_location("decide_kernel_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def compile_kernel(path: Path, variant: str, *, layers: int = 16, experts: int = 64, top_k: int = 8,
@@ -93,8 +65,11 @@ def compile_kernel(path: Path, variant: str, *, layers: int = 16, experts: int =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernel(path)
-    t = _state(variant, layers, experts, top_k, vocab, warps)
+    from psr_hf.engine.device_decisions import load_triton_file
+
+    fn = load_triton_file(str(path), f"_decide_kernel_{abs(hash(str(path)))}", interpret=False).decide_kernel
+    shape = argparse.Namespace(layers=layers, experts=experts, top_k=top_k, vocab=vocab, residency=0.5)
+    t, _ = _bench()._state(variant, shape, torch.device("cpu"), warps)
     settings = t.kernel_settings()
     tensors = dict(scores_ptr=t.scores, token_ptr=t.token, position_ptr=t.position, state_ptr=t.state,
                    counters_ptr=t.counters, saved_ptr=t.saved, delta_ptr=t.delta, seen_ptr=t.seen,

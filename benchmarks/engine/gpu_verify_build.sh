@@ -13,11 +13,7 @@ START=$SECONDS
 source benchmarks/device_env.sh
 LOG=$OUT/log.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-echo "== cuda tests" | tee -a "$LOG"
-timeout "$(cap "${TESTS_S:-400}")" python3 -m pytest -m cuda -q -p no:cacheprovider -n "${WORKERS:-8}" --dist worksteal \
-    --tb=short -rfE --durations=15 $(grep -l "mark.cuda" tests/test_*.py) > "$OUT/cuda_tests.txt" 2>&1
-echo "pytest exit $?" | tee -a "$LOG"
-tail -25 "$OUT/cuda_tests.txt" | tee -a "$LOG"
+cuda_suite "${TESTS_S:-400}"
 for build in new old; do
   [ "$(left)" -gt 100 ] || break
   dir=.; [ "$build" = old ] && dir=_old

@@ -68,11 +68,17 @@ def triton_module(filename: str, interpret: bool) -> Any:
     """The Triton source ``filename`` of this package loaded as a module of its own for one mode:
     ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, and the interpreter resolves the helpers a kernel
     calls in its module's globals, so a kernel and its helpers must be decorated together in the same mode."""
-    import importlib.util
-
     stem = filename.rsplit(".", 1)[0]
     name = f"psr_hf.engine._{stem}_" + ("interpreted" if interpret else "compiled")
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), filename))
+    return load_triton_file(os.path.join(os.path.dirname(__file__), filename), name, interpret)
+
+
+def load_triton_file(path: str, name: str, interpret: bool) -> Any:
+    """The Python file ``path`` executed as module ``name`` with its ``triton.jit`` kernels decorated for one mode
+    (:func:`triton_module` for this package's files; a benchmark reads another build's kernel file with it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
